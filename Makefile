@@ -1,0 +1,29 @@
+# Chorus task runner. Two commands do all of the set-up on a fresh machine:
+#   make demo   - start a headless ComfyUI with the pack and the built-in tiny Wan2.1-I2V model,
+#                 run an I2V generation through the HTTP API and print what happened
+#   make test   - run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.chorus-setup
+TORCH  ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: setup test demo clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt tests/requirements.txt Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q $(TORCH)
+	$(VPY) -m chorus_core.comfyui_locator --write-requirements $(VENV)/comfyui-requirements.txt
+	$(VPY) -m pip install -q -r $(VENV)/comfyui-requirements.txt -r requirements.txt -r tests/requirements.txt
+	touch $(STAMP)
+
+test: setup
+	$(VPY) -m pytest tests
+
+demo: setup
+	$(VPY) -m tests.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,183 @@
+"""Find the ComfyUI that Chorus runs against, the way users have it.
+
+Tried in order: ``COMFYUI_PATH``; the ComfyUI checkout that contains this pack
+(``ComfyUI/custom_nodes/<pack>``); a per-user cache folder holding the pinned commit;
+a ``git clone`` of the pinned commit where a network allows. When none works,
+:class:`ComfyUINotFound` names each place tried and what to set.
+
+Command line::
+
+    python -m chorus_core.comfyui_locator                  # print the path found
+    python -m chorus_core.comfyui_locator --no-clone        # never touch the network
+    python -m chorus_core.comfyui_locator --install-from GIT_DIR   # fill the cache from a local git repo
+    python -m chorus_core.comfyui_locator --write-requirements FILE  # ComfyUI's pip requirements, torch excluded
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+PINNED_COMMIT = "a125cd84b054a57729b5eecab930ca9408719832"
+PINNED_VERSION = "0.3.64"
+COMFYUI_GIT_URL = "https://github.com/Comfy-Org/ComfyUI.git"
+PACK_DIR = Path(__file__).resolve().parent.parent
+# torch comes from the project's own set-up (a CPU-capable build); ComfyUI's unpinned
+# torch lines would pull a different multi-GB build.
+_TORCH_REQUIREMENTS = {"torch", "torchvision", "torchaudio"}
+# Missing from the snapshot this project is built from; ComfyUI only needs it for one
+# text encoder that Wan does not use.
+_OPTIONAL_PATHS = ("comfy/text_encoders/llama_tokenizer/tokenizer.json",)
+
+
+class ComfyUINotFound(RuntimeError):
+    """No usable ComfyUI checkout was found; the message lists every place tried."""
+
+
+def is_comfyui_checkout(path: Path) -> bool:
+    """True when ``path`` looks like a ComfyUI source tree (``main.py``, ``nodes.py``, ``comfy/``)."""
+    path = Path(path)
+    return all((path / name).exists() for name in ("main.py", "nodes.py", "folder_paths.py", "comfy"))
+
+
+def cache_root() -> Path:
+    """Per-user cache folder: ``$CHORUS_CACHE_DIR``, else ``$XDG_CACHE_HOME/chorus``, else ``~/.cache/chorus``."""
+    if os.environ.get("CHORUS_CACHE_DIR"):
+        return Path(os.environ["CHORUS_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(xdg) / "chorus"
+
+
+def cached_checkout_dir() -> Path:
+    """Where the pinned commit lives in the per-user cache."""
+    return cache_root() / f"comfyui-{PINNED_COMMIT}"
+
+
+def containing_checkout(pack_dir: Path = PACK_DIR) -> Path | None:
+    """The ComfyUI checkout whose ``custom_nodes`` folder holds this pack, if any."""
+    parent = Path(pack_dir).resolve().parent
+    if parent.name == "custom_nodes" and is_comfyui_checkout(parent.parent):
+        return parent.parent
+    return None
+
+
+def clone_pinned(dest: Path) -> None:
+    """Shallow-fetch the pinned commit into ``dest``; raises ``RuntimeError`` saying why it failed."""
+    dest = Path(dest)
+    tmp = Path(tempfile.mkdtemp(prefix="comfyui-clone-", dir=dest.parent))
+    steps = [
+        ["git", "init", "-q", str(tmp)],
+        ["git", "-C", str(tmp), "fetch", "-q", "--depth", "1", COMFYUI_GIT_URL, PINNED_COMMIT],
+        ["git", "-C", str(tmp), "checkout", "-q", "FETCH_HEAD"],
+    ]
+    for step in steps:
+        result = subprocess.run(step, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(step[:4])}... failed: {result.stderr.strip()[-300:]}")
+    tmp.rename(dest)
+
+
+def install_from_git_dir(git_dir: Path, dest: Path | None = None) -> Path:
+    """Export the pinned commit from a local ComfyUI git repository into the cache.
+
+    Blobs the repository lacks are tolerated only for :data:`_OPTIONAL_PATHS`.
+    """
+    dest = Path(dest or cached_checkout_dir())
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    excludes = [f":(exclude){p}" for p in _OPTIONAL_PATHS]
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        archive = Path(tmp) / "comfyui.tar"
+        cmd = ["git", f"--git-dir={git_dir}", "archive", "--format=tar", "-o", str(archive),
+               PINNED_COMMIT, "--", ".", *excludes]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0 or not archive.exists():
+            raise RuntimeError(f"git archive of {PINNED_COMMIT} from {git_dir} failed: {result.stderr.strip()}")
+        staging = Path(tmp) / "tree"
+        with tarfile.open(archive) as tar:
+            tar.extractall(staging, filter="data")
+        if not is_comfyui_checkout(staging):
+            raise RuntimeError(f"{git_dir} at {PINNED_COMMIT} does not hold a ComfyUI tree")
+        if dest.exists():
+            raise RuntimeError(f"{dest} already exists; remove it first to reinstall")
+        staging.rename(dest)
+    return dest
+
+
+def locate_comfyui(pack_dir: Path = PACK_DIR, allow_clone: bool = True) -> Path:
+    """Return the ComfyUI checkout to use, trying each documented place in order."""
+    tried: list[str] = []
+    env_path = os.environ.get("COMFYUI_PATH")
+    if env_path:
+        if is_comfyui_checkout(Path(env_path)):
+            return Path(env_path).resolve()
+        tried.append(f"COMFYUI_PATH={env_path}: not a ComfyUI checkout (no main.py/nodes.py/comfy/)")
+    else:
+        tried.append("COMFYUI_PATH: not set")
+
+    containing = containing_checkout(pack_dir)
+    if containing:
+        return containing
+    tried.append(f"containing checkout: {Path(pack_dir).resolve().parent} is not ComfyUI/custom_nodes")
+
+    cached = cached_checkout_dir()
+    if is_comfyui_checkout(cached):
+        return cached
+    tried.append(f"per-user cache: {cached} does not exist")
+
+    if allow_clone and os.environ.get("CHORUS_NO_CLONE") != "1":
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            clone_pinned(cached)
+            return cached
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            tried.append(f"git clone {COMFYUI_GIT_URL} @ {PINNED_COMMIT}: {exc}")
+    else:
+        tried.append("git clone: disabled (--no-clone or CHORUS_NO_CLONE=1)")
+
+    raise ComfyUINotFound(
+        "ComfyUI was not found. Tried, in order:\n  - " + "\n  - ".join(tried) + "\n"
+        f"Fix: set COMFYUI_PATH to a ComfyUI checkout (commit {PINNED_COMMIT[:10]}, v{PINNED_VERSION}), "
+        "or install this pack into ComfyUI/custom_nodes, "
+        "or fill the cache from a local clone: python -m chorus_core.comfyui_locator --install-from PATH/TO/ComfyUI/.git"
+    )
+
+
+def comfyui_requirements(comfyui: Path) -> list[str]:
+    """ComfyUI's pip requirements without the torch family (installed separately)."""
+    lines = []
+    for raw in (Path(comfyui) / "requirements.txt").read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        name = line.split("=")[0].split(">")[0].split("<")[0].split("~")[0].strip().lower()
+        if line and name not in _TORCH_REQUIREMENTS:
+            lines.append(line)
+    return lines + ["requests"]  # imported by ComfyUI but missing from its list
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m chorus_core.comfyui_locator", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-clone", action="store_true", help="never try the network")
+    parser.add_argument("--install-from", metavar="GIT_DIR", help="fill the per-user cache from a local ComfyUI git repository")
+    parser.add_argument("--write-requirements", metavar="FILE", help="write ComfyUI's pip requirements (torch excluded) to FILE")
+    args = parser.parse_args(argv)
+    try:
+        if args.install_from:
+            print(install_from_git_dir(Path(args.install_from)))
+            return 0
+        comfyui = locate_comfyui(allow_clone=not args.no_clone)
+    except (ComfyUINotFound, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.write_requirements:
+        Path(args.write_requirements).write_text("\n".join(comfyui_requirements(comfyui)) + "\n")
+    print(comfyui)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
