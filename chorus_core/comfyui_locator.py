@@ -179,5 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+
+def prepare_in_process(comfyui: Path | None = None, cpu: bool = True) -> Path:
+    """Make ComfyUI importable in this process (tests, tools); CPU-only unless ``cpu=False``.
+
+    ComfyUI parses no command line when imported this way, so its defaults apply; we only
+    force ``--cpu`` before ``comfy.model_management`` reads the arguments.
+    """
+    comfyui = Path(comfyui or locate_comfyui())
+    if str(comfyui) not in sys.path:
+        sys.path.insert(0, str(comfyui))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = cpu
+    return comfyui
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,172 @@
+"""Run a headless ComfyUI server with this pack, and talk to it over its HTTP API.
+
+Used by the demo, the end-to-end tests and the API-mode example. The server gets its own
+base directory (models, custom_nodes, input, output, user), so a run never touches the
+ComfyUI checkout it starts from; the pack is linked into ``custom_nodes``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+from .comfyui_locator import PACK_DIR, locate_comfyui
+
+PACK_FOLDER_NAME = "chorus"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prepare_base_directory(base: Path, pack_dir: Path = PACK_DIR) -> Path:
+    """Create a ComfyUI base directory with the pack linked into ``custom_nodes``."""
+    base = Path(base)
+    for sub in ("custom_nodes", "models/diffusion_models", "input", "output", "temp", "user"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    link = base / "custom_nodes" / PACK_FOLDER_NAME
+    if not link.exists():
+        link.symlink_to(Path(pack_dir).resolve(), target_is_directory=True)
+    return base
+
+
+class ComfyServer:
+    """A ComfyUI ``main.py`` process on a free loopback port; always stopped by its PID.
+
+    :param base_dir: base directory made by :func:`prepare_base_directory`.
+    :param cpu: run with ``--cpu`` (tests and CI have no GPU).
+    """
+
+    def __init__(self, base_dir: Path, comfyui: Path | None = None, cpu: bool = True,
+                 extra_args: tuple[str, ...] = (), env: dict | None = None):
+        self.base_dir = Path(base_dir)
+        self.comfyui = Path(comfyui or locate_comfyui())
+        self.port = free_port()
+        self.cpu = cpu
+        self.extra_args = extra_args
+        self.env = env or {}
+        self.log_path = self.base_dir / "comfyui.log"
+        self.process: subprocess.Popen | None = None
+        self.client_id = uuid.uuid4().hex
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 240) -> "ComfyServer":
+        args = [sys.executable, str(self.comfyui / "main.py"), "--listen", "127.0.0.1",
+                "--port", str(self.port), "--base-directory", str(self.base_dir),
+                "--disable-auto-launch", *(["--cpu"] if self.cpu else []), *self.extra_args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        log = open(self.log_path, "wb")
+        # a new session so that stop() can end ComfyUI and anything it spawned
+        self.process = subprocess.Popen(args, cwd=self.comfyui, stdout=log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with code {self.process.returncode} during start-up:\n{self.log_tail()}")
+            try:
+                self.get_json("/system_stats")
+                return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"ComfyUI did not answer on {self.url} within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=15)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=15)
+
+    def __enter__(self):
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    # --- HTTP API -------------------------------------------------------------------
+    def get_json(self, route: str):
+        with urllib.request.urlopen(self.url + route, timeout=30) as response:
+            return json.loads(response.read())
+
+    def post_json(self, route: str, payload: dict):
+        request = urllib.request.Request(self.url + route, data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"POST {route} failed ({exc.code}): {exc.read().decode(errors='replace')}") from exc
+
+    def queue_prompt(self, prompt: dict) -> str:
+        """Submit an API-format workflow; returns its prompt id."""
+        return self.post_json("/prompt", {"prompt": prompt, "client_id": self.client_id})["prompt_id"]
+
+    def wait_for_prompt(self, prompt_id: str, timeout: float = 600, on_event=None) -> dict:
+        """Follow the websocket until the prompt finishes; returns its ``/history`` record.
+
+        :param on_event: called with every websocket JSON message (progress, executed, ...).
+        """
+        import websocket  # websocket-client; imported here so the library works without it
+
+        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=timeout)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                history = self.get_json(f"/history/{prompt_id}")
+                if prompt_id in history and history[prompt_id].get("status", {}).get("completed") is not None:
+                    return history[prompt_id]
+                message = _receive(ws, min(5.0, max(deadline - time.monotonic(), 0.1)))
+                if message is not None and on_event is not None:
+                    on_event(message)
+                if message and message.get("type") == "execution_error":
+                    return self.get_json(f"/history/{prompt_id}").get(prompt_id, {"error": message})
+        finally:
+            ws.close()
+        raise TimeoutError(f"prompt {prompt_id} did not finish within {timeout:.0f}s:\n{self.log_tail()}")
+
+    def run_prompt(self, prompt: dict, timeout: float = 600, on_event=None) -> dict:
+        return self.wait_for_prompt(self.queue_prompt(prompt), timeout, on_event)
+
+
+def _receive(ws, timeout: float):
+    """One JSON websocket message, or None on timeout or a binary (preview) frame."""
+    import websocket
+
+    ws.settimeout(timeout)
+    try:
+        frame = ws.recv()
+    except websocket.WebSocketTimeoutException:
+        return None
+    return json.loads(frame) if isinstance(frame, str) else None

@@ -1,0 +1,162 @@
+"""Procedural I2V requests in Wan's 16-channel latent space, in families of known similarity.
+
+A request = effect template (a motion program with its own text embedding) x subject
+(sprite shape, texture, colour) x layout (position, size, background). Requests that share
+template and layout differ only in the subject's look; a different template moves the
+subject differently, so where attention must look differs too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+TEMPLATES = ("pan", "zoom", "orbit", "bounce", "fade")
+CLIP_TOKENS, CLIP_DIM = 257, 1280
+TEXT_DIM = 4096
+LATENT_CHANNELS = 16
+
+
+@dataclass(frozen=True)
+class I2VRequest:
+    """Identity of one procedural request; equal fields give identical tensors."""
+
+    template: str = "pan"
+    subject: int = 0
+    layout: int = 0
+    frames: int = 5   # latent frames (video frames = 4 * (frames - 1) + 1)
+    height: int = 16  # latent height (pixels / 8)
+    width: int = 16
+    text_tokens: int = 16
+
+    def __post_init__(self):
+        if self.template not in TEMPLATES:
+            raise ValueError(f"unknown template {self.template!r}; choose one of {', '.join(TEMPLATES)}")
+
+
+@dataclass
+class RequestTensors:
+    video: torch.Tensor        # [16, T, H, W] target latent video
+    first_frame: torch.Tensor  # [16, 1, H, W] the I2V condition
+    clip_vision: torch.Tensor  # [257, 1280] CLIP-vision stand-in derived from the first frame
+    text: torch.Tensor         # [L, 4096] template text embedding
+
+
+def _stable_seed(*parts) -> int:
+    """A seed that is stable across processes (``hash`` of str is salted per process)."""
+    text = "|".join(str(p) for p in parts)
+    return sum((i + 1) * ord(c) * 7919 for i, c in enumerate(text)) % (2**31)
+
+
+def _generator(*parts) -> torch.Generator:
+    return torch.Generator().manual_seed(_stable_seed(*parts))
+
+
+def _subject_look(subject: int, size: int):
+    """Shape mask on a [size, size] grid and a 16-channel colour for a subject id."""
+    g = _generator("subject", subject)
+    yy, xx = torch.meshgrid(torch.linspace(-1, 1, size), torch.linspace(-1, 1, size), indexing="ij")
+    radius = (xx**2 + yy**2).sqrt()
+    shapes = [radius < 0.9, (xx.abs() < 0.8) & (yy.abs() < 0.8), (radius < 0.9) & (radius > 0.45),
+              (xx.abs() < 0.3) | (yy.abs() < 0.3)]
+    shape = shapes[subject % len(shapes)].float()
+    frequency = 1 + subject % 3
+    texture = 0.75 + 0.25 * torch.sin(frequency * math.pi * (xx + yy))
+    colour = torch.randn(LATENT_CHANNELS, generator=g)
+    return shape * texture, colour
+
+
+def _trajectory(template: str, t: float, x0: float, y0: float):
+    """Position offset, scale and amplitude of the subject at time t in [0, 1]."""
+    if template == "pan":
+        return x0 + 0.5 * t, y0, 1.0, 1.0
+    if template == "zoom":
+        return x0, y0, 1.0 + 1.2 * t, 1.0
+    if template == "orbit":
+        return x0 + 0.3 * math.cos(2 * math.pi * t), y0 + 0.3 * math.sin(2 * math.pi * t), 1.0, 1.0
+    if template == "bounce":
+        return x0, y0 - 0.5 * abs(math.sin(2 * math.pi * t)), 1.0, 1.0
+    return x0, y0, 1.0, 1.0 - 0.9 * t  # fade
+
+
+def _layout(layout: int, height: int, width: int):
+    g = _generator("layout", layout)
+    x0, y0 = (0.2 + 0.4 * torch.rand(2, generator=g)).tolist()
+    size = 0.25 + 0.15 * float(torch.rand(1, generator=g))
+    background = 0.5 * torch.randn(LATENT_CHANNELS, generator=g)
+    gradient = torch.linspace(-0.5, 0.5, width).expand(height, width)
+    return x0, y0, size, background[:, None, None] * (1 + gradient)
+
+
+def render_video(request: I2VRequest) -> torch.Tensor:
+    """The request's latent video [16, T, H, W]: a textured sprite moving over a background."""
+    T, H, W = request.frames, request.height, request.width
+    x0, y0, size, background = _layout(request.layout, H, W)
+    video = background[:, None].repeat(1, T, 1, 1).clone()
+    for f in range(T):
+        t = f / max(T - 1, 1)
+        x, y, scale, amplitude = _trajectory(request.template, t, x0, y0)
+        side = max(2, int(round(size * scale * min(H, W))))
+        look, colour = _subject_look(request.subject, side)
+        top, left = int(round(y * H - side / 2)), int(round(x * W - side / 2))
+        _paste(video[:, f], look[None] * colour[:, None, None] * amplitude, top, left)
+    return video
+
+
+def _paste(frame: torch.Tensor, sprite: torch.Tensor, top: int, left: int) -> None:
+    """Add a sprite [C, s, s] to frame [C, H, W] at (top, left), clipped at the borders."""
+    _, H, W = frame.shape
+    s = sprite.shape[-1]
+    y0, x0, y1, x1 = max(top, 0), max(left, 0), min(top + s, H), min(left + s, W)
+    if y1 > y0 and x1 > x0:
+        frame[:, y0:y1, x0:x1] += sprite[:, y0 - top:y1 - top, x0 - left:x1 - left]
+
+
+def clip_vision_stand_in(first_frame: torch.Tensor) -> torch.Tensor:
+    """A [257, 1280] CLIP-vision-like embedding of a latent first frame [16, 1, H, W].
+
+    16 x 16 patch tokens plus a class token, through one fixed seeded projection, so similar
+    frames give similar embeddings as real CLIP-vision features do.
+    """
+    patches = torch.nn.functional.adaptive_avg_pool2d(first_frame[:, 0][None], (16, 16))[0]
+    tokens = patches.flatten(1).T  # [256, 16]
+    projection = torch.randn(LATENT_CHANNELS, CLIP_DIM, generator=_generator("clip-projection")) / 4
+    tokens = torch.tanh(tokens @ projection)
+    return torch.cat([tokens.mean(0, keepdim=True), tokens], dim=0)
+
+
+def template_text(template: str, tokens: int = 16) -> torch.Tensor:
+    """The template's text conditioning [L, 4096] (a fixed embedding per template)."""
+    return torch.randn(tokens, TEXT_DIM, generator=_generator("text", template)) * 0.2
+
+
+def generate_request(request: I2VRequest) -> RequestTensors:
+    """All tensors of one request; deterministic in the request's fields."""
+    video = render_video(request)
+    first = video[:, :1].clone()
+    return RequestTensors(video=video, first_frame=first, clip_vision=clip_vision_stand_in(first),
+                          text=template_text(request.template, request.text_tokens))
+
+
+def i2v_conditioning(tensors: RequestTensors):
+    """ComfyUI CONDITIONING (positive, negative) plus the empty latent, as WanImageToVideo makes them.
+
+    The first latent frame is the condition (mask 0 there, 1 elsewhere); the CLIP-vision
+    stand-in rides along as ``clip_vision_output``. Needs ComfyUI importable.
+    """
+    from comfy.clip_vision import Output
+
+    video = tensors.video[None]  # [1, 16, T, H, W]
+    concat = torch.zeros_like(video)
+    concat[:, :, :1] = tensors.first_frame[None]
+    mask = torch.ones((1, 1, *video.shape[2:]))
+    mask[:, :, :1] = 0.0
+    clip = Output()
+    clip.penultimate_hidden_states = tensors.clip_vision[None]
+    clip.image_embeds = tensors.clip_vision[None, 0, :1024]
+    extras = {"concat_latent_image": concat, "concat_mask": mask, "clip_vision_output": clip}
+    positive = [[tensors.text[None], dict(extras)]]
+    negative = [[torch.zeros_like(tensors.text[None]), dict(extras)]]
+    return positive, negative, {"samples": torch.zeros_like(video)}
