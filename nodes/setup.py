@@ -7,7 +7,7 @@ import logging
 
 # Feature modules, each exporting NODES (a list of io.ComfyNode classes). A module whose
 # optional dependency is missing still imports: its nodes fail when used, with a message.
-FEATURE_MODULES: list[str] = []
+FEATURE_MODULES: list[str] = ["testbed"]
 
 
 def node_list() -> list:

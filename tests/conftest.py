@@ -60,3 +60,31 @@ def tiny_wan_patcher(tiny_wan_file):
 def artifacts_dir() -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory, comfyui_path):
+    """A real ComfyUI ``main.py --cpu`` with the pack and the tiny model; stopped by PID at the end."""
+    from chorus_core.comfyui_process import ComfyServer, prepare_base_directory
+    from workflows import TINY_MODEL_NAME
+
+    base = prepare_base_directory(tmp_path_factory.mktemp("comfy_base"))
+    _save_tiny_model_in_subprocess(comfyui_path, base / "models" / "diffusion_models" / TINY_MODEL_NAME)
+    server = ComfyServer(base, comfyui=comfyui_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        (ARTIFACTS / "comfyui_server.log").write_text(server.log_text())
+
+
+def _save_tiny_model_in_subprocess(comfyui_path, target):
+    """Build the checkpoint in a child process so the test process never imports ComfyUI here."""
+    import subprocess
+
+    code = ("import sys; from chorus_core.comfyui_locator import prepare_in_process; "
+            f"prepare_in_process({str(comfyui_path)!r}); from chorus_core.tiny_wan import save_tiny_wan_i2v; "
+            f"save_tiny_wan_i2v({str(target)!r})")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)

@@ -1,0 +1,183 @@
+"""Triton forward kernel for block-sparse flash attention (imported only when triton is).
+
+One program computes one ``BLOCK_M`` query tile of one (batch element, head): it walks that
+tile's live key blocks (ascending ids from the mask), ``BLOCK_N`` keys at a time, with the
+FlashAttention-2 online softmax in base 2 (the ``1/sqrt(D)`` scale folded into ``log2(e)``).
+Mask blocks may be coarser than the tiles: ``BLOCK_M`` divides ``block_q`` and ``BLOCK_N``
+divides ``block_k``. Only the ragged last key block is masked, in a separate tail step, so
+full blocks pay no masking work.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Chosen on an H200 (tests/benchmarks/KERNEL_NOTES.md); keys: head_dim.
+_DEFAULTS = {
+    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+}
+_FALLBACK = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _attend_tile(acc, l_i, m_i, q, k_base, v_base, start, offs_n, offs_d,
+                 stride_kn, stride_vn, N, qk_scale, MASKED: tl.constexpr):
+    """Fold keys ``start .. start+BLOCK_N`` into the running (acc, l_i, m_i)."""
+    cols = start + offs_n
+    if MASKED:
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+    else:
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :])
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :])
+    qk = tl.dot(q, tl.trans(k))
+    if MASKED:
+        qk = tl.where(cols[None, :] < N, qk, float("-inf"))
+    m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_ij
+
+
+@triton.jit
+def _bsa_fwd_kernel(Q, K, V, O, LIVE, COUNT, ORDER,
+                    stride_qb, stride_qh, stride_qn,
+                    stride_kb, stride_kh, stride_kn,
+                    stride_vb, stride_vh, stride_vn,
+                    stride_ob, stride_oh, stride_on,
+                    stride_lb, stride_lh, stride_lq,
+                    stride_cb, stride_ch,
+                    H, N, n_tiles, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    TILES_PER_QB: tl.constexpr, SUBS_PER_KB: tl.constexpr, RAGGED: tl.constexpr):
+    # ORDER maps launch slots to tiles: heaviest tiles of each head launch first, so the
+    # last wave is made of light tiles (load balance over uneven rows), while the tiles
+    # of one head still run together and share its K/V in L2.
+    flat = tl.load(ORDER + tl.program_id(0))
+    tile = flat % n_tiles
+    bh = flat // n_tiles
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    row = tile // TILES_PER_QB
+    count = tl.load(COUNT + b * stride_cb + h * stride_ch + row)
+    live = LIVE + b * stride_lb + h * stride_lh + row * stride_lq
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
+                mask=offs_m[:, None] < N, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    KB: tl.constexpr = BLOCK_N * SUBS_PER_KB
+    n_full = count
+    if RAGGED:
+        # ids ascend, so the ragged last key block, when live, is the last entry
+        last_kb = (N - 1) // KB
+        n_full = count - (tl.load(live + count - 1) == last_kb).to(tl.int32)
+    for i in range(0, n_full):
+        kb = tl.load(live + i)
+        for s in tl.static_range(SUBS_PER_KB):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, kb * KB + s * BLOCK_N,
+                                         offs_n, offs_d, stride_kn, stride_vn, N, qk_scale, False)
+    if RAGGED:
+        if n_full < count:
+            for s in tl.static_range(SUBS_PER_KB):
+                start = last_kb * KB + s * BLOCK_N
+                if start < N:  # sub-tiles wholly past N are skipped, never all -inf
+                    acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, start, offs_n, offs_d,
+                                                 stride_kn, stride_vn, N, qk_scale, True)
+    acc = acc / l_i[:, None]
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < N)
+
+
+def _pow2_divisor(x: int, cap: int) -> int:
+    """Largest power of two dividing ``x``, at most ``cap``."""
+    return min(x & -x, cap)
+
+
+def pick_config(head_dim: int, block_q: int, block_k: int, config: Optional[dict] = None) -> dict:
+    """Tile config: the tuned default for ``head_dim``, overridden, clipped to the mask blocks."""
+    cfg = dict(_DEFAULTS.get(head_dim, _FALLBACK))
+    cfg["order"] = "heavy_first"
+    cfg.update(config or {})
+    # tiles must nest inside the mask's blocks
+    cfg["BLOCK_M"] = _pow2_divisor(block_q, cfg["BLOCK_M"])
+    cfg["BLOCK_N"] = _pow2_divisor(block_k, cfg["BLOCK_N"])
+    if min(cfg["BLOCK_M"], cfg["BLOCK_N"]) < 16:
+        raise ValueError(
+            f"mask blocks {block_q}x{block_k} need a power-of-two factor of at least 16 for the Triton "
+            f"kernel; use backend='reference' or blocks such as 64 or 128"
+        )
+    return cfg
+
+
+def launch_order(mask, batch: int, block_m: int, order: str) -> torch.Tensor:
+    """int32 launch order over (b, h, tile), cached on the mask (computed once per mask)."""
+    cache = mask.__dict__.setdefault("_launch_orders", {})
+    key = (batch, block_m, order)
+    if key not in cache:
+        tiles_per_qb = mask.block_q // block_m
+        n_tiles = math.ceil(mask.seq_len / block_m)
+        counts = mask.live_counts.expand(batch, -1, -1)
+        counts = counts.repeat_interleave(tiles_per_qb, dim=-1)[..., :n_tiles]  # [B, H, n_tiles]
+        if order == "heavy_first":
+            idx = torch.argsort(-counts, dim=-1, stable=True)
+        elif order == "natural":
+            idx = torch.arange(n_tiles, device=counts.device).expand_as(counts)
+        else:
+            raise ValueError(f"order must be 'heavy_first' or 'natural', got {order!r}")
+        bh = torch.arange(counts.shape[0] * counts.shape[1], device=counts.device).view(*counts.shape[:2], 1)
+        cache[key] = (bh * n_tiles + idx).to(torch.int32).flatten().contiguous()
+    return cache[key]
+
+
+def block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None) -> None:
+    """Launch the kernel on ``[B, H, N, D]`` views (any strides, unit stride on D) into ``o``."""
+    b, h, n, d = q.shape
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {d}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", o)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride on head_dim (make it contiguous)")
+    if o.shape != q.shape or o.dtype != q.dtype:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} in [B, H, N, D] view, got {tuple(o.shape)} {o.dtype}")
+    cfg = pick_config(d, mask.block_q, mask.block_k, config)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    order = launch_order(mask, b, bm, cfg["order"])
+    lb, lc = mask.live_blocks, mask.live_counts
+    if lb.stride(-1) != 1 or lc.stride(-1) != 1:  # the kernel steps ids and rows with unit stride
+        lb, lc = lb.contiguous(), lc.contiguous()
+    # batch-1 masks broadcast over the batch through a zero stride
+    lb_sb = lb.stride(0) if lb.shape[0] > 1 else 0
+    lc_sb = lc.stride(0) if lc.shape[0] > 1 else 0
+    _bsa_fwd_kernel[(order.numel(),)](
+        q, k, v, o, lb, lc, order,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lb_sb, lb.stride(1), lb.stride(2),
+        lc_sb, lc.stride(1),
+        h, n, math.ceil(n / bm), d**-0.5 * LOG2E,
+        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
+        TILES_PER_QB=mask.block_q // bm, SUBS_PER_KB=mask.block_k // bn,
+        RAGGED=n % mask.block_k != 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )

@@ -1,0 +1,308 @@
+"""Block-sparse attention: mask object, converters, pure-torch reference and dispatch.
+
+Block-sparse flash attention (FlashAttention-2 over the live key blocks of each query block,
+as in SpargeAttn / Sparse VideoGen). Layouts follow ComfyUI's ``optimized_attention``:
+``q, k, v`` are ``[B, N, H*D]`` (``heads=H``), or ``[B, H, N, D]`` with ``skip_reshape=True``;
+the output is ``[B, N, H*D]``, or ``[B, H, N, D]`` with ``skip_output_reshape=True``.
+
+The Triton kernel (``_triton_block_sparse``) runs on CUDA tensors when triton imports;
+otherwise the reference runs. Importing this module never needs triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "BlockSparseMask",
+    "block_map_to_mask",
+    "mask_to_block_map",
+    "block_map_to_element_mask",
+    "block_sparse_attention",
+    "block_sparse_attention_reference",
+    "triton_available",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """True when triton imports (the kernel still needs CUDA tensors, or TRITON_INTERPRET=1)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install: fall back to the reference
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# The mask
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockSparseMask:
+    """Live key blocks of each query block, per (batch element, head).
+
+    ``live_blocks[b, h, r, :live_counts[b, h, r]]`` are the key-block ids that query block
+    ``r`` attends to, ascending (the kernel relies on the ragged last key block coming last);
+    entries past the count are padding and never read. A batch size of 1 is broadcast over
+    the batch of ``q``.
+    """
+
+    live_blocks: torch.Tensor  # int32 [B, H, n_q_blocks, max_live]
+    live_counts: torch.Tensor  # int32 [B, H, n_q_blocks]
+    block_q: int
+    block_k: int
+    seq_len: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.live_blocks.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.live_blocks.shape[1]
+
+    @property
+    def n_q_blocks(self) -> int:
+        return math.ceil(self.seq_len / self.block_q)
+
+    @property
+    def n_k_blocks(self) -> int:
+        return math.ceil(self.seq_len / self.block_k)
+
+    @property
+    def device(self) -> torch.device:
+        return self.live_blocks.device
+
+    @functools.cached_property
+    def density(self) -> float:
+        """Share of (query block, key block) pairs kept; one host sync, cached."""
+        total = self.live_counts.numel() * self.n_k_blocks
+        return float(self.live_counts.sum().item()) / total
+
+    def to(self, device) -> "BlockSparseMask":
+        return BlockSparseMask(
+            self.live_blocks.to(device), self.live_counts.to(device), self.block_q, self.block_k, self.seq_len
+        )
+
+    @functools.cached_property
+    def _validated(self) -> bool:
+        # Runs once per mask object (masks are reused for many layers and steps), so the
+        # host syncs it costs are not paid per attention call.
+        _validate_mask(self)
+        return True
+
+    def validate(self) -> None:
+        """Raise ValueError if the mask is malformed (empty query block, bad ids, unsorted)."""
+        self._validated  # noqa: B018  (the cached property raises; evaluated once per mask)
+
+
+def _validate_mask(mask: BlockSparseMask) -> None:
+    lb, lc = mask.live_blocks, mask.live_counts
+    if lb.dim() != 4 or lc.dim() != 3 or lb.shape[:3] != lc.shape:
+        raise ValueError(
+            f"BlockSparseMask wants live_blocks [B, H, nq, max_live] and live_counts [B, H, nq]; "
+            f"got {tuple(lb.shape)} and {tuple(lc.shape)}"
+        )
+    if lb.dtype != torch.int32 or lc.dtype != torch.int32:
+        raise ValueError(f"BlockSparseMask tensors must be int32, got {lb.dtype} and {lc.dtype}")
+    if lc.shape[2] != mask.n_q_blocks:
+        raise ValueError(
+            f"mask has {lc.shape[2]} query blocks but seq_len={mask.seq_len} with block_q={mask.block_q} "
+            f"needs {mask.n_q_blocks}"
+        )
+    if lb.device != lc.device:
+        raise ValueError(f"live_blocks on {lb.device} but live_counts on {lc.device}")
+    empty = (lc <= 0).nonzero()
+    if len(empty):
+        b, h, r = (int(x) for x in empty[0])
+        raise ValueError(
+            f"block-sparse mask has {len(empty)} query block(s) with no live key block, first at "
+            f"batch {b}, head {h}, query block {r}: every query block needs at least one live key "
+            f"block (keep the diagonal block, or fall back to dense attention)"
+        )
+    if int(lc.max()) > lb.shape[3]:
+        raise ValueError(f"live_counts exceed max_live={lb.shape[3]}")
+    valid = torch.arange(lb.shape[3], device=lb.device) < lc[..., None]
+    ids = lb.masked_fill(~valid, 0)
+    if bool(((ids < 0) | (ids >= mask.n_k_blocks)).any()):
+        raise ValueError(f"live key-block ids must lie in [0, {mask.n_k_blocks})")
+    rising = ids[..., 1:] > ids[..., :-1]
+    if not bool((rising | ~valid[..., 1:]).all()):
+        raise ValueError("live key-block ids must be strictly ascending in each row (see block_map_to_mask)")
+
+
+# --------------------------------------------------------------------------------------------
+# Converters
+# --------------------------------------------------------------------------------------------
+
+
+def block_map_to_mask(block_map: torch.Tensor, block_q: int, block_k: int, seq_len: int) -> BlockSparseMask:
+    """bool ``[B, H, nq, nk]`` block map -> ``BlockSparseMask`` (ascending ids, padded with 0).
+
+    Whole-tensor ops only (one host sync for max_live), so it is cheap per layer on the GPU.
+    """
+    nq, nk = math.ceil(seq_len / block_q), math.ceil(seq_len / block_k)
+    if block_map.dim() != 4 or tuple(block_map.shape[2:]) != (nq, nk):
+        raise ValueError(
+            f"block_map must be [B, H, {nq}, {nk}] for seq_len={seq_len}, blocks {block_q}x{block_k}; "
+            f"got {tuple(block_map.shape)}"
+        )
+    live = block_map.bool()
+    counts = live.sum(-1, dtype=torch.int32)
+    max_live = max(1, int(counts.max())) if counts.numel() else 1
+    # A stable sort of "not live" puts the live ids first, in ascending order.
+    order = torch.sort((~live).to(torch.uint8), dim=-1, stable=True).indices[..., :max_live]
+    valid = torch.arange(max_live, device=live.device) < counts[..., None]
+    ids = order.masked_fill(~valid, 0).to(torch.int32).contiguous()
+    return BlockSparseMask(ids, counts.contiguous(), int(block_q), int(block_k), int(seq_len))
+
+
+def mask_to_block_map(mask: BlockSparseMask) -> torch.Tensor:
+    """``BlockSparseMask`` -> bool ``[B, H, nq, nk]``."""
+    lb, lc = mask.live_blocks, mask.live_counts
+    valid = torch.arange(lb.shape[-1], device=lb.device) < lc[..., None]
+    hits = torch.zeros(*lc.shape, mask.n_k_blocks, dtype=torch.int32, device=lb.device)
+    # scatter_add, not scatter: padding entries (index 0, value 0) must not clear a live block 0.
+    hits.scatter_add_(-1, lb.long().clamp(0, mask.n_k_blocks - 1), valid.to(torch.int32))
+    return hits > 0
+
+
+def block_map_to_element_mask(block_map: torch.Tensor, block_q: int, block_k: int, seq_len: int) -> torch.Tensor:
+    """bool ``[B, H, nq, nk]`` -> bool ``[B, H, N, N]`` (True = attend). For tests and small N."""
+    rows = block_map.bool().repeat_interleave(block_q, dim=2)[:, :, :seq_len]
+    return rows.repeat_interleave(block_k, dim=3)[..., :seq_len]
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts
+# --------------------------------------------------------------------------------------------
+
+
+def _to_bhnd(x: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
+    """``[B, N, H*D]`` (or ``[B, H, N, D]`` already) -> a ``[B, H, N, D]`` view, no copy."""
+    if skip_reshape:
+        if x.dim() != 4 or x.shape[1] != heads:
+            raise ValueError(f"skip_reshape=True wants [B, H={heads}, N, D], got {tuple(x.shape)}")
+        return x
+    if x.dim() != 3 or x.shape[-1] % heads:
+        raise ValueError(f"wants [B, N, H*D] with H={heads}, got {tuple(x.shape)}")
+    b, n, hd = x.shape
+    return x.view(b, n, heads, hd // heads).transpose(1, 2)
+
+
+def _check_inputs(q, k, v, mask: BlockSparseMask) -> None:
+    """q, k, v as [B, H, N, D] views against the mask; raises ValueError on any mismatch."""
+    if q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must have equal shapes (self-attention), got {q.shape}, {k.shape}, {v.shape}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    b, h, n, _ = q.shape
+    if mask.seq_len != n:
+        raise ValueError(f"mask was made for seq_len={mask.seq_len}, inputs have N={n}")
+    if mask.heads != h:
+        raise ValueError(f"mask has {mask.heads} heads, inputs have {h}")
+    if mask.batch_size not in (1, b):
+        raise ValueError(f"mask batch {mask.batch_size} must be 1 or the input batch {b}")
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}: move it once with mask.to(device)")
+    mask.validate()
+
+
+def _output(o_bhnd: torch.Tensor, skip_output_reshape: bool) -> torch.Tensor:
+    if skip_output_reshape:
+        return o_bhnd
+    b, h, n, d = o_bhnd.shape
+    return o_bhnd.transpose(1, 2).reshape(b, n, h * d)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+
+_REF_SCORE_BUDGET = 1 << 26  # floats in one scores chunk (256 MB fp32): keeps the fallback memory-sane
+
+
+def block_sparse_attention_reference(
+    q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False, skip_output_reshape=False
+) -> torch.Tensor:
+    """Pure-torch block-sparse attention: the test oracle and the CPU fallback.
+
+    Loops over query blocks and head chunks, scoring a query block against all keys with the
+    block map expanded to columns; computes in float32 (float64 for float64 inputs).
+    """
+    qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
+    _check_inputs(qh, kh, vh, mask)
+    b, h, n, d = qh.shape
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    block_map = mask_to_block_map(mask).expand(b, -1, -1, -1)  # [B, H, nq, nk]
+    out = torch.empty(b, h, n, d, dtype=q.dtype, device=q.device)
+    scale = d**-0.5
+    chunk = max(1, _REF_SCORE_BUDGET // max(1, b * mask.block_q * n))
+    for r in range(mask.n_q_blocks):
+        rows = slice(r * mask.block_q, min(n, (r + 1) * mask.block_q))
+        cols = block_map[:, :, r].repeat_interleave(mask.block_k, dim=-1)[..., :n]  # [B, H, N]
+        for h0 in range(0, h, chunk):
+            hs = slice(h0, min(h, h0 + chunk))
+            s = qh[:, hs, rows].to(cdt) @ kh[:, hs].to(cdt).transpose(-1, -2) * scale
+            s = s.masked_fill(~cols[:, hs, None, :], float("-inf"))
+            out[:, hs, rows] = (s.softmax(-1) @ vh[:, hs].to(cdt)).to(q.dtype)
+    return _output(out, skip_output_reshape)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def block_sparse_attention(
+    q,
+    k,
+    v,
+    mask: BlockSparseMask,
+    heads: int,
+    skip_reshape=False,
+    skip_output_reshape=False,
+    *,
+    out: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Block-sparse attention in ComfyUI's layouts (see the module docstring).
+
+    :param mask: live key blocks per (batch element, head, query block); batch 1 broadcasts.
+    :param out: optional output buffer in the output layout (the Triton path writes into it).
+    :param backend: ``"auto"`` (Triton on CUDA tensors when available, else the reference),
+        ``"triton"`` (also on CPU tensors under ``TRITON_INTERPRET=1``) or ``"reference"``.
+    :param config: Triton tile overrides (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``,
+        ``order``); for benchmarks.
+    """
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and triton_available())
+    if not use_triton:
+        if backend not in ("auto", "reference"):
+            raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+        res = block_sparse_attention_reference(q, k, v, mask, heads, skip_reshape, skip_output_reshape)
+        if out is not None:
+            out.copy_(res)
+            return out
+        return res
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
+    from . import _triton_block_sparse as tbs
+
+    qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
+    _check_inputs(qh, kh, vh, mask)
+    b, h, n, d = qh.shape
+    if out is None:
+        shape = (b, h, n, d) if skip_output_reshape else (b, n, h * d)
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    oh = out if skip_output_reshape else _to_bhnd(out, heads, False)
+    tbs.block_sparse_attn_fwd(qh, kh, vh, oh, mask, config)
+    return out
