@@ -23,7 +23,7 @@ test: setup
 	$(VPY) -m pytest tests
 
 demo: setup
-	$(VPY) -m tests.demo
+	$(VPY) tests/demo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

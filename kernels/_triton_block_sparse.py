@@ -60,7 +60,8 @@ def _bsa_fwd_kernel(Q, K, V, O, LIVE, COUNT, ORDER,
                     stride_cb, stride_ch,
                     H, N, n_tiles, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    TILES_PER_QB: tl.constexpr, SUBS_PER_KB: tl.constexpr, RAGGED: tl.constexpr):
+                    TILES_PER_QB: tl.constexpr, SUBS_PER_KB: tl.constexpr, RAGGED: tl.constexpr,
+                    WARP_SPEC: tl.constexpr):
     # ORDER maps launch slots to tiles: heaviest tiles of each head launch first, so the
     # last wave is made of light tiles (load balance over uneven rows), while the tiles
     # of one head still run together and share its K/V in L2.
@@ -90,11 +91,18 @@ def _bsa_fwd_kernel(Q, K, V, O, LIVE, COUNT, ORDER,
         # ids ascend, so the ragged last key block, when live, is the last entry
         last_kb = (N - 1) // KB
         n_full = count - (tl.load(live + count - 1) == last_kb).to(tl.int32)
-    for i in range(0, n_full):
-        kb = tl.load(live + i)
-        for s in tl.static_range(SUBS_PER_KB):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, kb * KB + s * BLOCK_N,
-                                         offs_n, offs_d, stride_kn, stride_vn, N, qk_scale, False)
+    if WARP_SPEC:  # Triton's warp specialization (producer/consumer warps); tuned on/off
+        for i in tl.range(0, n_full, warp_specialize=True):
+            kb = tl.load(live + i)
+            for s in tl.static_range(SUBS_PER_KB):
+                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, kb * KB + s * BLOCK_N,
+                                             offs_n, offs_d, stride_kn, stride_vn, N, qk_scale, False)
+    else:
+        for i in range(0, n_full):
+            kb = tl.load(live + i)
+            for s in tl.static_range(SUBS_PER_KB):
+                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, kb * KB + s * BLOCK_N,
+                                             offs_n, offs_d, stride_kn, stride_vn, N, qk_scale, False)
     if RAGGED:
         if n_full < count:
             for s in tl.static_range(SUBS_PER_KB):
@@ -178,6 +186,6 @@ def block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None) -> No
         h, n, math.ceil(n / bm), d**-0.5 * LOG2E,
         HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
         TILES_PER_QB=mask.block_q // bm, SUBS_PER_KB=mask.block_k // bn,
-        RAGGED=n % mask.block_k != 0,
+        RAGGED=n % mask.block_k != 0, WARP_SPEC=bool(cfg.get("warp_specialize", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -1,0 +1,140 @@
+"""Where the sparse-attention patch gets its block maps: the provider protocol and simple providers.
+
+The patch (``sparse_patch.py``) asks a provider, once per (layer, step bucket, batch chunks) of a
+run, for a bool block map ``[B, H, nq, nk]`` (True = the query block attends to the key block);
+``None`` means "run this layer dense". Block ``r`` covers tokens ``[r * block_q, (r + 1) * block_q)``
+of the (t, h, w)-raster video tokens; ``nq = ceil(N / block_q)``, ``nk = ceil(N / block_k)``.
+
+Batch dimension of a returned map: 1 (same mask for every element), ``len(cond_or_uncond)`` (one
+per batch chunk, e.g. cond and uncond) or the full attention batch (one per element).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Optional, Protocol, runtime_checkable
+
+import torch
+
+COND, UNCOND = 0, 1  # ComfyUI's values in transformer_options["cond_or_uncond"]
+
+
+@runtime_checkable
+class MaskProvider(Protocol):
+    """Block maps for block-sparse self-attention, per (layer, step, batch chunks)."""
+
+    #: (block_q, block_k) in tokens; the maps' nq/nk follow from it and the sequence length.
+    block_size: tuple[int, int]
+
+    def step_bucket(self, step: int) -> Hashable:
+        """Steps with equal buckets get equal maps; the patch converts a map once per bucket."""
+        ...
+
+    def block_map(
+        self, layer: int, step: int, cond_or_uncond: list[int], num_heads: int, seq_len: int, device: torch.device
+    ) -> Optional[torch.Tensor]:
+        """bool ``[B, num_heads, nq, nk]`` (B as in the module docstring), or None for dense."""
+        ...
+
+
+class DenseProvider:
+    """Every layer dense: the patched model computes exactly what the unpatched one does."""
+
+    def __init__(self, block_size: tuple[int, int] = (128, 128)):
+        self.block_size = tuple(block_size)
+
+    def step_bucket(self, step: int) -> Hashable:
+        return None  # one answer for all steps
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device) -> None:
+        return None
+
+
+class StaticBlockMapProvider:
+    """Fixed block maps per step bucket and layer (a bank hit, or a test's hand-made masks).
+
+    :param block_maps: one mapping ``layer -> bool [Bm, H, nq, nk]`` per step bucket; a layer
+        missing from a bucket runs dense. ``Bm`` is 1 (shared by cond and uncond) or 2 (index 0
+        for cond, 1 for uncond, picked per batch chunk).
+    :param block_size: ``(block_q, block_k)`` the maps were made with.
+    :param bucket_starts: first step of each bucket, ascending from 0; ``(0,)`` = one bucket.
+    """
+
+    def __init__(
+        self,
+        block_maps: Sequence[Mapping[int, torch.Tensor]],
+        block_size: tuple[int, int],
+        bucket_starts: Sequence[int] = (0,),
+    ):
+        if len(block_maps) != len(bucket_starts):
+            raise ValueError(f"{len(block_maps)} block-map buckets but {len(bucket_starts)} bucket_starts")
+        if list(bucket_starts) != sorted(set(bucket_starts)) or bucket_starts[0] != 0:
+            raise ValueError(f"bucket_starts must rise strictly from 0, got {list(bucket_starts)}")
+        for bucket in block_maps:
+            for layer, block_map in bucket.items():
+                if block_map.dim() != 4 or block_map.shape[0] not in (1, 2):
+                    raise ValueError(
+                        f"layer {layer}: block map must be [1 or 2, H, nq, nk], got {tuple(block_map.shape)}"
+                    )
+        self.block_maps = [dict(bucket) for bucket in block_maps]
+        self.block_size = tuple(block_size)
+        self.bucket_starts = list(bucket_starts)
+
+    @classmethod
+    def for_all_steps(cls, layer_maps: Mapping[int, torch.Tensor], block_size: tuple[int, int]):
+        """One map per layer, used at every step."""
+        return cls([layer_maps], block_size)
+
+    def step_bucket(self, step: int) -> int:
+        return max(i for i, start in enumerate(self.bucket_starts) if start <= step)
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device) -> Optional[torch.Tensor]:
+        block_map = self.block_maps[self.step_bucket(step)].get(layer)
+        if block_map is None:
+            return None
+        self._check_shape(layer, block_map, num_heads, seq_len)
+        if block_map.shape[0] == 1:
+            return block_map.to(device)
+        return block_map.to(device)[list(cond_or_uncond)]
+
+    def _check_shape(self, layer, block_map, num_heads, seq_len) -> None:
+        # A map made for another resolution or model must fail loudly, never be stretched.
+        nq, nk = (math.ceil(seq_len / b) for b in self.block_size)
+        if tuple(block_map.shape[1:]) != (num_heads, nq, nk):
+            raise ValueError(
+                f"layer {layer}: block map has shape {tuple(block_map.shape)}, but this model runs "
+                f"{num_heads} heads over {seq_len} tokens, which needs [*, {num_heads}, {nq}, {nk}] "
+                f"with blocks {self.block_size}"
+            )
+
+
+class DenseWarmupProvider:
+    """Dense for the first ``warmup_steps`` steps and for ``dense_layers``; ``inner`` otherwise.
+
+    Early steps set the layout of the video and are the most sensitive to attention errors.
+    """
+
+    def __init__(self, inner: MaskProvider, warmup_steps: int = 0, dense_layers: Sequence[int] = ()):
+        self.inner = inner
+        self.warmup_steps = int(warmup_steps)
+        self.dense_layers = frozenset(dense_layers)
+        self.block_size = tuple(inner.block_size)
+
+    def step_bucket(self, step: int) -> Hashable:
+        # Warm-up steps get their own buckets so a dense answer is never reused for a later
+        # step that the inner provider puts in the same bucket.
+        if step < self.warmup_steps:
+            return ("warmup", step)
+        return ("inner", step_bucket_of(self.inner, step))
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device) -> Optional[torch.Tensor]:
+        if step < self.warmup_steps or layer in self.dense_layers:
+            return None
+        return self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
+
+
+def step_bucket_of(provider, step: int) -> Hashable:
+    """The provider's bucket for ``step``; a provider without ``step_bucket`` buckets per step."""
+    step_bucket = getattr(provider, "step_bucket", None)
+    return step if step_bucket is None else step_bucket(step)

@@ -1,0 +1,253 @@
+"""Block attention mass: how much of each query block's softmax attention lands in each key block.
+
+``mass[b, h, i, j]`` = (1 / |Q_i|) * sum over queries q in block i of sum over keys k in block j
+of softmax_k(q . k * scale). Rows sum to 1. This is the quantity a block mask is chosen from
+(keep the heaviest key blocks of a row) and the one its recall is measured against.
+
+Layouts follow ComfyUI's ``optimized_attention``: ``q, k`` are ``[B, N, H*D]`` with ``heads=H``,
+or ``[B, H, N, D]`` (4-D input; ``heads`` may then be omitted). Any N: the last block may be
+ragged. Query and key blocks have the same size.
+
+Two implementations:
+- ``block_mass_reference``: pure torch, chunked over query blocks and heads so its scores chunk
+  stays under a fixed budget. The CPU path and the test oracle.
+- ``_block_mass_triton``: two passes, as in flash attention's backward: pass 1 computes each
+  row's log-sum-exp with an online softmax, pass 2 re-computes the scores one (query block,
+  key block) tile at a time and sums exp(s - lse) over the tile. Costs two QK^T products and no
+  N x N memory. Pass 1 is skipped when the caller already has the row log-sum-exp (``lse``).
+
+Importing this module never needs triton.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+try:  # optional: without triton (or with a broken install) only the reference runs
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001
+    triton = None
+
+__all__ = ["block_mass", "block_mass_reference", "to_bhnd", "block_row_counts", "triton_available"]
+
+_REF_SCORE_BUDGET = 1 << 26  # floats in one reference scores chunk (256 MB fp32)
+_LOG2E = 1.4426950408889634
+
+
+def triton_available() -> bool:
+    """True when triton imported (the kernel still needs CUDA tensors, or TRITON_INTERPRET=1)."""
+    return triton is not None
+
+
+def to_bhnd(x: torch.Tensor, heads: Optional[int]) -> torch.Tensor:
+    """``[B, N, H*D]`` (with ``heads``) or ``[B, H, N, D]`` -> a ``[B, H, N, D]`` view, no copy."""
+    if x.dim() == 4:
+        if heads is not None and x.shape[1] != heads:
+            raise ValueError(f"4-D input is read as [B, H, N, D] with H={heads}, got {tuple(x.shape)}")
+        return x
+    if x.dim() != 3 or heads is None or x.shape[-1] % heads:
+        raise ValueError(f"wants [B, H, N, D], or [B, N, H*D] with heads=H; got {tuple(x.shape)}, heads={heads}")
+    b, n, hd = x.shape
+    return x.view(b, n, heads, hd // heads).transpose(1, 2)
+
+
+def block_row_counts(seq_len: int, block_size: int, device=None) -> torch.Tensor:
+    """Tokens in each of the ``ceil(seq_len / block_size)`` blocks (the last may be ragged); int64."""
+    nb = math.ceil(seq_len / block_size)
+    counts = torch.full((nb,), block_size, dtype=torch.int64, device=device)
+    counts[-1] = seq_len - (nb - 1) * block_size
+    return counts
+
+
+def _check_qk(qh: torch.Tensor, kh: torch.Tensor, block_size: int) -> None:
+    if qh.shape != kh.shape:
+        raise ValueError(f"q and k must have equal [B, H, N, D] shapes (self-attention), got {qh.shape}, {kh.shape}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+
+
+def block_mass_reference(
+    q: torch.Tensor, k: torch.Tensor, heads: Optional[int] = None, block_size: int = 128, scale: Optional[float] = None
+) -> torch.Tensor:
+    """Pure-torch block attention mass. q, k ``[B, H, N, D]`` or ``[B, N, H*D]`` -> ``[B, H, nb, nb]``.
+
+    Computes in float32 (float64 for float64 inputs); returns that dtype.
+    """
+    qh, kh = to_bhnd(q, heads), to_bhnd(k, heads)
+    _check_qk(qh, kh, block_size)
+    b, h, n, d = qh.shape
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    scale = d**-0.5 if scale is None else scale
+    nb = math.ceil(n / block_size)
+    counts = block_row_counts(n, block_size, q.device).to(cdt)
+    mass = torch.empty(b, h, nb, nb, dtype=cdt, device=q.device)
+    heads_per_chunk = min(h, max(1, _REF_SCORE_BUDGET // (b * block_size * n)))
+    blocks_per_chunk = max(1, _REF_SCORE_BUDGET // (b * heads_per_chunk * block_size * n))
+    kpad = nb * block_size - n
+    for h0 in range(0, h, heads_per_chunk):
+        hs = slice(h0, min(h, h0 + heads_per_chunk))
+        kt = kh[:, hs].to(cdt).transpose(-1, -2)
+        for i0 in range(0, nb, blocks_per_chunk):
+            i1 = min(nb, i0 + blocks_per_chunk)
+            rows = slice(i0 * block_size, min(n, i1 * block_size))
+            p = (qh[:, hs, rows].to(cdt) @ kt * scale).softmax(-1)  # [B, h, r, N]
+            p = torch.nn.functional.pad(p, (0, kpad)).unflatten(-1, (nb, block_size)).sum(-1)  # [B, h, r, nb]
+            rpad = (i1 - i0) * block_size - p.shape[2]
+            p = torch.nn.functional.pad(p, (0, 0, 0, rpad)).unflatten(2, (i1 - i0, block_size)).sum(3)
+            mass[:, hs, i0:i1] = p / counts[i0:i1, None]
+    return mass
+
+
+def block_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    heads: Optional[int] = None,
+    block_size: int = 128,
+    scale: Optional[float] = None,
+    *,
+    lse: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Block attention mass ``[B, H, nb, nb]`` (float32) of q, k in ComfyUI's layouts.
+
+    :param lse: optional natural-log row log-sum-exp of the scaled scores, ``[B, H, N]``
+        (what flash/cuDNN attention can return); the Triton path then skips its first pass.
+    :param backend: ``"auto"`` (Triton on CUDA tensors when available, else the reference),
+        ``"triton"`` (also CPU tensors under ``TRITON_INTERPRET=1``) or ``"reference"``.
+    :param config: Triton launch overrides (``num_warps``, ``num_stages``, ``lse_block_n``).
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and triton_available())
+    if not use_triton:
+        return block_mass_reference(q, k, heads, block_size, scale).float()
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
+    qh, kh = to_bhnd(q, heads), to_bhnd(k, heads)
+    _check_qk(qh, kh, block_size)
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"the Triton path needs a power-of-two block_size >= 16, got {block_size}")
+    return _block_mass_triton(qh, kh, block_size, qh.shape[-1] ** -0.5 if scale is None else scale, lse, config or {})
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+# --------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _block_mass_triton(qh, kh, block_size, scale, lse, config) -> torch.Tensor:
+    """q, k ``[B, H, N, D]`` views -> mass ``[B, H, nb, nb]`` float32 (see module docstring)."""
+    kern = _kernels()
+    b, h, n, d = qh.shape
+    nb = math.ceil(n / block_size)
+    block_d = max(16, 1 << (d - 1).bit_length())
+    # The interpreter's tl.dot is wrong for bf16/fp16 operands: upcast there (CPU tests only).
+    upcast = _interpreting() or qh.dtype == torch.float32
+    qk_scale = scale * _LOG2E  # the kernels work in base 2 (exp2 is the fast instruction)
+    warps = config.get("num_warps", 8 if block_size >= 128 else 4)
+    stages = config.get("num_stages", 2)
+    strides = (*qh.stride(), *kh.stride())
+    if lse is None:
+        lse2 = torch.empty(b * h, n, dtype=torch.float32, device=qh.device)
+        block_n = config.get("lse_block_n", min(block_size, 128))
+        kern.row_lse[(nb, b * h)](
+            qh, kh, lse2, *strides, h, n, d, qk_scale,
+            BLOCK_M=block_size, BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=upcast,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    else:
+        if tuple(lse.shape) != (b, h, n):
+            raise ValueError(f"lse must be [B, H, N] = {(b, h, n)}, got {tuple(lse.shape)}")
+        lse2 = (lse.float() * _LOG2E).reshape(b * h, n).contiguous()
+    # NaN-poisoned: a tile the kernel failed to write shows up in every check.
+    mass = torch.full((b, h, nb, nb), float("nan"), dtype=torch.float32, device=qh.device)
+    kern.block_mass[(nb, b * h)](
+        qh, kh, lse2, mass, *strides, h, n, d, nb, qk_scale,
+        BLOCK=block_size, BLOCK_D=block_d, UPCAST=upcast, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return mass
+
+
+
+def _kernels():
+    if triton is None:
+        raise RuntimeError("the Triton block-mass kernel needs the triton package (pip install triton)")
+    return _KERNELS
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load_q(Q, b, h, rows, dims, sqb, sqh, sqn, sqd, N, D, UPCAST: tl.constexpr):
+        ptr = Q + b * sqb + h * sqh + rows[:, None].to(tl.int64) * sqn + dims[None, :] * sqd
+        q = tl.load(ptr, mask=(rows[:, None] < N) & (dims[None, :] < D), other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        return q
+
+    @triton.jit
+    def _load_kt(K, b, h, cols, dims, skb, skh, skn, skd, N, D, UPCAST: tl.constexpr):
+        """K tile transposed: ``[BLOCK_D, BLOCK_N]``."""
+        ptr = K + b * skb + h * skh + cols[None, :].to(tl.int64) * skn + dims[:, None] * skd
+        kt = tl.load(ptr, mask=(cols[None, :] < N) & (dims[:, None] < D), other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        return kt
+
+    @triton.jit
+    def _row_lse_kernel(
+        Q, K, LSE2, sqb, sqh, sqn, sqd, skb, skh, skn, skd, H, N, D, qk_scale,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        """Pass 1: base-2 log-sum-exp of each query row's scaled scores, online over key tiles."""
+        pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        q = _load_q(Q, b, h, rows, dims, sqb, sqh, sqn, sqd, N, D, UPCAST)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            kt = _load_kt(K, b, h, cols, dims, skb, skh, skn, skd, N, D, UPCAST)
+            s = tl.where(cols[None, :] < N, tl.dot(q, kt) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            m = m_new
+        tl.store(LSE2 + pid_bh.to(tl.int64) * N + rows, m + tl.log2(l), mask=rows < N)
+
+    @triton.jit
+    def _block_mass_kernel(
+        Q, K, LSE2, MASS, sqb, sqh, sqn, sqd, skb, skh, skn, skd, H, N, D, NB, qk_scale,
+        BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        """Pass 2: one query block against every key block; each tile's softmax sum is one output."""
+        pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+        rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+        dims = tl.arange(0, BLOCK_D)
+        q = _load_q(Q, b, h, rows, dims, sqb, sqh, sqn, sqd, N, D, UPCAST)
+        # Rows past N get lse = +inf, so their probabilities are exp2(-inf) = 0.
+        lse2 = tl.load(LSE2 + pid_bh.to(tl.int64) * N + rows, mask=rows < N, other=float("inf"))
+        inv_rows = 1.0 / tl.minimum(N - pid_m * BLOCK, BLOCK).to(tl.float32)
+        out = MASS + (pid_bh.to(tl.int64) * NB + pid_m) * NB
+        for j in range(0, NB):
+            cols = j * BLOCK + tl.arange(0, BLOCK)
+            kt = _load_kt(K, b, h, cols, dims, skb, skh, skn, skd, N, D, UPCAST)
+            p = tl.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
+            p = tl.where(cols[None, :] < N, p, 0.0)
+            tl.store(out + j, tl.sum(tl.sum(p, 1), 0) * inv_rows)
+
+    class _KERNELS:  # noqa: N801  (a namespace)
+        row_lse = _row_lse_kernel
+        block_mass = _block_mass_kernel

@@ -1,0 +1,145 @@
+"""Chorus Mask Bank Loader and Chorus Similarity Match."""
+
+from __future__ import annotations
+
+import os
+
+from comfy_api.latest import io
+
+from . import CATEGORY
+
+BANK_FOLDER_KEY = "chorus_banks"
+NEW_BANK = "(create new bank)"
+MaskBankType = io.Custom("CHORUS_MASK_BANK")
+MatchType = io.Custom("CHORUS_MATCH")
+
+
+def register_bank_folder() -> None:
+    """Register ``models/chorus_banks`` with ComfyUI (extra_model_paths.yaml can add more)."""
+    import folder_paths
+
+    if BANK_FOLDER_KEY not in folder_paths.folder_names_and_paths:
+        default = os.path.join(folder_paths.models_dir, BANK_FOLDER_KEY)
+        folder_paths.folder_names_and_paths[BANK_FOLDER_KEY] = ([default], set())
+    for path in folder_paths.get_folder_paths(BANK_FOLDER_KEY):
+        os.makedirs(path, exist_ok=True)
+
+
+def existing_banks() -> list[str]:
+    """Bank folder names (a folder holding ``bank.sqlite``) across the registered paths."""
+    import folder_paths
+
+    names = set()
+    for root in folder_paths.get_folder_paths(BANK_FOLDER_KEY):
+        if os.path.isdir(root):
+            names.update(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "bank.sqlite")))
+    return sorted(names)
+
+
+def bank_path(name: str) -> str:
+    """Folder of bank ``name``: where it exists, else under the first registered path."""
+    import folder_paths
+
+    roots = folder_paths.get_folder_paths(BANK_FOLDER_KEY)
+    for root in roots:
+        if os.path.isfile(os.path.join(root, name, "bank.sqlite")):
+            return os.path.join(root, name)
+    return os.path.join(roots[0], name)
+
+
+def _bank_name(bank: str, new_bank_name: str) -> str:
+    return new_bank_name.strip() if bank == NEW_BANK else bank
+
+
+def _check_bank_name(name: str) -> str | None:
+    if not name:
+        return "Enter a name in new_bank_name, or pick an existing bank."
+    if name != os.path.basename(name) or name.startswith(".") or any(c in name for c in '\\/:*?"<>|'):
+        return f"Bank name {name!r} must be a plain folder name (no path separators); banks live in models/{BANK_FOLDER_KEY}."
+    return None
+
+
+class ChorusMaskBankLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ChorusMaskBankLoader",
+            display_name="Chorus Mask Bank Loader",
+            category=CATEGORY,
+            description="Opens (or creates) a Chorus mask bank in models/chorus_banks: the sparse attention "
+                        "masks recorded from earlier generations, indexed by request signature.",
+            inputs=[
+                io.Combo.Input("bank", options=[NEW_BANK, *existing_banks()], tooltip="An existing bank, or create a new one named below."),
+                io.String.Input("new_bank_name", default="wan21_i2v", tooltip="Name of the bank to create when 'bank' is '(create new bank)'."),
+                io.Boolean.Input("read_only", default=False, tooltip="Match against the bank but never add entries (shared or curated banks)."),
+            ],
+            outputs=[MaskBankType.Output(display_name="mask_bank")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, bank, new_bank_name, read_only):
+        name = _bank_name(bank, new_bank_name)
+        problem = _check_bank_name(name)
+        if problem:
+            return problem
+        if read_only and not os.path.isfile(os.path.join(bank_path(name), "bank.sqlite")):
+            return f"Bank {name!r} does not exist, so it cannot be opened read-only. Untick read_only to create it."
+        return True
+
+    @classmethod
+    def fingerprint_inputs(cls, bank, new_bank_name, read_only):
+        from ..chorus_core.bank import MaskBank
+
+        path = bank_path(_bank_name(bank, new_bank_name))
+        if not os.path.isfile(os.path.join(path, "bank.sqlite")):
+            return f"{path}:new"
+        return f"{path}:{MaskBank.open(path, read_only=True, create=False).content_token()}"
+
+    @classmethod
+    def execute(cls, bank, new_bank_name, read_only) -> io.NodeOutput:
+        from ..chorus_core.bank import BankError, MaskBank
+
+        path = bank_path(_bank_name(bank, new_bank_name))
+        try:
+            opened = MaskBank.open(path, read_only=read_only, create=not read_only)
+        except BankError as exc:
+            raise ValueError(f"Chorus Mask Bank Loader: {exc}") from exc
+        return io.NodeOutput(opened)
+
+
+class ChorusSimilarityMatch(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ChorusSimilarityMatch",
+            display_name="Chorus Similarity Match",
+            category=CATEGORY,
+            description="Finds the most similar earlier request in the mask bank (CLIP-vision image embedding, "
+                        "text conditioning, start-frame layout). A hit lets the sampler reuse its sparse attention masks.",
+            inputs=[
+                MaskBankType.Input("mask_bank"),
+                io.ClipVisionOutput.Input("clip_vision_output", tooltip="From CLIP Vision Encode of the start image."),
+                io.Conditioning.Input("positive", tooltip="The positive text conditioning."),
+                io.Latent.Input("start_latent", optional=True, tooltip="The start frame's latent (layout component). Or give start_image."),
+                io.Image.Input("start_image", optional=True, tooltip="The start image (layout component) when no latent is at hand."),
+                io.Model.Input("model", optional=True, tooltip="Restricts candidates to masks recorded with this exact model."),
+                io.Float.Input("threshold", default=0.9, min=0.0, max=1.0, step=0.005, tooltip="Overall similarity needed for a hit."),
+                io.Float.Input("clip_weight", default=0.5, min=0.0, max=1.0, step=0.05, tooltip="Weight of the image embedding."),
+                io.Float.Input("text_weight", default=0.3, min=0.0, max=1.0, step=0.05, tooltip="Weight of the text conditioning."),
+                io.Float.Input("layout_weight", default=0.2, min=0.0, max=1.0, step=0.05, tooltip="Weight of the start-frame layout."),
+            ],
+            outputs=[MatchType.Output(display_name="match"), io.String.Output(display_name="summary")],
+        )
+
+    @classmethod
+    def execute(cls, mask_bank, clip_vision_output, positive, threshold, clip_weight, text_weight,
+                layout_weight, start_latent=None, start_image=None, model=None) -> io.NodeOutput:
+        from ..chorus_core.reuse_run import MatchRequest, match_request
+
+        request = MatchRequest.from_comfy(clip_vision_output, positive, start_latent, start_image, model,
+                                          threshold, {"clip": clip_weight, "text": text_weight, "layout": layout_weight})
+        match = match_request(mask_bank, request)
+        return io.NodeOutput(match, match.summary())
+
+
+NODES = [ChorusMaskBankLoader, ChorusSimilarityMatch]

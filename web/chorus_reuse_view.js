@@ -1,0 +1,101 @@
+// Chorus: a compact per-layer reuse view drawn on the Chorus Sparse Wan Sampler node.
+// The server sends one "chorus.step" event per denoising step and "chorus.run_start" when a
+// run begins; each carries the executing node id (a "parent:child" path inside subgraphs).
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const EXTENSION = "chorus.reuse_view";
+const SAMPLER_TYPE = "ChorusSparseWanSampler";
+const VIEW_HEIGHT = 64;
+
+// Last report per node id path, kept so a redraw or a re-opened subgraph shows it again.
+const reports = new Map();
+
+// Walk "12:5:3" through nested subgraphs to the node it names.
+function resolveNode(idPath) {
+  let graph = app.graph;
+  let node = null;
+  for (const part of String(idPath).split(":")) {
+    node = graph?.getNodeById?.(Number(part)) ?? graph?.getNodeById?.(part);
+    if (!node) return null;
+    graph = node.subgraph ?? graph;
+  }
+  return node;
+}
+
+function colourFor(share) {
+  // dense = grey, fully sparse = teal
+  const g = Math.round(120 + 80 * share);
+  return `rgb(${Math.round(120 - 80 * share)}, ${g}, ${Math.round(120 + 40 * share)})`;
+}
+
+function drawView(node, ctx, report) {
+  const layers = report.layers ?? [];
+  if (!layers.length) return;
+  const width = node.size[0] - 20;
+  const top = node.size[1] - VIEW_HEIGHT - 6;
+  const barWidth = Math.max(1, width / layers.length);
+  ctx.save();
+  ctx.fillStyle = "rgba(0,0,0,0.35)";
+  ctx.fillRect(10, top, width, VIEW_HEIGHT);
+  layers.forEach((layer, i) => {
+    const share = layer.sparse_share ?? 0;
+    const h = Math.max(2, (VIEW_HEIGHT - 18) * share);
+    ctx.fillStyle = colourFor(share);
+    ctx.fillRect(10 + i * barWidth, top + VIEW_HEIGHT - 16 - h, Math.max(1, barWidth - 1), h);
+  });
+  ctx.fillStyle = "#ddd";
+  ctx.font = "11px sans-serif";
+  const density = report.density == null ? "-" : `${Math.round(report.density * 100)}%`;
+  ctx.fillText(`${report.mode ?? ""} step ${report.step ?? 0}/${report.steps ?? "?"} density ${density}`, 14, top + VIEW_HEIGHT - 4);
+  ctx.restore();
+}
+
+function onStep(event) {
+  const detail = event.detail;
+  if (!detail?.node) return;
+  reports.set(String(detail.node), detail);
+  const node = resolveNode(detail.node);
+  if (node) {
+    node.chorusReport = detail;
+    node.setDirtyCanvas?.(true, true);
+  }
+}
+
+function onRunStart(event) {
+  const detail = event.detail;
+  if (!detail?.node) return;
+  reports.delete(String(detail.node));
+  const node = resolveNode(detail.node);
+  if (node) {
+    node.chorusReport = { mode: detail.mode, layers: [], step: 0, steps: detail.steps };
+    node.setDirtyCanvas?.(true, true);
+  }
+}
+
+app.registerExtension({
+  name: EXTENSION,
+  async setup() {
+    api.addEventListener("chorus.step", onStep);
+    api.addEventListener("chorus.run_start", onRunStart);
+  },
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData.name !== SAMPLER_TYPE) return;
+    // Chain the existing hooks: other extensions may draw on this node too.
+    const previousDraw = nodeType.prototype.onDrawForeground;
+    nodeType.prototype.onDrawForeground = function (ctx, ...rest) {
+      const result = previousDraw?.apply(this, [ctx, ...rest]);
+      if (this.chorusReport && !this.flags?.collapsed) drawView(this, ctx, this.chorusReport);
+      return result;
+    };
+    const previousCreated = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function (...args) {
+      const result = previousCreated?.apply(this, args);
+      this.size[1] += VIEW_HEIGHT + 8;
+      return result;
+    };
+  },
+});
+
+// Exposed for tests and for other extensions that want the numbers.
+window.chorusReuseReports = reports;
