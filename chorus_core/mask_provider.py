@@ -37,6 +37,9 @@ class MaskProvider(Protocol):
         """bool ``[B, num_heads, nq, nk]`` (B as in the module docstring), or None for dense."""
         ...
 
+    # Optional: ``observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)`` is called with
+    # each self-attention call's q and k just before ``block_map`` (online prediction, recording).
+
 
 class DenseProvider:
     """Every layer dense: the patched model computes exactly what the unpatched one does."""
@@ -132,6 +135,12 @@ class DenseWarmupProvider:
         if step < self.warmup_steps or layer in self.dense_layers:
             return None
         return self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
+
+    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
+        # Only where the inner provider will be asked: online prediction costs time.
+        observer = getattr(self.inner, "observe", None)
+        if observer is not None and step >= self.warmup_steps and layer not in self.dense_layers:
+            observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
 
 
 def step_bucket_of(provider, step: int) -> Hashable:

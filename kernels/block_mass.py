@@ -16,6 +16,9 @@ Two implementations:
   key block) tile at a time and sums exp(s - lse) over the tile. Costs two QK^T products and no
   N x N memory. Pass 1 is skipped when the caller already has the row log-sum-exp (``lse``).
 
+``query_stride`` s > 1 estimates each query block's mass from its queries 0, s, 2s, ... only:
+recording needs block means, not every query, and pays 1/s of the cost.
+
 Importing this module never needs triton.
 """
 
@@ -64,27 +67,36 @@ def block_row_counts(seq_len: int, block_size: int, device=None) -> torch.Tensor
     return counts
 
 
-def _check_qk(qh: torch.Tensor, kh: torch.Tensor, block_size: int) -> None:
+def _check_qk(qh: torch.Tensor, kh: torch.Tensor, block_size: int, query_stride: int) -> None:
     if qh.shape != kh.shape:
         raise ValueError(f"q and k must have equal [B, H, N, D] shapes (self-attention), got {qh.shape}, {kh.shape}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    if block_size < 1 or query_stride < 1 or block_size % query_stride:
+        raise ValueError(f"need block_size >= 1 and query_stride dividing it, got {block_size}, {query_stride}")
 
 
 def block_mass_reference(
-    q: torch.Tensor, k: torch.Tensor, heads: Optional[int] = None, block_size: int = 128, scale: Optional[float] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    heads: Optional[int] = None,
+    block_size: int = 128,
+    scale: Optional[float] = None,
+    query_stride: int = 1,
 ) -> torch.Tensor:
     """Pure-torch block attention mass. q, k ``[B, H, N, D]`` or ``[B, N, H*D]`` -> ``[B, H, nb, nb]``.
 
-    Computes in float32 (float64 for float64 inputs); returns that dtype.
+    With ``query_stride`` s > 1, each query block's mass is the mean over its queries
+    0, s, 2s, ... only (an estimate at 1/s of the cost). Computes in float32 (float64 for
+    float64 inputs); returns that dtype.
     """
     qh, kh = to_bhnd(q, heads), to_bhnd(k, heads)
-    _check_qk(qh, kh, block_size)
+    _check_qk(qh, kh, block_size, query_stride)
     b, h, n, d = qh.shape
     cdt = torch.promote_types(q.dtype, torch.float32)
     scale = d**-0.5 if scale is None else scale
     nb = math.ceil(n / block_size)
-    counts = block_row_counts(n, block_size, q.device).to(cdt)
+    sampled = block_size // query_stride  # sampled queries of a full block
+    counts = block_row_counts(n, block_size, q.device).add(query_stride - 1).div(query_stride, rounding_mode="floor")
+    counts = counts.to(cdt)
     mass = torch.empty(b, h, nb, nb, dtype=cdt, device=q.device)
     heads_per_chunk = min(h, max(1, _REF_SCORE_BUDGET // (b * block_size * n)))
     blocks_per_chunk = max(1, _REF_SCORE_BUDGET // (b * heads_per_chunk * block_size * n))
@@ -94,11 +106,11 @@ def block_mass_reference(
         kt = kh[:, hs].to(cdt).transpose(-1, -2)
         for i0 in range(0, nb, blocks_per_chunk):
             i1 = min(nb, i0 + blocks_per_chunk)
-            rows = slice(i0 * block_size, min(n, i1 * block_size))
+            rows = slice(i0 * block_size, min(n, i1 * block_size), query_stride)
             p = (qh[:, hs, rows].to(cdt) @ kt * scale).softmax(-1)  # [B, h, r, N]
             p = torch.nn.functional.pad(p, (0, kpad)).unflatten(-1, (nb, block_size)).sum(-1)  # [B, h, r, nb]
-            rpad = (i1 - i0) * block_size - p.shape[2]
-            p = torch.nn.functional.pad(p, (0, 0, 0, rpad)).unflatten(2, (i1 - i0, block_size)).sum(3)
+            rpad = (i1 - i0) * sampled - p.shape[2]
+            p = torch.nn.functional.pad(p, (0, 0, 0, rpad)).unflatten(2, (i1 - i0, sampled)).sum(3)
             mass[:, hs, i0:i1] = p / counts[i0:i1, None]
     return mass
 
@@ -110,12 +122,16 @@ def block_mass(
     block_size: int = 128,
     scale: Optional[float] = None,
     *,
+    query_stride: int = 1,
     lse: Optional[torch.Tensor] = None,
     backend: str = "auto",
     config: Optional[dict] = None,
 ) -> torch.Tensor:
     """Block attention mass ``[B, H, nb, nb]`` (float32) of q, k in ComfyUI's layouts.
 
+    :param query_stride: estimate each block's mass from every ``query_stride``-th query only
+        (1/stride of the cost; for recording, where a block's mean over 32 of 128 queries is
+        plenty). 1 = exact.
     :param lse: optional natural-log row log-sum-exp of the scaled scores, ``[B, H, N]``
         (what flash/cuDNN attention can return); the Triton path then skips its first pass.
     :param backend: ``"auto"`` (Triton on CUDA tensors when available, else the reference),
@@ -126,14 +142,18 @@ def block_mass(
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and triton_available())
     if not use_triton:
-        return block_mass_reference(q, k, heads, block_size, scale).float()
+        return block_mass_reference(q, k, heads, block_size, scale, query_stride).float()
     if not triton_available():
         raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
     qh, kh = to_bhnd(q, heads), to_bhnd(k, heads)
-    _check_qk(qh, kh, block_size)
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"the Triton path needs a power-of-two block_size >= 16, got {block_size}")
-    return _block_mass_triton(qh, kh, block_size, qh.shape[-1] ** -0.5 if scale is None else scale, lse, config or {})
+    _check_qk(qh, kh, block_size, query_stride)
+    if block_size & (block_size - 1) or block_size // query_stride < 16:
+        raise ValueError(
+            f"the Triton path needs a power-of-two block_size with >= 16 sampled queries per block, "
+            f"got block_size={block_size}, query_stride={query_stride}"
+        )
+    scale = qh.shape[-1] ** -0.5 if scale is None else scale
+    return _block_mass_triton(qh, kh, block_size, scale, query_stride, lse, config or {})
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,7 +165,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _block_mass_triton(qh, kh, block_size, scale, lse, config) -> torch.Tensor:
+def _block_mass_triton(qh, kh, block_size, scale, stride, lse, config) -> torch.Tensor:
     """q, k ``[B, H, N, D]`` views -> mass ``[B, H, nb, nb]`` float32 (see module docstring)."""
     kern = _kernels()
     b, h, n, d = qh.shape
@@ -162,7 +182,7 @@ def _block_mass_triton(qh, kh, block_size, scale, lse, config) -> torch.Tensor:
         block_n = config.get("lse_block_n", min(block_size, 128))
         kern.row_lse[(nb, b * h)](
             qh, kh, lse2, *strides, h, n, d, qk_scale,
-            BLOCK_M=block_size, BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=upcast,
+            BLOCK=block_size, STRIDE=stride, BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=upcast,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     else:
@@ -173,7 +193,7 @@ def _block_mass_triton(qh, kh, block_size, scale, lse, config) -> torch.Tensor:
     mass = torch.full((b, h, nb, nb), float("nan"), dtype=torch.float32, device=qh.device)
     kern.block_mass[(nb, b * h)](
         qh, kh, lse2, mass, *strides, h, n, d, nb, qk_scale,
-        BLOCK=block_size, BLOCK_D=block_d, UPCAST=upcast, num_warps=warps, num_stages=stages,
+        BLOCK=block_size, STRIDE=stride, BLOCK_D=block_d, UPCAST=upcast, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return mass
 
@@ -207,16 +227,17 @@ if triton is not None:
     @triton.jit
     def _row_lse_kernel(
         Q, K, LSE2, sqb, sqh, sqn, sqd, skb, skh, skn, skd, H, N, D, qk_scale,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK: tl.constexpr, STRIDE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):  # fmt: skip
-        """Pass 1: base-2 log-sum-exp of each query row's scaled scores, online over key tiles."""
+        """Pass 1: base-2 log-sum-exp of each sampled query row, online over key tiles."""
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
         b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = pid_m * BLOCK + tl.arange(0, BLOCK // STRIDE) * STRIDE
         dims = tl.arange(0, BLOCK_D)
         q = _load_q(Q, b, h, rows, dims, sqb, sqh, sqn, sqd, N, D, UPCAST)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
+        m = tl.full([BLOCK // STRIDE], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK // STRIDE], tl.float32)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             kt = _load_kt(K, b, h, cols, dims, skb, skh, skn, skd, N, D, UPCAST)
@@ -229,17 +250,18 @@ if triton is not None:
     @triton.jit
     def _block_mass_kernel(
         Q, K, LSE2, MASS, sqb, sqh, sqn, sqd, skb, skh, skn, skd, H, N, D, NB, qk_scale,
-        BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK: tl.constexpr, STRIDE: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         """Pass 2: one query block against every key block; each tile's softmax sum is one output."""
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
         b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
-        rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+        rows = pid_m * BLOCK + tl.arange(0, BLOCK // STRIDE) * STRIDE
         dims = tl.arange(0, BLOCK_D)
         q = _load_q(Q, b, h, rows, dims, sqb, sqh, sqn, sqd, N, D, UPCAST)
         # Rows past N get lse = +inf, so their probabilities are exp2(-inf) = 0.
         lse2 = tl.load(LSE2 + pid_bh.to(tl.int64) * N + rows, mask=rows < N, other=float("inf"))
-        inv_rows = 1.0 / tl.minimum(N - pid_m * BLOCK, BLOCK).to(tl.float32)
+        n_rows = (tl.minimum(N - pid_m * BLOCK, BLOCK) + STRIDE - 1) // STRIDE  # sampled rows < N
+        inv_rows = 1.0 / n_rows.to(tl.float32)
         out = MASS + (pid_bh.to(tl.int64) * NB + pid_m) * NB
         for j in range(0, NB):
             cols = j * BLOCK + tl.arange(0, BLOCK)

@@ -38,16 +38,13 @@ DEVICE = "cuda"
 # Wan2.1 latent grids, 81 frames: (t, h, w) tokens after the 1x2x2 patchify
 SHAPES = {"480p": (21, 30, 52), "720p": (21, 45, 80)}
 DENSITIES = [0.05, 0.10, 0.15, 0.25, 0.50, 1.00]
-SWEEP = [
+SWEEP = [  # call 1 (KERNEL_NOTES.md) ruled out BLOCK_N=64 w4, BLOCK_M=64 and "natural" order
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
-    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, order="natural"),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, warp_specialize=True),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, warp_specialize=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, tma=True),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, tma=True),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, tma=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, warp_specialize=True),
 ]
 
 
@@ -85,7 +82,7 @@ def structured_block_map(grid, batch, density, seed):
     score = -dist + 0.5 * torch.randn(dist.shape, device=DEVICE, generator=g)
     glob = torch.rand(batch, HEADS, 1, nb, device=DEVICE, generator=g) < 0.03
     glob[..., : max(1, nb // 21)] |= torch.rand(batch, HEADS, 1, 1, device=DEVICE, generator=g) < 0.5
-    score = score + 1e3 * glob  # global key columns win their place in every row
+    score = score + 4.0 * glob  # global key columns: live in most rows, yet compete with locals
     keep = max(nb, int(density * nb * nb))
     flat = score.flatten(2)
     thresh = flat.topk(keep, dim=-1).values[..., -1:]
@@ -159,6 +156,17 @@ def check_correctness(config, log):
     return results
 
 
+def _resources(q, k, v, out, mask, cfg):
+    """Registers and spills of the compiled kernel for cfg (the compiler's resource report)."""
+    from kernels import _triton_block_sparse as tbs
+
+    try:
+        h = tbs.block_sparse_attn_fwd(to_bhnd(q), to_bhnd(k), to_bhnd(v), to_bhnd(out), mask, cfg)
+        return dict(n_regs=getattr(h, "n_regs", None), n_spills=getattr(h, "n_spills", None))
+    except Exception as e:  # handle attributes differ across triton versions
+        return dict(resources_error=str(e)[:100])
+
+
 def sweep(log):
     """Time each SWEEP config at 480p, batch 1, densities 0.15 and 1.0; return the best."""
     n = math.prod(SHAPES["480p"])
@@ -173,8 +181,9 @@ def sweep(log):
             log(f"sweep {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
             rows.append(dict(config=cfg, error=str(e)[:500]))
             continue
-        log(f"sweep {cfg}: d=0.15 {ms[0]:.3f} ms, d=1.0 {ms[1]:.3f} ms")
-        rows.append(dict(config=cfg, ms_d015=ms[0], ms_d100=ms[1]))
+        regs = _resources(q, k, v, out, masks[0], cfg)
+        log(f"sweep {cfg}: d=0.15 {ms[0]:.3f} ms, d=1.0 {ms[1]:.3f} ms, {regs}")
+        rows.append(dict(config=cfg, ms_d015=ms[0], ms_d100=ms[1], **regs))
     ok = [r for r in rows if "error" not in r]
     best = min(ok, key=lambda r: r["ms_d015"] + r["ms_d100"] * 0.15)
     return best["config"], rows

@@ -1,0 +1,229 @@
+"""Block selection: from block attention mass to bool block maps, and recording them during a run.
+
+A block map is a bool tensor ``[..., nq, nk]`` (usually ``[B, H, nq, nk]``; True = the query
+block attends to the key block), the common currency between recording, the bank, the
+predictors and the block-sparse kernel. Every row keeps at least one block (the kernel needs
+it), the query block's own (diagonal) block by default, and any given sink key blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ._siblings import import_sibling
+from .quality import mass_recall
+
+__all__ = [
+    "select_blocks",
+    "keep_top_counts",
+    "forced_blocks",
+    "density_bounds",
+    "first_frame_blocks",
+    "check_block_map",
+    "MaskRecorder",
+    "RecordedMasks",
+]
+
+
+def density_bounds(nk: int, min_density: float = 0.0, max_density: float = 1.0) -> tuple[int, int]:
+    """Densities (shares of a row's ``nk`` key blocks) -> kept-block counts ``(lo, hi)``, 1 <= lo <= hi."""
+    if not 0.0 <= min_density <= max_density <= 1.0:
+        raise ValueError(f"need 0 <= min_density <= max_density <= 1, got {min_density}, {max_density}")
+    lo = max(1, math.ceil(min_density * nk - 1e-9))
+    hi = max(lo, math.floor(max_density * nk + 1e-9))
+    return lo, hi
+
+
+def forced_blocks(
+    nq: int, nk: int, keep_diagonal: bool = True, sink_blocks: Optional[Sequence[int]] = None, device=None
+) -> torch.Tensor:
+    """bool ``[nq, nk]``: blocks kept whatever their mass (the diagonal and the sink columns)."""
+    forced = torch.zeros(nq, nk, dtype=torch.bool, device=device)
+    if keep_diagonal:
+        # Equal block sizes give nq == nk; otherwise map each query block to the key block at its start.
+        rows = torch.arange(nq, device=device)
+        forced[rows, (rows * nk) // nq] = True
+    if sink_blocks is not None and len(sink_blocks):
+        sinks = torch.as_tensor(list(sink_blocks), dtype=torch.long, device=device)
+        if int(sinks.min()) < 0 or int(sinks.max()) >= nk:
+            raise ValueError(f"sink_blocks must lie in [0, {nk}), got {list(sink_blocks)}")
+        forced[:, sinks] = True
+    return forced
+
+
+def first_frame_blocks(tokens_per_frame: int, block_size: int = 128) -> list[int]:
+    """Key blocks that hold any token of the first latent frame (the I2V conditioning frame)."""
+    return list(range(math.ceil(tokens_per_frame / block_size)))
+
+
+def keep_top_counts(scores: torch.Tensor, counts: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """Keep, per row, the ``counts`` highest-scoring blocks, forced blocks first.
+
+    scores ``[..., nq, nk]``, counts int ``[..., nq]``, forced bool broadcastable -> bool ``[..., nq, nk]``.
+    Forced blocks are kept even where they outnumber ``counts``.
+    """
+    order = _forced_first_order(scores, forced)
+    return _keep_prefix(order, torch.maximum(counts, forced.sum(-1)))
+
+
+def _forced_first_order(scores: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """Per row, key-block ids by descending score with the forced blocks in front."""
+    ranked = torch.where(forced, torch.inf, scores.float())
+    return torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+
+
+def _keep_prefix(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """bool map keeping ``order[..., :counts]`` of each row (order ``[..., nk]``, counts ``[...]``)."""
+    keep_sorted = torch.arange(order.shape[-1], device=order.device) < counts[..., None]
+    return torch.zeros(order.shape, dtype=torch.bool, device=order.device).scatter_(-1, order, keep_sorted)
+
+
+def select_blocks(
+    mass: torch.Tensor,
+    top_p: float = 0.9,
+    min_density: float = 0.0,
+    max_density: float = 1.0,
+    keep_diagonal: bool = True,
+    sink_blocks: Optional[Sequence[int]] = None,
+) -> torch.Tensor:
+    """Top-p block selection. mass ``[..., nq, nk]`` (rows sum to 1) -> bool ``[..., nq, nk]``.
+
+    Per row, take the forced blocks (diagonal, sinks), then blocks by descending mass, until the
+    kept mass reaches ``top_p``; the count is then clamped to ``[min_density, max_density] * nk``
+    (rounded to whole blocks, at least 1). Forced blocks are always kept, even past the maximum.
+    """
+    if not 0.0 <= top_p <= 1.0:
+        raise ValueError(f"top_p must lie in [0, 1], got {top_p}")
+    nq, nk = mass.shape[-2:]
+    forced = forced_blocks(nq, nk, keep_diagonal, sink_blocks, mass.device)
+    order = _forced_first_order(mass, forced)
+    sorted_mass = mass.float().gather(-1, order)
+    before = sorted_mass.cumsum(-1) - sorted_mass  # mass kept before each position
+    # Positions with before < top_p form a prefix; keeping it reaches top_p.
+    needed = (before < top_p).sum(-1)
+    lo, hi = density_bounds(nk, min_density, max_density)
+    return _keep_prefix(order, torch.maximum(needed.clamp(lo, hi), forced.sum(-1)))
+
+
+def check_block_map(block_map: torch.Tensor, nq: Optional[int] = None, nk: Optional[int] = None) -> None:
+    """Raise ValueError unless ``block_map`` is a bool ``[..., nq, nk]`` map with no empty row."""
+    if block_map.dtype != torch.bool:
+        raise ValueError(f"a block map is a bool tensor, got {block_map.dtype}")
+    shape = tuple(block_map.shape)
+    if len(shape) < 2 or (nq is not None and shape[-2] != nq) or (nk is not None and shape[-1] != nk):
+        raise ValueError(f"block map must be [..., {nq}, {nk}], got {tuple(block_map.shape)}")
+    if not bool(block_map.any(-1).all()):
+        raise ValueError("block map has a query block with no key block: keep the diagonal or fall back to dense")
+
+
+# --------------------------------------------------------------------------------------------
+# Recording during a run
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RecordedMasks:
+    """What ``MaskRecorder.finish`` returns."""
+
+    block_maps: torch.Tensor  # bool [S, L, H, nq, nk]
+    recall: torch.Tensor  # float [S, L, H]: selected masks' recall against the recorded mass
+    mean_recall: float
+    seq_len: int
+    block_size: int
+
+    @property
+    def density(self) -> float:
+        return float(self.block_maps.float().mean())
+
+
+class MaskRecorder:
+    """Accumulates block attention mass per (step bucket, layer) during a run; selects masks at the end.
+
+    Call ``record(layer, step, q, k)`` from the self-attention override; steps outside every
+    bucket cost nothing. The mass of a bucket is the mean over its recorded steps and over the
+    batch (cond and uncond share one mask). ``finish()`` turns each mean into a block map with
+    ``select_blocks``.
+
+    :param step_buckets: step indices per bucket, e.g. ``[[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]``.
+    :param query_stride: estimate block mass from every ``query_stride``-th query (see
+        ``kernels.block_mass.block_mass``); 1/stride of the recording cost.
+    :param store_device: where accumulators live (default: the device of the first ``q``); at
+        720p one (bucket, layer) is ``H * 591 * 591`` floats (56 MB for 40 heads).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        step_buckets: Sequence[Sequence[int]],
+        block_size: int = 128,
+        top_p: float = 0.9,
+        min_density: float = 0.0,
+        max_density: float = 1.0,
+        keep_diagonal: bool = True,
+        sink_blocks: Optional[Sequence[int]] = None,
+        query_stride: int = 1,
+        store_device=None,
+    ):
+        self.num_layers, self.block_size, self.query_stride = num_layers, block_size, query_stride
+        self.select_kwargs = dict(
+            top_p=top_p, min_density=min_density, max_density=max_density,
+            keep_diagonal=keep_diagonal, sink_blocks=sink_blocks,
+        )  # fmt: skip
+        self.bucket_of_step = {}
+        for s, steps in enumerate(step_buckets):
+            for step in steps:
+                if step in self.bucket_of_step:
+                    raise ValueError(f"step {step} is in more than one bucket")
+                self.bucket_of_step[int(step)] = s
+        self.num_buckets = len(step_buckets)
+        self.store_device = store_device
+        self.seq_len: Optional[int] = None
+        self._sums: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> float32 [H, nq, nk]
+        self._counts: dict[tuple[int, int], int] = {}
+
+    def bucket(self, step: int) -> Optional[int]:
+        """The bucket that records ``step``, or None when the step is not recorded."""
+        return self.bucket_of_step.get(int(step))
+
+    def record(self, layer: int, step: int, q: torch.Tensor, k: torch.Tensor, heads: Optional[int] = None) -> None:
+        """Add the block mass of one self-attention call. q, k ``[B, N, H*D]`` (with heads) or ``[B, H, N, D]``."""
+        s = self.bucket(step)
+        if s is None:
+            return
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+        block_mass = import_sibling("kernels.block_mass")
+        mass = block_mass.block_mass(q, k, heads, self.block_size, query_stride=self.query_stride).mean(0)  # [H, nq, nk]
+        n = block_mass.to_bhnd(q, heads).shape[2]
+        if self.seq_len is None:
+            self.seq_len = n
+        elif n != self.seq_len:
+            raise ValueError(f"recorded N={self.seq_len} before, got N={n}: one recorder per latent grid")
+        mass = mass.to(self.store_device) if self.store_device is not None else mass
+        key = (s, layer)
+        if key in self._sums:
+            self._sums[key] += mass
+        else:
+            self._sums[key] = mass.clone()
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def finish(self) -> RecordedMasks:
+        """Select the masks: bool ``[S, L, H, nq, nk]`` plus their recall against the recorded mass."""
+        missing = [(s, l) for s in range(self.num_buckets) for l in range(self.num_layers) if (s, l) not in self._sums]
+        if missing:
+            raise ValueError(
+                f"no mass recorded for {len(missing)} (bucket, layer) pairs, first {missing[0]}: "
+                "record at least one step of every bucket on every layer"
+            )
+        maps, recalls = [], []
+        for s in range(self.num_buckets):
+            mean = torch.stack([self._sums[s, l] / self._counts[s, l] for l in range(self.num_layers)])
+            block_map = select_blocks(mean, **self.select_kwargs)  # [L, H, nq, nk]
+            maps.append(block_map)
+            recalls.append(mass_recall(mean, block_map, self.seq_len, self.block_size))
+        recall = torch.stack(recalls)
+        return RecordedMasks(torch.stack(maps), recall, float(recall.mean()), self.seq_len, self.block_size)

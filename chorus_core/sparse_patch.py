@@ -1,0 +1,544 @@
+"""Block-sparse self-attention for Wan 2.1 in ComfyUI, installed on a clone of a ModelPatcher.
+
+How it hooks in (never by copying ``forward_orig``, never by module-level monkeypatching):
+
+* ``("double_block", i)`` patches put the block index and the block's token count into the
+  ``transformer_options`` handed down to block ``i`` (chained to a block patch already there);
+* ``transformer_options["optimized_attention_override"]`` runs a block's self-attention
+  block-sparse with the provider's mask; everything else (cross-attention, layers the provider
+  leaves dense) goes to the override that was there before, or to ComfyUI's own function;
+* a keyed ``OUTER_SAMPLE`` wrapper creates the per-run state (step tracking, mask cache,
+  statistics) and drops it in ``finally``.
+
+The model passed in is never changed. Statistics of the current or last run:
+``get_run_stats(patched)``; per-step events: ``get_sparse_state(patched).on_step(callback)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ._siblings import import_sibling
+from .mask_provider import MaskProvider, step_bucket_of
+
+__all__ = [
+    "UnsupportedModelError",
+    "LayerStats",
+    "StepStats",
+    "RunStats",
+    "SparseAttentionState",
+    "install_sparse_attention",
+    "check_supported_model",
+    "get_sparse_state",
+    "get_run_stats",
+]
+
+OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE (checked in tests)
+OVERRIDE_KEY = "optimized_attention_override"
+SUPPORTED = "Wan 2.1 image-to-video and text-to-video (comfy.model_base.WAN21 running a WanModel)"
+
+# Diffusion-model classes of the pinned ComfyUI that look like Wan but are not supported.
+_KNOWN_VARIANTS = {
+    "VaceWanModel": "Wan 2.1 VACE",
+    "CameraWanModel": "Wan camera control",
+    "WanModel_S2V": "Wan 2.2 S2V (speech to video)",
+    "HumoWanModel": "HuMo",
+    "AnimateWanModel": "Wan 2.2 Animate",
+}
+
+
+def _block_sparse():
+    """The kernels' block_sparse module, imported at call time (see _siblings)."""
+    return import_sibling("kernels.block_sparse")
+
+
+# --------------------------------------------------------------------------------------------
+# Which models
+# --------------------------------------------------------------------------------------------
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not one Chorus can make sparse; the message names it and what is supported."""
+
+
+def check_supported_model(model_patcher) -> None:
+    """Raise UnsupportedModelError unless the patcher holds a Wan 2.1 I2V/T2V model."""
+    import comfy.ldm.wan.model
+    import comfy.model_base
+
+    model = getattr(model_patcher, "model", None)
+    diffusion_model = getattr(model, "diffusion_model", None)
+    if type(model) is comfy.model_base.WAN21 and type(diffusion_model) is comfy.ldm.wan.model.WanModel:
+        return
+    raise UnsupportedModelError(
+        f"Chorus sparse attention does not support this model: {_describe_model(model, diffusion_model)}. "
+        f"Supported: {SUPPORTED}. Load a Wan 2.1 I2V or T2V checkpoint, or leave Chorus out of this workflow."
+    )
+
+
+def _describe_model(model, diffusion_model) -> str:
+    config = getattr(model, "model_config", None)
+    names = f"{type(model).__name__} / {type(diffusion_model).__name__}"
+    if config is not None:
+        names += f" (config {type(config).__name__})"
+    variant = _KNOWN_VARIANTS.get(type(diffusion_model).__name__)
+    if variant is None and type(model).__name__ == "WAN22":
+        variant = "Wan 2.2 TI2V 5B"
+    return f"{variant}, {names}" if variant else names
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerStats:
+    """Self-attention calls of one layer: how many ran sparse, how many dense, at what density."""
+
+    sparse_calls: int = 0
+    dense_calls: int = 0
+    density_sum: float = 0.0  # over sparse calls
+
+    def add(self, density: Optional[float]) -> None:
+        """Count one call; ``density`` None means it ran dense."""
+        if density is None:
+            self.dense_calls += 1
+        else:
+            self.sparse_calls += 1
+            self.density_sum += density
+
+    @property
+    def mean_density(self) -> Optional[float]:
+        """Mean share of blocks kept by the sparse calls; None when none ran sparse."""
+        return self.density_sum / self.sparse_calls if self.sparse_calls else None
+
+    @property
+    def effective_density(self) -> Optional[float]:
+        """Mean share of attention computed over all calls (a dense call counts as 1)."""
+        calls = self.sparse_calls + self.dense_calls
+        return (self.density_sum + self.dense_calls) / calls if calls else None
+
+    def as_dict(self) -> dict:
+        return {
+            "sparse_calls": self.sparse_calls,
+            "dense_calls": self.dense_calls,
+            "mean_density": self.mean_density,
+            "effective_density": self.effective_density,
+        }
+
+
+@dataclass
+class StepStats:
+    """One sampling step: per-layer calls and the wall time from its first model call to the next step's."""
+
+    step: int
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "seconds": self.seconds,
+                "layers": {layer: s.as_dict() for layer, s in sorted(self.layers.items())}}
+
+
+@dataclass
+class RunStats:
+    """One sampling run (readable while it runs, and after)."""
+
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+    steps: list[StepStats] = field(default_factory=list)  # closed steps, in order
+    scheduled_steps: int = 0  # len(sample_sigmas) - 1
+    seconds: float = 0.0
+    finished: bool = False  # sampling returned normally
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def sparse_calls(self) -> int:
+        return sum(s.sparse_calls for s in self.layers.values())
+
+    @property
+    def dense_calls(self) -> int:
+        return sum(s.dense_calls for s in self.layers.values())
+
+    def as_dict(self) -> dict:
+        return {
+            "total_steps": self.total_steps,
+            "scheduled_steps": self.scheduled_steps,
+            "seconds": self.seconds,
+            "finished": self.finished,
+            "sparse_calls": self.sparse_calls,
+            "dense_calls": self.dense_calls,
+            "layers": {layer: s.as_dict() for layer, s in sorted(self.layers.items())},
+        }
+
+
+StepCallback = Callable[[StepStats, RunStats], Any]
+
+
+# --------------------------------------------------------------------------------------------
+# State: one holder per patched model, one _Run per sampling run
+# --------------------------------------------------------------------------------------------
+
+
+class SparseAttentionState:
+    """Attached to the patched clone: the provider, the current/last run's stats, step callbacks."""
+
+    def __init__(self, provider: MaskProvider, key: str):
+        self.provider = provider
+        self.key = key
+        self.stats: Optional[RunStats] = None
+        self.step_callbacks: list[StepCallback] = []
+
+    def on_step(self, callback: StepCallback) -> StepCallback:
+        """Call ``callback(step_stats, run_stats)`` after every sampling step (usable as a decorator)."""
+        self.step_callbacks.append(callback)
+        return callback
+
+    def start_run(self) -> "_Run":
+        run = _Run(self.provider, self.step_callbacks)
+        self.stats = run.stats
+        return run
+
+
+class _Run:
+    """Per-run state: the current step, the masks of the current step bucket, statistics."""
+
+    def __init__(self, provider: MaskProvider, step_callbacks: list[StepCallback]):
+        self.provider = provider
+        self.step_callbacks = step_callbacks
+        self.stats = RunStats()
+        self._started = time.perf_counter()
+        self._masks: dict[tuple, Any] = {}  # current step bucket only, so memory stays bounded
+        self._bucket: Hashable = _NO_BUCKET
+        self._sigmas: Optional[torch.Tensor] = None  # the model call the current step was read from
+        self._step: Optional[StepStats] = None
+        self._step_started = 0.0
+
+    # ---- steps
+
+    def step_of(self, transformer_options: dict) -> Optional[int]:
+        """Index of the current sigma in the schedule (closest match); None outside a sampler."""
+        sigmas = transformer_options.get("sigmas")
+        schedule = transformer_options.get("sample_sigmas")
+        if sigmas is None or schedule is None:
+            return None
+        if sigmas is not self._sigmas:  # a new model call: one host sync, then reused by every layer
+            self._sigmas = sigmas
+            step = int((schedule.to(sigmas.device) - sigmas.flatten()[0]).abs().argmin())
+            self.stats.scheduled_steps = len(schedule) - 1
+            self._enter_step(step)
+        return self._step.step
+
+    def _enter_step(self, step: int) -> None:
+        if self._step is not None and self._step.step == step:
+            return
+        self._close_step()
+        self._step = StepStats(step)
+        self._step_started = time.perf_counter()
+
+    def _close_step(self) -> None:
+        if self._step is None:
+            return
+        closed, self._step = self._step, None
+        closed.seconds = time.perf_counter() - self._step_started
+        self.stats.steps.append(closed)
+        for callback in list(self.step_callbacks):
+            try:
+                callback(closed, self.stats)
+            except Exception:  # a progress event must not abort a generation
+                logging.exception("Chorus: a per-step statistics callback failed; sampling continues")
+
+    def record(self, layer: int, density: Optional[float]) -> None:
+        self.stats.layers.setdefault(layer, LayerStats()).add(density)
+        if self._step is not None:
+            self._step.layers.setdefault(layer, LayerStats()).add(density)
+
+    # ---- masks
+
+    def mask_for(self, layer, step, cond_or_uncond, heads, seq_len, batch, device):
+        """The converted mask for this call, or None for dense; converted once per step bucket."""
+        bucket = step_bucket_of(self.provider, step)
+        if bucket != self._bucket:
+            self._masks.clear()
+            self._bucket = bucket
+        key = (layer, tuple(cond_or_uncond), batch, heads, seq_len, str(device))
+        if key not in self._masks:
+            self._masks[key] = self._convert(layer, step, cond_or_uncond, heads, seq_len, batch, device)
+        return self._masks[key]
+
+    def _convert(self, layer, step, cond_or_uncond, heads, seq_len, batch, device):
+        block_map = self.provider.block_map(layer, step, list(cond_or_uncond), heads, seq_len, device)
+        if block_map is None:
+            return None
+        block_map = _match_batch(block_map, len(cond_or_uncond), batch).to(device)
+        block_q, block_k = self.provider.block_size
+        return _block_sparse().block_map_to_mask(block_map, block_q, block_k, seq_len)
+
+    # ---- the attention call
+
+    def attend(self, layer: int, transformer_options: dict, call: "_AttentionCall") -> Optional[torch.Tensor]:
+        """Block-sparse self-attention, or None when this call runs dense."""
+        step = self.step_of(transformer_options)
+        mask = None
+        if step is not None:
+            cond_or_uncond = transformer_options.get("cond_or_uncond") or [0]
+            self.observe(layer, step, cond_or_uncond, call)
+            mask = self.mask_for(layer, step, cond_or_uncond, call.heads, call.seq_len, call.batch, call.q.device)
+        self.record(layer, None if mask is None else mask.density)
+        if mask is None:
+            return None
+        return _block_sparse().block_sparse_attention(
+            call.q, call.k, call.v, mask, call.heads,
+            skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape,
+        )
+
+    def observe(self, layer, step, cond_or_uncond, call: "_AttentionCall") -> None:
+        """Show q and k to a provider that wants them (online prediction, recording) before it is asked."""
+        observer = getattr(self.provider, "observe", None)
+        if observer is not None:
+            observer(layer, step, list(cond_or_uncond), call.q, call.k, call.heads, call.skip_reshape)
+
+    def finish(self) -> None:
+        """Sampling returned: close the last step and stamp the run."""
+        self._close_step()
+        self.stats.seconds = time.perf_counter() - self._started
+        self.stats.finished = True
+
+    def release(self) -> None:
+        """Free the run's masks (GPU memory) whatever happened."""
+        self._masks.clear()
+        self._sigmas = None
+
+
+_NO_BUCKET = object()
+
+
+def _match_batch(block_map: torch.Tensor, chunks: int, batch: int) -> torch.Tensor:
+    """Map batch 1 (broadcast), one per element, or one per batch chunk (repeated over the chunk)."""
+    n = block_map.shape[0]
+    if n in (1, batch):
+        return block_map
+    if n == chunks and batch % chunks == 0:
+        return block_map.repeat_interleave(batch // chunks, dim=0)
+    raise ValueError(
+        f"provider returned a block map for batch {n}; this call has batch {batch} in {chunks} "
+        f"chunk(s) (cond_or_uncond), so the map's batch must be 1, {chunks} or {batch}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# What one attention call is
+# --------------------------------------------------------------------------------------------
+
+_ATTENTION_PARAMS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+
+
+@dataclass
+class _AttentionCall:
+    """The arguments of an ``optimized_attention`` call that matter here."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    heads: int
+    mask: Any
+    skip_reshape: bool
+    skip_output_reshape: bool
+
+    @classmethod
+    def parse(cls, args, kwargs) -> Optional["_AttentionCall"]:
+        named = dict(zip(_ATTENTION_PARAMS, args)) | kwargs
+        if not all(name in named for name in ("q", "k", "v", "heads")):
+            return None
+        return cls(named["q"], named["k"], named["v"], int(named["heads"]), named.get("mask"),
+                   bool(named.get("skip_reshape", False)), bool(named.get("skip_output_reshape", False)))
+
+    @property
+    def seq_len(self) -> int:
+        return self.q.shape[2] if self.skip_reshape else self.q.shape[1]
+
+    @property
+    def kv_len(self) -> int:
+        return self.k.shape[2] if self.skip_reshape else self.k.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+
+@dataclass
+class _BlockCall:
+    """Handed down to one block call: its layer and token count."""
+
+    layer: int
+    seq_len: int
+    self_attention_seen: bool = False
+
+    def claims(self, call: _AttentionCall) -> bool:
+        """True for the block's self-attention when it can run sparse.
+
+        The first attention of a Wan block with q and k both over all of the block's tokens is
+        its self-attention; the cross-attentions (257 CLIP tokens, 512 text tokens) come after
+        it, so a video that happens to have 257 or 512 tokens is not mistaken for them.
+        """
+        if self.self_attention_seen or not (call.seq_len == call.kv_len == self.seq_len):
+            return False
+        self.self_attention_seen = True
+        return call.mask is None  # an attention mask we would drop: leave it to ComfyUI
+
+
+# --------------------------------------------------------------------------------------------
+# The hooks (plain closures: ModelPatcher.clone deep-copies model_options, and functions are
+# copied by reference, so clones of the patched model share one holder)
+# --------------------------------------------------------------------------------------------
+
+
+def _run_key(key: str) -> str:
+    return f"{key}_sparse_run"
+
+
+def _block_key(key: str) -> str:
+    return f"{key}_sparse_block"
+
+
+def _mark_own(function, key: str, previous):
+    function.chorus_key = key
+    function.chorus_previous = previous
+    return function
+
+
+def _unwrap_own(function, key: str):
+    """What our own earlier install chained to, so installing twice does not stack two patches."""
+    while function is not None and getattr(function, "chorus_key", None) == key:
+        function = function.chorus_previous
+    return function
+
+
+def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable:
+    run_key, block_key = _run_key(key), _block_key(key)
+
+    def chorus_attention_override(func, *args, **kwargs):
+        options = kwargs.get("transformer_options") or {}
+        run, block = options.get(run_key), options.get(block_key)
+        if run is not None and block is not None:
+            call = _AttentionCall.parse(args, kwargs)
+            if call is not None and block.claims(call):
+                out = run.attend(block.layer, options, call)
+                if out is not None:
+                    return out
+        if previous is not None:
+            return previous(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    return _mark_own(chorus_attention_override, key, previous)
+
+
+def _make_block_patch(key: str, index: int, previous: Optional[Callable]) -> Callable:
+    run_key, block_key = _run_key(key), _block_key(key)
+
+    def chorus_block_patch(args, extra):
+        options = args.get("transformer_options")
+        if options is not None and run_key in options:
+            layer = options.get("block_index", index)  # newer ComfyUI sets it; trust it first
+            options = {**options, "block_index": layer, block_key: _BlockCall(layer, args["img"].shape[1])}
+            args = {**args, "transformer_options": options}
+        if previous is not None:
+            return previous(args, extra)
+        return extra["original_block"](args)
+
+    return _mark_own(chorus_block_patch, key, previous)
+
+
+def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
+    run_key = _run_key(holder.key)
+
+    def chorus_outer_sample(executor, *args, **kwargs):
+        # The guider's model_options are a per-sample copy here, so the run never leaks into
+        # the patcher's own options.
+        options = executor.class_obj.model_options.setdefault("transformer_options", {})
+        run = holder.start_run()
+        options[run_key] = run
+        try:
+            result = executor(*args, **kwargs)
+            run.finish()
+            return result
+        finally:
+            options.pop(run_key, None)
+            run.release()
+
+    return chorus_outer_sample
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------
+
+
+def install_sparse_attention(model_patcher, provider: MaskProvider, key: str = "chorus"):
+    """Return a clone of ``model_patcher`` whose Wan self-attention runs block-sparse.
+
+    :param model_patcher: a ComfyUI ModelPatcher of a Wan 2.1 I2V/T2V model; never modified.
+    :param provider: gives the block map per (layer, step, batch chunks); None = dense.
+    :param key: namespace of the wrapper, attachment and transformer_options entries; installing
+        again with the same key replaces the earlier install instead of stacking on it.
+    :raises UnsupportedModelError: for any model other than Wan 2.1 I2V/T2V.
+    """
+    check_supported_model(model_patcher)
+    _check_provider(provider)
+    _require_kernels()
+    patched = model_patcher.clone()
+    holder = SparseAttentionState(provider, key)
+
+    existing_blocks = patched.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    for index in range(len(patched.model.diffusion_model.blocks)):
+        previous = _unwrap_own(existing_blocks.get(("double_block", index)), key)
+        patched.set_model_patch_replace(_make_block_patch(key, index, previous), "dit", "double_block", index)
+
+    options = patched.model_options["transformer_options"]
+    options[OVERRIDE_KEY] = _make_attention_override(key, _unwrap_own(options.get(OVERRIDE_KEY), key))
+
+    patched.remove_wrappers_with_key(OUTER_SAMPLE, key)
+    patched.add_wrapper_with_key(OUTER_SAMPLE, key, _make_outer_sample_wrapper(holder))
+    patched.set_attachments(key, holder)
+    return patched
+
+
+def _require_kernels() -> None:
+    """Fail at the node, with what to do, rather than in the middle of sampling."""
+    try:
+        _block_sparse()
+    except ImportError as error:
+        raise RuntimeError(
+            f"Chorus could not import its block-sparse kernels ({error}); reinstall the Chorus pack "
+            f"so that its kernels/ folder sits next to chorus_core/"
+        ) from error
+
+
+def _check_provider(provider) -> None:
+    if not callable(getattr(provider, "block_map", None)):
+        raise TypeError(f"{type(provider).__name__} is not a MaskProvider: it has no block_map(...) method")
+    block_size = getattr(provider, "block_size", None)
+    if not (isinstance(block_size, (tuple, list)) and len(block_size) == 2
+            and all(isinstance(b, int) and b > 0 for b in block_size)):
+        raise TypeError(f"{type(provider).__name__}.block_size must be (block_q, block_k), got {block_size!r}")
+
+
+def get_sparse_state(model_patcher, key: str = "chorus") -> Optional[SparseAttentionState]:
+    """The holder attached by ``install_sparse_attention`` (None if not installed)."""
+    holder = model_patcher.get_attachment(key)
+    return holder if isinstance(holder, SparseAttentionState) else None
+
+
+def get_run_stats(model_patcher, key: str = "chorus") -> Optional[RunStats]:
+    """Statistics of the current or last sampling run of the patched model (None before any)."""
+    holder = get_sparse_state(model_patcher, key)
+    return None if holder is None else holder.stats

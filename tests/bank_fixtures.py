@@ -1,0 +1,73 @@
+"""Small shared fixtures of the mask bank tests: a toy model, layout, schedule and masks."""
+
+import sys
+import time
+
+import numpy as np
+
+from chorus_core.bank import LatentLayout, MaskBank, ModelFingerprint, Schedule, build_signature
+
+
+def toy_state_dict(dim=256, layers=2, seed=0, in_dim=36):
+    """A Wan-shaped state dict (only the keys the fingerprint reads), with random values."""
+    import torch  # only here: the writer subprocesses stay light
+
+    g = torch.Generator().manual_seed(seed)
+    state = {"patch_embedding.weight": torch.randn(dim, in_dim, 1, 2, 2, generator=g),
+             "head.modulation": torch.randn(1, 2, dim, generator=g)}
+    for i in range(layers):
+        for name in ("q", "k"):
+            state[f"blocks.{i}.self_attn.{name}.weight"] = torch.randn(dim, dim, generator=g)
+    return state
+
+
+FP = ModelFingerprint("wan2.1-i2v", dim=256, layers=2, heads=2, in_dim=36, digest="0" * 64)
+LAYOUT = LatentLayout(grid=(2, 8, 16), token_order="thw", block_size=(32, 32))  # 8 x 8 blocks
+SCHEDULE = Schedule(steps=8, sampler="uni_pc", scheduler="simple", shift=5.0,
+                    step_buckets=[(0, 2), (2, 5), (5, 8)])
+
+
+def toy_masks(seed=0, density=0.3):
+    """Random bool masks [S=3, L=2, H=2, 8, 8] with the diagonal always kept."""
+    rng = np.random.default_rng(seed)
+    masks = rng.random((3, 2, 2, 8, 8)) < density
+    masks |= np.eye(8, dtype=bool)
+    return masks
+
+
+def toy_signature(seed=0, noise=0.0, base_seed=None):
+    """Signature from random CLIP hidden states / text / latent; ``noise`` perturbs a base."""
+    rng = np.random.default_rng(seed if base_seed is None else base_seed)
+    clip = rng.standard_normal((1, 257, 1280)).astype(np.float32)
+    text = rng.standard_normal((1, 12, 4096)).astype(np.float32)
+    latent = rng.standard_normal((16, 3, 8, 16)).astype(np.float32)
+    if noise:
+        rn = np.random.default_rng(seed + 1000)
+        clip += noise * rn.standard_normal(clip.shape).astype(np.float32)
+        text += noise * rn.standard_normal(text.shape).astype(np.float32)
+        latent += noise * rn.standard_normal(latent.shape).astype(np.float32)
+    return build_signature(clip_vision=clip, text=text, start_latent=latent)
+
+
+def add_toy(bank, seed=0, tags=(), sig=None, fp=FP, layout=LAYOUT):
+    return bank.add_entry(fingerprint=fp, layout=layout, schedule=SCHEDULE,
+                          masks=toy_masks(seed), signature=sig or toy_signature(seed),
+                          density=0.3, recall=0.95, tags=list(tags))
+
+
+def writer_main(path, count, seed, pause=0.0):
+    """Subprocess body: add ``count`` entries (forever when count < 0), then exit."""
+    bank = MaskBank.open(path)
+    i = 0
+    while count < 0 or i < count:
+        add_toy(bank, seed=seed * 100_000 + i, tags=[f"writer{seed}"])
+        print(i, flush=True)
+        i += 1
+        time.sleep(pause)
+
+
+def writer_command(path, count, seed):
+    """argv that runs :func:`writer_main` in a fresh interpreter."""
+    code = ("import sys; sys.path.insert(0, 'tests'); from bank_fixtures import writer_main; "
+            f"writer_main({str(path)!r}, {count}, {seed})")
+    return [sys.executable, "-c", code]

@@ -1,0 +1,224 @@
+"""Mask bank benchmarks: match latency vs bank size, and bytes of one Wan2.1-14B 720p entry.
+
+Run: .venv/bin/python tests/benchmarks/bench_bank.py [--quick]
+Writes tests/benchmarks/results/bank_match.{json,md} and bank_entry_size.{json,md}.
+
+Synthetic masks (per head, 720p 81 frames: 21 x 45 x 80 tokens, 591 blocks of 128 per side):
+a local 3D window (|dt| <= wt frames, |dy| <= wy rows between block centroids; wt in 1..3,
+wy in 3..14 rows, random per head), 2-7 global key columns, the first frame's keys for half of
+the heads, and isolated random extras (``extras`` share of all blocks). Step buckets 1 and 2
+keep the windows and columns of bucket 0 and redraw 20 % of the extras.
+
+Synthetic attention for recall: block attention mass A = exp(N(0, 0.5)) on kept blocks and
+0.02 * exp(N(0, 0.5)) elsewhere, per row normalised; recall = mean over (head, query block)
+of the kept mass. ``recall_loss`` = recall(original) - recall(decoded), same A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save as st_save
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from chorus_core.bank import (LatentLayout, MaskBank, ModelFingerprint, Signature,  # noqa: E402
+                              compat_key, decode_block_map, encode_masks)
+from chorus_core.bank.signature import COMPONENTS, DIM  # noqa: E402
+from chorus_core.bank.store import _blob_metadata  # noqa: E402
+
+RESULTS = ROOT / "tests" / "benchmarks" / "results"
+T, HH, WW, BLOCK = 21, 45, 80, 128
+LAYERS, HEADS, BUCKETS = 40, 40, 3
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                  if line.startswith("model name")), platform.processor())
+    import os
+    return f"{model}, {os.cpu_count()} cores (CPU only)"
+
+
+def header(name: str, command: str, rows: list) -> dict:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    return {"benchmark": name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": machine(), "command": command, "git_commit": commit, "rows": rows}
+
+
+def write(name: str, doc: dict, columns: list[str], notes: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    lines = [f"# {doc['benchmark']}: {name}", "", f"{doc['date']}, {doc['machine']}, "
+             f"commit {doc['git_commit'][:10]}", "", f"`{doc['command']}`", "", notes, "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in doc["rows"]]
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+# ---- entry size ---------------------------------------------------------------------------
+def block_geometry():
+    tok = np.arange(T * HH * WW)
+    t, y = tok // (HH * WW), (tok // WW) % HH
+    blocks = tok // BLOCK
+    count = np.bincount(blocks)
+    return np.bincount(blocks, t) / count, np.bincount(blocks, y) / count, len(count)
+
+
+def layer_masks(rng, extras: float, geo) -> np.ndarray:
+    """[BUCKETS, HEADS, nb, nb] bool masks of one layer."""
+    bt, by, nb = geo
+    first_frame = int(np.ceil(HH * WW / BLOCK))
+    out = np.empty((BUCKETS, HEADS, nb, nb), bool)
+    for h in range(HEADS):
+        wt, wy = rng.integers(1, 4), rng.uniform(3, 14)
+        base = (np.abs(bt[:, None] - bt[None, :]) <= wt + 0.5) & \
+               (np.abs(by[:, None] - by[None, :]) <= wy)
+        base[:, rng.choice(nb, rng.integers(2, 8), replace=False)] = True
+        if rng.random() < 0.5:
+            base[:, :first_frame] = True
+        extra = rng.random((nb, nb)) < extras
+        for s in range(BUCKETS):
+            if s:
+                keep = rng.random((nb, nb)) < 0.8
+                extra = (extra & keep) | ((rng.random((nb, nb)) < extras * 0.2) & ~extra)
+            out[s, h] = base | extra
+    return out
+
+
+def recall(masks: np.ndarray, attn: np.ndarray) -> float:
+    return float((attn * masks).sum(-1).mean())
+
+
+def synthetic_attention(rng, masks: np.ndarray) -> np.ndarray:
+    noise = np.exp(rng.normal(0, 0.5, masks.shape)).astype(np.float32)
+    attn = np.where(masks, noise, 0.02 * noise)
+    return attn / attn.sum(-1, keepdims=True)
+
+
+def entry_size(extras: float, coarsen: int, layers: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    geo = block_geometry()
+    tensors, meta, decode_ms = {}, None, []
+    rec, rec_dec, density, density_dec = [], [], [], []
+    for layer in range(layers):
+        masks = layer_masks(rng, extras, geo)
+        part, meta = encode_masks(masks[:, None], coarsen=coarsen)
+        tensors.update({k.replace(".l0.", f".l{layer}."): v for k, v in part.items()})
+        for s in range(BUCKETS):
+            t0 = time.perf_counter()
+            decoded = decode_block_map(part, meta, s, 0)
+            decode_ms.append((time.perf_counter() - t0) * 1e3)
+            if coarsen == 1:
+                assert (decoded == masks[s]).all(), "lossless codec must round-trip"
+            if layer < 2:  # recall on 2 layers x 3 buckets x 40 heads: enough rows
+                attn = synthetic_attention(rng, masks[s])
+                rec.append(recall(masks[s], attn))
+                rec_dec.append(recall(decoded, attn))
+                density.append(masks[s].mean())
+                density_dec.append(decoded.mean())
+    shape = meta["shape"].split(",")
+    shape[1] = str(LAYERS)
+    meta["shape"] = ",".join(shape)
+    blob = st_save(tensors, metadata=_blob_metadata(meta))
+    scale = LAYERS / layers
+    return {"shape": "720p", "model": "wan2.1-i2v-14b", "N": T * HH * WW,
+            "mask_shape": f"[{BUCKETS}, {LAYERS}, {HEADS}, {geo[2]}, {geo[2]}]",
+            "step_buckets": BUCKETS, "extras": extras, "coarsen": coarsen,
+            "lossless": coarsen == 1, "layers_measured": layers,
+            "entry_bytes": int(round(len(blob) * scale)),
+            "raw_packed_bytes": BUCKETS * LAYERS * HEADS * geo[2] * ((geo[2] + 7) // 8),
+            "density": round(float(np.mean(density)), 4),
+            "stored_density": round(float(np.mean(density_dec)), 4),
+            "recall": round(float(np.mean(rec)), 4),
+            "recall_decoded": round(float(np.mean(rec_dec)), 4),
+            "recall_loss": round(float(np.mean(rec) - np.mean(rec_dec)), 5),
+            "decode_ms_per_layer_set": round(float(np.median(decode_ms)), 2),
+            "decode_ms_p90": round(float(np.percentile(decode_ms, 90)), 2)}
+
+
+# ---- match latency ------------------------------------------------------------------------
+FP = ModelFingerprint("wan2.1-i2v", 5120, 40, 40, 36, "b" * 64)
+LAYOUT = LatentLayout((21, 45, 80), "thw", (128, 128))
+
+
+def unit_rows(rng, n):
+    x = rng.standard_normal((n, DIM)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def fill_bank(bank: MaskBank, n: int, rng) -> list[Signature]:
+    """Insert ``n`` compatible rows (sharing one dummy blob name) plus n/10 incompatible."""
+    vecs = {c: unit_rows(rng, n) for c in COMPONENTS}
+    base = {"created": time.time(), "hits": 0, "fingerprint": FP.key(), "grid_t": 21,
+            "grid_h": 45, "grid_w": 80, "token_order": "thw", "block_q": 128, "block_k": 128,
+            "steps": 40, "sampler": "uni_pc", "scheduler": "simple", "shift": 5.0,
+            "step_buckets": "[[0,10],[10,24],[24,40]]", "density": 0.15, "tags": "[]",
+            "status": "ok", "blob_name": "x.safetensors", "blob_bytes": 1, "blob_sha256": "x"}
+    compat = compat_key(FP, LAYOUT)
+    rows = ({**base, "id": f"e{i}", "compat": compat if i < n else "other",
+             **{f"sig_{c}": vecs[c][i % n].tobytes() for c in COMPONENTS}}
+            for i in range(n + n // 10))
+    with bank._write():
+        bank.db["entries"].insert_all(rows, batch_size=2000)
+    return [Signature({c: vecs[c][i] for c in COMPONENTS}) for i in rng.integers(0, n, 50)]
+
+
+def match_latency(n: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        bank = MaskBank.open(tmp)
+        queries = fill_bank(bank, n, rng)
+        t0 = time.perf_counter()
+        bank.match(queries[0], FP, LAYOUT)  # loads the index
+        load_s = time.perf_counter() - t0
+        times, found = [], 0
+        for q in queries:
+            noisy = Signature({c: v + 0.02 * rng.standard_normal(DIM).astype(np.float32)
+                               for c, v in q.components.items()})
+            noisy = Signature({c: v / np.linalg.norm(v) for c, v in noisy.components.items()})
+            t0 = time.perf_counter()
+            result = bank.match(noisy, FP, LAYOUT, threshold=0.9)
+            times.append((time.perf_counter() - t0) * 1e3)
+            found += result.hit
+        bank.close()
+    return {"entries": n, "query_ms": round(float(np.median(times)), 3),
+            "query_ms_p90": round(float(np.percentile(times, 90)), 3),
+            "index_load_s": round(load_s, 3), "hits_of_50_near_duplicates": found,
+            "incompatible_rows": n // 10}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer layers, smaller banks")
+    args = parser.parse_args()
+    command = "python tests/benchmarks/bench_bank.py" + (" --quick" if args.quick else "")
+    sizes = (1000, 10000) if args.quick else (1000, 10000, 100000)
+    match_rows = [match_latency(n) for n in sizes]
+    write("bank_match", header("bench_bank", command, match_rows),
+          ["entries", "query_ms", "query_ms_p90", "index_load_s", "hits_of_50_near_duplicates"],
+          "Median latency of `MaskBank.match` (SQL compatibility filter + in-memory numpy "
+          "cosine, top-1) over 50 near-duplicate queries; the bank also holds 10 % "
+          "incompatible rows. `index_load_s`: first query after a change (loads the matrix).")
+    full = 4 if args.quick else LAYERS
+    size_rows = [entry_size(0.004, 1, full), entry_size(0.004, 2, 4),
+                 entry_size(0.01, 1, 4), entry_size(0.01, 2, 4)]
+    write("bank_entry_size", header("bench_bank", command, size_rows),
+          ["shape", "model", "extras", "coarsen", "lossless", "layers_measured", "entry_bytes",
+           "density", "stored_density", "recall", "recall_loss", "decode_ms_per_layer_set"],
+          __doc__.split("\n\n", 2)[2].strip() + " Rows with `layers_measured` < 40 scale "
+          "the measured bytes by 40 / layers_measured.")
+    print(json.dumps({"match": match_rows, "size": size_rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Mask codec: lossless round trips, cross-bucket deltas, OR-coarsening."""
+
+import numpy as np
+import pytest
+
+from chorus_core.bank import decode_block_map, encode_masks
+from chorus_core.bank.encoding import coarsen_maps
+
+
+def banded(heads=3, n=40, seed=0):
+    """Local windows + global columns + isolated extras, like real block masks."""
+    rng = np.random.default_rng(seed)
+    i = np.arange(n)
+    maps = np.stack([np.abs(i[:, None] - i[None, :]) <= rng.integers(1, 5) for _ in range(heads)])
+    maps[:, :, rng.integers(0, n, 2)] = True
+    maps |= rng.random(maps.shape) < 0.01
+    return maps
+
+
+def decode_all(tensors, meta, shape):
+    return np.stack([np.stack([decode_block_map(tensors, meta, s, l) for l in range(shape[1])])
+                     for s in range(shape[0])])
+
+
+@pytest.mark.parametrize("kind", ["random", "banded", "empty", "full"])
+def test_lossless_round_trip(kind):
+    rng = np.random.default_rng(1)
+    if kind == "random":
+        masks = rng.random((3, 2, 3, 37, 41)) < 0.2
+    elif kind == "banded":
+        masks = np.stack([np.stack([banded(seed=s * 2 + l) for l in range(2)]) for s in range(3)])
+    else:
+        masks = np.full((2, 2, 3, 16, 16), kind == "full")
+    tensors, meta = encode_masks(masks)
+    assert (decode_all(tensors, meta, masks.shape) == masks).all()
+    assert all(t.dtype == np.uint8 for t in tensors.values())
+
+
+def test_similar_buckets_are_stored_as_deltas():
+    base = banded(seed=3)
+    later = base.copy()
+    later[0, 5, 30] ^= True
+    masks = np.stack([base[None], later[None]])
+    tensors, meta = encode_masks(masks)
+    assert sorted(tensors) == ["b0.l0.c", "b0.l0.d", "b0.l0.e", "b1.l0.x"]
+    assert (decode_block_map(tensors, meta, 1, 0) == later).all()
+
+
+def test_coarsened_storage_is_a_superset():
+    masks = banded(seed=4)[None, None]
+    tensors, meta = encode_masks(masks, coarsen=2)
+    out = decode_block_map(tensors, meta, 0, 0)
+    assert out.shape == masks.shape[2:] and (out >= masks[0, 0]).all()
+    assert (coarsen_maps(out, 2) == coarsen_maps(masks[0, 0], 2)).all()
+
+
+def test_torch_input_and_errors():
+    import torch
+
+    masks = torch.rand(1, 1, 2, 8, 8) < 0.5
+    tensors, meta = encode_masks(masks)
+    assert (decode_block_map(tensors, meta, 0, 0) == masks[0, 0].numpy()).all()
+    with pytest.raises(ValueError, match=r"\[S, L, H, nq, nk\]"):
+        encode_masks(np.zeros((2, 8, 8), bool))
+    with pytest.raises(IndexError, match="out of range"):
+        decode_block_map(tensors, meta, 1, 0)
