@@ -16,10 +16,13 @@ import torch
 from .bank import (BankEntryCorrupt, BankError, LatentLayout, MaskBank, MatchResult, Schedule,
                    Signature, build_signature, fingerprint_model)
 from .bank.signature import resolve_weights
-from .mask_provider import DenseProvider, DenseWarmupProvider, StaticBlockMapProvider
+from .mask_provider import DenseProvider, DenseWarmupProvider
+from .masks import MaskRecorder
+from .online_predictor import predict_block_map
+from .sparse_patch import get_run_stats, get_sparse_state, install_sparse_attention
 
 log = logging.getLogger("chorus")
-MISS_MODES = ("online", "prior", "dense")
+MISS_MODES = ("online", "dense")
 PATCH_SIZE = (1, 2, 2)  # Wan 2.1 patchify: latent (T, H, W) -> tokens (T, H/2, W/2)
 
 
@@ -139,10 +142,192 @@ def scaled_bucket_starts(schedule: Schedule, steps: int) -> list[int]:
     return unique
 
 
-def provider_from_entry(entry_masks, steps: int) -> StaticBlockMapProvider:
-    """A provider that serves a bank entry's masks, one set per step bucket."""
-    schedule = entry_masks.schedule
-    layers = entry_masks.layers if hasattr(entry_masks, "layers") else entry_masks.num_layers
-    buckets = [{layer: entry_masks.block_map(b, layer)[None] for layer in range(layers)}
-               for b in range(len(schedule.step_buckets))]
-    return StaticBlockMapProvider(buckets, tuple(entry_masks.layout.block_size), scaled_bucket_starts(schedule, steps))
+class BankEntryProvider:
+    """Serves a bank entry's masks; each (bucket, layer) is decoded when the patch first asks."""
+
+    def __init__(self, entry_masks, steps: int):
+        self.entry = entry_masks
+        self.block_size = tuple(entry_masks.layout.block_size)
+        self.bucket_starts = scaled_bucket_starts(entry_masks.schedule, steps)
+
+    def step_bucket(self, step: int) -> int:
+        return max(i for i, start in enumerate(self.bucket_starts) if start <= step)
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
+        block_map = self.entry.block_map(self.step_bucket(step), layer)  # [H, nq, nk]
+        expected = (num_heads, *(math.ceil(seq_len / b) for b in self.block_size))
+        if tuple(block_map.shape) != expected:
+            raise ValueError(f"bank entry {self.entry.entry_id} has masks {tuple(block_map.shape)} for layer {layer}, "
+                             f"this run needs {expected}; the bank's compatibility filter should have excluded it")
+        return block_map[None].to(device)
+
+
+class OnlinePredictionProvider:
+    """A miss without a usable entry: masks predicted from pooled q and k at every step."""
+
+    def __init__(self, block_size: int, top_p: float, min_density: float, max_density: float):
+        self.block_size = (block_size, block_size)
+        self.settings = dict(block_size=block_size, top_p=top_p, min_density=min_density, max_density=max_density)
+        self._predicted: dict[int, torch.Tensor] = {}
+
+    def step_bucket(self, step: int) -> int:
+        return step  # a fresh prediction every step
+
+    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
+        self._predicted[layer] = predict_block_map(q, k, None if skip_reshape else heads, **self.settings)
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
+        return self._predicted.pop(layer, None)
+
+
+class RecordingProvider:
+    """Wraps a provider and shows every self-attention call's q and k to a MaskRecorder."""
+
+    def __init__(self, inner, recorder: MaskRecorder):
+        self.inner, self.recorder = inner, recorder
+        self.block_size = tuple(inner.block_size)
+
+    def step_bucket(self, step: int):
+        step_bucket = getattr(self.inner, "step_bucket", None)
+        return step if step_bucket is None else step_bucket(step)
+
+    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
+        self.recorder.record(layer, step, q, k, None if skip_reshape else heads)
+        observer = getattr(self.inner, "observe", None)
+        if observer is not None:
+            observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
+        return self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
+
+
+def recorded_steps(step_buckets, per_bucket: int = 2) -> list[list[int]]:
+    """Which steps feed each bucket's recorded mass: the first and the middle one of the bucket."""
+    chosen = []
+    for start, end in step_buckets:
+        picks = sorted({start, (start + end - 1) // 2})[:per_bucket]
+        chosen.append([s for s in picks if s < end])
+    return chosen
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    steps: int
+    sampler: str
+    scheduler: str
+
+
+class ReuseRun:
+    """One generation: choose the mask source, patch a clone of the model, report, record on a miss.
+
+    :param match: the Similarity Match output, or None to run online prediction without a bank
+    """
+
+    def __init__(self, model_patcher, match: ReuseMatch | None, options: ReuseOptions,
+                 sampling: SamplingSettings, block_size: int = 128):
+        self.model_patcher, self.match, self.options, self.sampling = model_patcher, match, options, sampling
+        self.block_size = match.request.layout.block_size[0] if match else block_size
+        self.report = RunReport(mode="miss", steps=sampling.steps)
+        self.recorder: MaskRecorder | None = None
+        self.patched = None
+
+    def prepare(self, on_step=None):
+        """The patched clone to sample with; ``on_step(report_dict)`` is called after every step."""
+        started = time.perf_counter()
+        provider = self._hit_provider() or self._miss_provider()
+        provider = DenseWarmupProvider(provider, self.options.dense_warmup_steps, self.options.dense_layers)
+        if self.report.mode == "miss" and self._can_record():
+            self.recorder = self._make_recorder()
+            provider = RecordingProvider(provider, self.recorder)
+        self.patched = install_sparse_attention(self.model_patcher, provider)
+        if on_step is not None:
+            get_sparse_state(self.patched).on_step(lambda step, run: on_step(self.progress(step, run)))
+        self.report.timings["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 2)
+        return self.patched
+
+    def _hit_provider(self):
+        if self.match is None:
+            return None
+        result = self.match.result
+        self.report.similarity, self.report.components = result.similarity, dict(result.components)
+        self.report.timings["match_ms"] = round(self.match.match_ms, 2)
+        if not result.hit:
+            return None
+        if fingerprint_patcher(self.model_patcher) != self.match.request.fingerprint:
+            self.report.warnings.append("the sampler's model differs from the one the match was made for; running as a miss")
+            return None
+        started = time.perf_counter()
+        try:
+            entry = self.match.bank.load_masks(result.entry_id)
+        except BankEntryCorrupt as exc:
+            self.report.warnings.append(f"bank entry {result.entry_id} skipped: {exc}")
+            log.warning("Chorus: %s; falling back to a miss", exc)
+            return None
+        self.report.timings["load_ms"] = round((time.perf_counter() - started) * 1e3, 2)
+        self.report.mode, self.report.entry_id = "hit", result.entry_id
+        return BankEntryProvider(entry, self.sampling.steps)
+
+    def _miss_provider(self):
+        if self.options.miss_mode == "dense":
+            return DenseProvider((self.block_size, self.block_size))
+        o = self.options
+        return OnlinePredictionProvider(self.block_size, o.top_p, o.min_density, o.max_density)
+
+    def _can_record(self) -> bool:
+        return bool(self.match and self.options.record_on_miss and not self.match.bank.read_only)
+
+    def _make_recorder(self) -> MaskRecorder:
+        o = self.options
+        self.schedule = Schedule(steps=self.sampling.steps, sampler=self.sampling.sampler,
+                                 scheduler=self.sampling.scheduler, shift=_model_shift(self.model_patcher))
+        return MaskRecorder(num_layers=len(self.model_patcher.model.diffusion_model.blocks),
+                            step_buckets=recorded_steps(self.schedule.step_buckets), block_size=self.block_size,
+                            top_p=o.top_p, min_density=o.min_density, max_density=o.max_density)
+
+    def progress(self, step_stats, run_stats) -> dict:
+        """A per-step event for the web view: per-layer share of attention run sparse, so far."""
+        return {"mode": self.report.mode, "step": len(run_stats.steps), "steps": self.sampling.steps,
+                "layers": _layer_rows(run_stats), "density": _mean_density(run_stats)}
+
+    def finish(self) -> RunReport:
+        """Fill the report from the run's statistics; on a recorded miss add the masks to the bank."""
+        stats = get_run_stats(self.patched)
+        if stats is not None:
+            self.report.layers, self.report.density = _layer_rows(stats), _mean_density(stats)
+            self.report.timings["sampling_s"] = round(stats.seconds or 0.0, 3)
+        if self.recorder is not None:
+            self._record()
+        return self.report
+
+    def _record(self) -> None:
+        started = time.perf_counter()
+        try:
+            recorded = self.recorder.finish()
+            request = self.match.request
+            self.report.recorded_entry_id = self.match.bank.add_entry(
+                fingerprint=request.fingerprint, layout=request.layout, schedule=self.schedule,
+                masks=recorded.block_maps.cpu(), signature=request.signature, density=recorded.density,
+                recall=recorded.mean_recall, tags=list(self.options.tags))
+        except (BankError, ValueError, OSError) as exc:  # the generation itself succeeded: keep it
+            self.report.warnings.append(f"masks not recorded: {exc}")
+            log.warning("Chorus: masks from this run were not recorded: %s", exc)
+        self.report.timings["record_ms"] = round((time.perf_counter() - started) * 1e3, 2)
+
+
+def _layer_rows(stats) -> list[dict]:
+    rows = []
+    for layer, s in sorted(stats.layers.items()):
+        total = s.sparse_calls + s.dense_calls
+        rows.append({"layer": layer, "sparse_share": s.sparse_calls / total if total else 0.0,
+                     "density": s.mean_density})
+    return rows
+
+
+def _mean_density(stats) -> float | None:
+    densities = [s.effective_density for s in stats.layers.values() if s.effective_density is not None]
+    return round(sum(densities) / len(densities), 4) if densities else None
+
+
+def _model_shift(model_patcher) -> float:
+    sampling = getattr(model_patcher.model, "model_sampling", None)
+    return float(getattr(sampling, "shift", 0.0) or 0.0)

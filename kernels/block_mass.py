@@ -147,9 +147,9 @@ def block_mass(
         raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
     qh, kh = to_bhnd(q, heads), to_bhnd(k, heads)
     _check_qk(qh, kh, block_size, query_stride)
-    if block_size & (block_size - 1) or block_size // query_stride < 16:
+    if block_size < 16 or block_size & (block_size - 1) or query_stride & (query_stride - 1):
         raise ValueError(
-            f"the Triton path needs a power-of-two block_size with >= 16 sampled queries per block, "
+            f"the Triton path needs a power-of-two block_size >= 16 and a power-of-two query_stride, "
             f"got block_size={block_size}, query_stride={query_stride}"
         )
     scale = qh.shape[-1] ** -0.5 if scale is None else scale
@@ -173,6 +173,9 @@ def _block_mass_triton(qh, kh, block_size, scale, stride, lse, config) -> torch.
     block_d = max(16, 1 << (d - 1).bit_length())
     # The interpreter's tl.dot is wrong for bf16/fp16 operands: upcast there (CPU tests only).
     upcast = _interpreting() or qh.dtype == torch.float32
+    # A tile is always block_size query rows: with stride s, every s-th row of s query blocks,
+    # so sampling cuts the work without shrinking the matrix-unit tiles.
+    tiles = math.ceil(nb / stride)
     qk_scale = scale * _LOG2E  # the kernels work in base 2 (exp2 is the fast instruction)
     warps = config.get("num_warps", 8 if block_size >= 128 else 4)
     stages = config.get("num_stages", 2)
@@ -180,7 +183,7 @@ def _block_mass_triton(qh, kh, block_size, scale, stride, lse, config) -> torch.
     if lse is None:
         lse2 = torch.empty(b * h, n, dtype=torch.float32, device=qh.device)
         block_n = config.get("lse_block_n", min(block_size, 128))
-        kern.row_lse[(nb, b * h)](
+        kern.row_lse[(tiles, b * h)](
             qh, kh, lse2, *strides, h, n, d, qk_scale,
             BLOCK=block_size, STRIDE=stride, BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=upcast,
             num_warps=warps, num_stages=stages,
@@ -191,7 +194,7 @@ def _block_mass_triton(qh, kh, block_size, scale, stride, lse, config) -> torch.
         lse2 = (lse.float() * _LOG2E).reshape(b * h, n).contiguous()
     # NaN-poisoned: a tile the kernel failed to write shows up in every check.
     mass = torch.full((b, h, nb, nb), float("nan"), dtype=torch.float32, device=qh.device)
-    kern.block_mass[(nb, b * h)](
+    kern.block_mass[(tiles, b * h)](
         qh, kh, lse2, mass, *strides, h, n, d, nb, qk_scale,
         BLOCK=block_size, STRIDE=stride, BLOCK_D=block_d, UPCAST=upcast, num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -208,6 +211,13 @@ def _kernels():
 if triton is not None:
 
     @triton.jit
+    def _sampled_rows(pid_m, BLOCK: tl.constexpr, STRIDE: tl.constexpr):
+        """A tile of BLOCK query rows: every STRIDE-th row of STRIDE consecutive query blocks."""
+        r = tl.arange(0, BLOCK)
+        rows_per_block: tl.constexpr = BLOCK // STRIDE
+        return (pid_m * STRIDE + r // rows_per_block) * BLOCK + (r % rows_per_block) * STRIDE
+
+    @triton.jit
     def _load_q(Q, b, h, rows, dims, sqb, sqh, sqn, sqd, N, D, UPCAST: tl.constexpr):
         ptr = Q + b * sqb + h * sqh + rows[:, None].to(tl.int64) * sqn + dims[None, :] * sqd
         q = tl.load(ptr, mask=(rows[:, None] < N) & (dims[None, :] < D), other=0.0)
@@ -216,13 +226,15 @@ if triton is not None:
         return q
 
     @triton.jit
-    def _load_kt(K, b, h, cols, dims, skb, skh, skn, skd, N, D, UPCAST: tl.constexpr):
-        """K tile transposed: ``[BLOCK_D, BLOCK_N]``."""
+    def _scores(q, K, b, h, cols, dims, skb, skh, skn, skd, N, D, qk_scale, UPCAST: tl.constexpr):
+        """Scaled scores of a q tile against the key tile ``cols`` (K loaded as ``[BLOCK_D, BLOCK_N]``)."""
         ptr = K + b * skb + h * skh + cols[None, :].to(tl.int64) * skn + dims[:, None] * skd
         kt = tl.load(ptr, mask=(cols[None, :] < N) & (dims[:, None] < D), other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        return kt
+        if UPCAST:  # fp32 math: ask for exact fp32 dots, not tf32
+            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        return s * qk_scale
 
     @triton.jit
     def _row_lse_kernel(
@@ -233,15 +245,15 @@ if triton is not None:
         """Pass 1: base-2 log-sum-exp of each sampled query row, online over key tiles."""
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
         b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
-        rows = pid_m * BLOCK + tl.arange(0, BLOCK // STRIDE) * STRIDE
+        rows = _sampled_rows(pid_m, BLOCK, STRIDE)
         dims = tl.arange(0, BLOCK_D)
         q = _load_q(Q, b, h, rows, dims, sqb, sqh, sqn, sqd, N, D, UPCAST)
-        m = tl.full([BLOCK // STRIDE], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK // STRIDE], tl.float32)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK], tl.float32)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            kt = _load_kt(K, b, h, cols, dims, skb, skh, skn, skd, N, D, UPCAST)
-            s = tl.where(cols[None, :] < N, tl.dot(q, kt) * qk_scale, float("-inf"))
+            s = _scores(q, K, b, h, cols, dims, skb, skh, skn, skd, N, D, qk_scale, UPCAST)
+            s = tl.where(cols[None, :] < N, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
             m = m_new
@@ -252,23 +264,24 @@ if triton is not None:
         Q, K, LSE2, MASS, sqb, sqh, sqn, sqd, skb, skh, skn, skd, H, N, D, NB, qk_scale,
         BLOCK: tl.constexpr, STRIDE: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
-        """Pass 2: one query block against every key block; each tile's softmax sum is one output."""
+        """Pass 2: STRIDE query blocks (BLOCK sampled rows) against every key block, one tile each."""
         pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
         b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
-        rows = pid_m * BLOCK + tl.arange(0, BLOCK // STRIDE) * STRIDE
+        rows = _sampled_rows(pid_m, BLOCK, STRIDE)
         dims = tl.arange(0, BLOCK_D)
         q = _load_q(Q, b, h, rows, dims, sqb, sqh, sqn, sqd, N, D, UPCAST)
         # Rows past N get lse = +inf, so their probabilities are exp2(-inf) = 0.
         lse2 = tl.load(LSE2 + pid_bh.to(tl.int64) * N + rows, mask=rows < N, other=float("inf"))
-        n_rows = (tl.minimum(N - pid_m * BLOCK, BLOCK) + STRIDE - 1) // STRIDE  # sampled rows < N
-        inv_rows = 1.0 / n_rows.to(tl.float32)
-        out = MASS + (pid_bh.to(tl.int64) * NB + pid_m) * NB
+        qblocks = pid_m * STRIDE + tl.arange(0, STRIDE)  # the query blocks of this tile
+        n_rows = (tl.minimum(N - qblocks * BLOCK, BLOCK) + STRIDE - 1) // STRIDE  # their sampled rows < N
+        inv_rows = 1.0 / tl.maximum(n_rows, 1).to(tl.float32)
+        out = MASS + (pid_bh.to(tl.int64) * NB + qblocks) * NB
         for j in range(0, NB):
             cols = j * BLOCK + tl.arange(0, BLOCK)
-            kt = _load_kt(K, b, h, cols, dims, skb, skh, skn, skd, N, D, UPCAST)
-            p = tl.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
-            p = tl.where(cols[None, :] < N, p, 0.0)
-            tl.store(out + j, tl.sum(tl.sum(p, 1), 0) * inv_rows)
+            s = _scores(q, K, b, h, cols, dims, skb, skh, skn, skd, N, D, qk_scale, UPCAST)
+            p = tl.where(cols[None, :] < N, tl.exp2(s - lse2[:, None]), 0.0)
+            per_block = tl.sum(tl.reshape(tl.sum(p, 1), [STRIDE, BLOCK // STRIDE]), 1)  # [STRIDE]
+            tl.store(out + j, per_block * inv_rows, mask=qblocks < NB)
 
     class _KERNELS:  # noqa: N801  (a namespace)
         row_lse = _row_lse_kernel

@@ -18,4 +18,5 @@ class ChorusExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         from . import setup
 
+        setup.on_load()  # ComfyUI 0.3.64 never calls on_load(); setting up twice is harmless
         return setup.node_list()

@@ -118,28 +118,37 @@ class ChorusSimilarityMatch(io.ComfyNode):
                         "text conditioning, start-frame layout). A hit lets the sampler reuse its sparse attention masks.",
             inputs=[
                 MaskBankType.Input("mask_bank"),
+                io.Model.Input("model", tooltip="Only masks recorded with this exact model (fingerprint) are candidates."),
                 io.ClipVisionOutput.Input("clip_vision_output", tooltip="From CLIP Vision Encode of the start image."),
-                io.Conditioning.Input("positive", tooltip="The positive text conditioning."),
-                io.Latent.Input("start_latent", optional=True, tooltip="The start frame's latent (layout component). Or give start_image."),
-                io.Image.Input("start_image", optional=True, tooltip="The start image (layout component) when no latent is at hand."),
-                io.Model.Input("model", optional=True, tooltip="Restricts candidates to masks recorded with this exact model."),
+                io.Conditioning.Input("positive", tooltip="Positive conditioning from WanImageToVideo (its start-frame latent gives the layout)."),
+                io.Latent.Input("latent", tooltip="The latent the sampler will denoise (gives the video grid)."),
+                io.Latent.Input("start_latent", optional=True, tooltip="Start-frame latent, when positive carries none."),
                 io.Float.Input("threshold", default=0.9, min=0.0, max=1.0, step=0.005, tooltip="Overall similarity needed for a hit."),
                 io.Float.Input("clip_weight", default=0.5, min=0.0, max=1.0, step=0.05, tooltip="Weight of the image embedding."),
                 io.Float.Input("text_weight", default=0.3, min=0.0, max=1.0, step=0.05, tooltip="Weight of the text conditioning."),
                 io.Float.Input("layout_weight", default=0.2, min=0.0, max=1.0, step=0.05, tooltip="Weight of the start-frame layout."),
+                io.Int.Input("block_size", default=128, min=16, max=256, step=16,
+                             tooltip="Tokens per mask block. 128 for the GPU kernel; smaller only for tiny test models."),
             ],
             outputs=[MatchType.Output(display_name="match"), io.String.Output(display_name="summary")],
         )
 
     @classmethod
-    def execute(cls, mask_bank, clip_vision_output, positive, threshold, clip_weight, text_weight,
-                layout_weight, start_latent=None, start_image=None, model=None) -> io.NodeOutput:
-        from ..chorus_core.reuse_run import MatchRequest, match_request
+    def execute(cls, mask_bank, model, clip_vision_output, positive, latent, threshold, clip_weight, text_weight,
+                layout_weight, block_size, start_latent=None) -> io.NodeOutput:
+        from ..chorus_core.reuse_run import build_match_request, match_request
 
-        request = MatchRequest.from_comfy(clip_vision_output, positive, start_latent, start_image, model,
-                                          threshold, {"clip": clip_weight, "text": text_weight, "layout": layout_weight})
+        weights = {"clip": clip_weight, "text": text_weight, "layout": layout_weight}
+        request = build_match_request(model, clip_vision_output, positive, latent, start_latent, threshold,
+                                      weights, block_size)
         match = match_request(mask_bank, request)
         return io.NodeOutput(match, match.summary())
 
 
 NODES = [ChorusMaskBankLoader, ChorusSimilarityMatch]
+
+
+def bank_roots() -> list[str]:
+    import folder_paths
+
+    return folder_paths.get_folder_paths(BANK_FOLDER_KEY)

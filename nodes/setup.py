@@ -5,9 +5,10 @@ from __future__ import annotations
 import importlib
 import logging
 
-# Feature modules, each exporting NODES (a list of io.ComfyNode classes). A module whose
-# optional dependency is missing still imports: its nodes fail when used, with a message.
-FEATURE_MODULES: list[str] = ["testbed"]
+# Feature modules, each exporting NODES (a list of io.ComfyNode classes). Optional
+# dependencies are imported inside the nodes that need them, so a missing one fails that
+# node with a message instead of hiding the whole pack.
+FEATURE_MODULES: list[str] = ["bank_nodes", "sampler_nodes", "testbed"]
 
 
 def node_list() -> list:
@@ -18,5 +19,17 @@ def node_list() -> list:
     return nodes
 
 
+_loaded = False
+
+
 def on_load() -> None:
-    logging.info("Chorus: loaded %d nodes", len(node_list()))
+    """Register the bank folder and the HTTP routes, once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from . import bank_nodes, routes
+
+    bank_nodes.register_bank_folder()
+    routes.register()
+    logging.info("Chorus: %d nodes, banks in %s", len(node_list()), ", ".join(bank_nodes.bank_roots()))

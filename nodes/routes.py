@@ -1,0 +1,70 @@
+"""Read-only HTTP routes under /chorus/api/: bank statistics and recent entries.
+
+Banks are named, never given as paths: a name is looked up among the folders registered as
+``chorus_banks``, so a client cannot point the server at an arbitrary file.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from .bank_nodes import bank_path, existing_banks
+
+_registered = False
+
+
+def _open_named(name: str):
+    from ..chorus_core.bank import MaskBank
+
+    if name not in existing_banks():
+        raise web.HTTPNotFound(text=f"no bank named {name!r}; GET /chorus/api/banks lists them")
+    return MaskBank.open(bank_path(name), read_only=True, create=False)
+
+
+async def list_banks(request: web.Request) -> web.Response:
+    return web.json_response({"banks": existing_banks()})
+
+
+async def bank_stats(request: web.Request) -> web.Response:
+    bank = _open_named(request.match_info["name"])
+    try:
+        return web.json_response(bank.stats())
+    finally:
+        bank.close()
+
+
+async def recent_entries(request: web.Request) -> web.Response:
+    try:
+        limit = min(max(int(request.query.get("limit", "20")), 1), 200)
+    except ValueError:
+        raise web.HTTPBadRequest(text="limit must be an integer between 1 and 200") from None
+    bank = _open_named(request.match_info["name"])
+    try:
+        return web.json_response({"entries": bank.recent(limit)}, dumps=_dumps)
+    finally:
+        bank.close()
+
+
+def _dumps(value) -> str:
+    import json
+
+    return json.dumps(value, default=str)
+
+
+def register() -> None:
+    """Add the routes once to ComfyUI's server (absent in in-process use)."""
+    global _registered
+    try:
+        from server import PromptServer
+    except ImportError:
+        return
+    if _registered or getattr(PromptServer, "instance", None) is None:
+        return
+    routes = PromptServer.instance.routes
+    routes.get("/chorus/api/banks")(list_banks)
+    routes.get("/chorus/api/banks/{name}/stats")(bank_stats)
+    routes.get("/chorus/api/banks/{name}/recent")(recent_entries)
+    _registered = True
+    logging.debug("Chorus: routes registered under /chorus/api/")

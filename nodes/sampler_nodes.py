@@ -1,0 +1,89 @@
+"""Chorus Sparse Wan Sampler: KSampler with block-sparse self-attention from the mask bank."""
+
+from __future__ import annotations
+
+import comfy.samplers
+from comfy_api.latest import io
+
+from . import CATEGORY
+from .bank_nodes import MatchType
+
+STEP_EVENT, RUN_START_EVENT = "chorus.step", "chorus.run_start"
+
+
+def _send(event: str, payload: dict) -> None:
+    """A websocket event for the web view; silent when no server runs (in-process use)."""
+    try:
+        from server import PromptServer
+    except ImportError:
+        return
+    server = getattr(PromptServer, "instance", None)
+    if server is not None:
+        server.send_sync(event, payload, server.client_id)
+
+
+def _parse_layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
+    except ValueError:
+        raise ValueError(f"dense_layers must be comma-separated block indices such as '0, 39', got {text!r}") from None
+
+
+class ChorusSparseWanSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ChorusSparseWanSampler",
+            display_name="Chorus Sparse Wan Sampler",
+            category=CATEGORY,
+            description="KSampler for Wan 2.1 with block-sparse self-attention. On a bank hit it reuses the matched "
+                        "request's masks; on a miss it predicts masks online (or runs dense) and, with recording on, "
+                        "adds this run's masks to the bank after the run succeeds.",
+            inputs=[
+                io.Model.Input("model", tooltip="A Wan 2.1 model (I2V or T2V). Other models are refused."),
+                io.Conditioning.Input("positive"),
+                io.Conditioning.Input("negative"),
+                io.Latent.Input("latent_image"),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+                io.Int.Input("steps", default=40, min=1, max=10000),
+                io.Float.Input("cfg", default=5.0, min=0.0, max=100.0, step=0.1, round=0.01),
+                io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="uni_pc"),
+                io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple"),
+                io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01),
+                MatchType.Input("match", optional=True, tooltip="From Chorus Similarity Match. Without it every run is a miss and nothing is recorded."),
+                io.Int.Input("dense_warmup_steps", default=1, min=0, max=10000, tooltip="First steps run dense attention."),
+                io.String.Input("dense_layers", default="", tooltip="Comma-separated block indices that always run dense, e.g. '0, 39'."),
+                io.Combo.Input("miss_mode", options=["online", "dense"], default="online", tooltip="On a miss: predict masks from pooled q/k each step, or run dense."),
+                io.Float.Input("top_p", default=0.9, min=0.5, max=1.0, step=0.01, tooltip="Attention mass each query block keeps (online prediction and recording)."),
+                io.Float.Input("min_density", default=0.05, min=0.0, max=1.0, step=0.01, tooltip="Least share of key blocks kept per query block."),
+                io.Float.Input("max_density", default=0.5, min=0.01, max=1.0, step=0.01, tooltip="Most share of key blocks kept per query block."),
+                io.Boolean.Input("record_on_miss", default=True, tooltip="Add this run's masks to the bank after a successful miss."),
+                io.String.Input("tag", default="", tooltip="Tag stored with a recorded entry, e.g. the effect template's name."),
+            ],
+            outputs=[io.Latent.Output(display_name="LATENT")],
+            hidden=[io.Hidden.unique_id],
+            is_output_node=False,
+        )
+
+    @classmethod
+    def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
+                dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
+                match=None) -> io.NodeOutput:
+        import nodes as comfy_nodes
+
+        from ..chorus_core.reuse_run import ReuseOptions, ReuseRun, SamplingSettings
+
+        options = ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=_parse_layers(dense_layers),
+                               miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
+                               record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else ())
+        run = ReuseRun(model, match, options, SamplingSettings(steps, sampler_name, scheduler))
+        node_id = cls.hidden.unique_id
+        patched = run.prepare(on_step=lambda payload: _send(STEP_EVENT, {"node": node_id, **payload}))
+        _send(RUN_START_EVENT, {"node": node_id, "mode": run.report.mode, "steps": steps})
+        (latent,) = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, positive,
+                                                negative, latent_image, denoise=denoise)
+        report = run.finish()
+        return io.NodeOutput(latent, ui={"chorus_report": [report.to_json()]})
+
+
+NODES = [ChorusSparseWanSampler]
