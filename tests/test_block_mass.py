@@ -100,7 +100,7 @@ def test_bad_layouts_raise():
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 # CPU tensors run in the Triton interpreter; CHORUS_TEST_GPU=1 runs the compiled kernel instead.
 DEVICE = "cuda" if os.environ.get("CHORUS_TEST_GPU") == "1" else "cpu"
-TOL = 3e-3 if DEVICE == "cuda" else 1e-5  # tf32 / bf16 dots on a GPU; exact fp32 in the interpreter
+TOL = 1e-4 if DEVICE == "cuda" else 1e-5  # fp32 inputs use exact (ieee) dots on the GPU too
 
 
 @needs_triton
@@ -125,12 +125,12 @@ def test_triton_comfy_layout_bf16_and_given_lse():
 
 
 @needs_triton
-@pytest.mark.parametrize("n,stride", [(64, 2), (81, 2), (150, 4), (100, 4)])
-def test_triton_query_stride_matches_reference(n, stride):
-    # 150 / 16 -> 10 query blocks, 4 per tile: the last tile holds 2 real blocks and 2 past the end.
+@pytest.mark.parametrize("n,bs,stride", [(64, 16, 2), (81, 32, 2), (150, 16, 4), (100, 32, 4)])
+def test_triton_query_stride_matches_reference(n, bs, stride):
+    # A tile holds `stride` query blocks; N=150, bs=16: 10 blocks, the last tile has 2 past the end.
     q, k = (x.to(DEVICE) for x in qk(1, 2, n, 16))
-    out = block_mass(q, k, block_size=16 * stride // 2 if stride == 2 else 16, query_stride=stride, backend="triton")
-    ref = block_mass_reference(q, k, block_size=16 * stride // 2 if stride == 2 else 16, query_stride=stride)
+    out = block_mass(q, k, block_size=bs, query_stride=stride, backend="triton")
+    ref = block_mass_reference(q, k, block_size=bs, query_stride=stride)
     check_close(out.cpu(), ref.cpu(), rel=TOL, abs_=TOL)
 
 

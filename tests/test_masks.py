@@ -158,6 +158,15 @@ def test_recorder_averages_buckets_and_reaches_top_p():
     assert out.mean_recall >= 0.85 - 1e-6
 
 
+def test_recorder_query_stride_estimates_the_mass():
+    rec = MaskRecorder(num_layers=1, step_buckets=[[0]], block_size=16, top_p=0.9, query_stride=4)
+    rec.record(0, 0, *attention_inputs(0, 0))
+    out = rec.finish()
+    sampled = block_mass_reference(*attention_inputs(0, 0), block_size=16, query_stride=4).mean(0)
+    assert torch.equal(out.block_maps[0, 0], select_blocks(sampled, 0.9))
+    assert_valid_map(out.block_maps, (1, 1, 2, 4, 4))
+
+
 def test_recorder_comfy_layout_and_missing_layers():
     rec = MaskRecorder(num_layers=2, step_buckets=[[0]], block_size=16)
     q, k = attention_inputs(0, 0)

@@ -1,0 +1,81 @@
+"""End to end through a real ComfyUI server: miss-and-record, then hit, then a dissimilar miss."""
+
+import pytest
+
+from workflows import chorus_i2v_prompt
+
+pytestmark = pytest.mark.e2e
+STEPS = 4
+
+
+def run_collecting_events(server, prompt):
+    events = []
+    record = server.run_prompt(prompt, timeout=300, on_event=events.append)
+    assert record["status"]["status_str"] == "success", record["status"]
+    return record, events
+
+
+def chorus_report(record):
+    return record["outputs"]["3"]["chorus_report"][0]
+
+
+@pytest.fixture(scope="module")
+def three_runs(comfy_server):
+    """The same bank, three requests in order; results shared by the tests below."""
+    runs = {}
+    for name, kwargs in [("first", dict(template="pan", subject=0, layout=0, seed=1)),
+                         ("similar", dict(template="pan", subject=0, layout=0, seed=2)),
+                         ("dissimilar", dict(template="orbit", subject=3, layout=5, seed=3))]:
+        runs[name] = run_collecting_events(comfy_server, chorus_i2v_prompt(bank="e2e_three_runs", steps=STEPS, **kwargs))
+    return runs
+
+
+def test_first_request_is_a_miss_that_records(three_runs):
+    report = chorus_report(three_runs["first"][0])
+    assert report["mode"] == "miss"
+    assert report["recorded_entry_id"]
+    assert report["warnings"] == []
+
+
+def test_similar_request_hits_the_recorded_entry(three_runs):
+    first, similar = chorus_report(three_runs["first"][0]), chorus_report(three_runs["similar"][0])
+    assert similar["mode"] == "hit"
+    assert similar["entry_id"] == first["recorded_entry_id"]
+    assert similar["similarity"] >= 0.9
+    # dense warm-up step 0, then every layer sparse: 3 of 4 steps
+    assert [layer["sparse_share"] for layer in similar["layers"]] == [0.75, 0.75]
+    assert 0 < similar["density"] < 1
+    assert similar["recorded_entry_id"] is None
+
+
+def test_hit_sends_one_step_event_per_step_with_per_layer_shares(three_runs):
+    record, events = three_runs["similar"]
+    steps = [e["data"] for e in events if e.get("type") == "chorus.step"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert all(s["node"] == "3" and s["mode"] == "hit" for s in steps)
+    assert steps[-1]["layers"] == chorus_report(record)["layers"]
+    starts = [e["data"] for e in events if e.get("type") == "chorus.run_start"]
+    assert starts == [{"node": "3", "mode": "hit", "steps": STEPS}]
+
+
+def test_dissimilar_request_misses(three_runs):
+    report = chorus_report(three_runs["dissimilar"][0])
+    assert report["mode"] == "miss"
+    assert report["similarity"] < 0.9
+    assert report["recorded_entry_id"]
+
+
+def test_bank_routes_report_the_recorded_entries(comfy_server, three_runs):
+    assert "e2e_three_runs" in comfy_server.get_json("/chorus/api/banks")["banks"]
+    stats = comfy_server.get_json("/chorus/api/banks/e2e_three_runs/stats")
+    assert stats["entries"] == 2
+    recent = comfy_server.get_json("/chorus/api/banks/e2e_three_runs/recent?limit=5")["entries"]
+    assert len(recent) == 2
+
+
+def test_bank_routes_take_no_paths(comfy_server):
+    import urllib.error
+
+    with pytest.raises(urllib.error.HTTPError) as err:
+        comfy_server.get_json("/chorus/api/banks/..%2F..%2Fetc/stats")
+    assert err.value.code == 404
