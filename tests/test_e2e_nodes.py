@@ -24,7 +24,7 @@ def three_runs(comfy_server):
     """The same bank, three requests in order; results shared by the tests below."""
     runs = {}
     for name, kwargs in [("first", dict(template="pan", subject=0, layout=0, seed=1)),
-                         ("similar", dict(template="pan", subject=0, layout=0, seed=2)),
+                         ("similar", dict(template="pan", subject=1, layout=0, seed=2)),
                          ("dissimilar", dict(template="orbit", subject=3, layout=5, seed=3))]:
         runs[name] = run_collecting_events(comfy_server, chorus_i2v_prompt(bank="e2e_three_runs", steps=STEPS, **kwargs))
     return runs

@@ -119,7 +119,10 @@ def layout_vector(start_latent) -> np.ndarray | None:
                        for i in range(LAYOUT_GRID)], axis=-1)  # [8, C, 8]
     pooled = pooled.transpose(1, 0, 2)  # [C, 8, 8]
     pooled -= pooled.mean(axis=(1, 2), keepdims=True)
-    return _project("layout", pooled)
+    # Where the content is, not what colour it has: the channel norm of each cell's deviation
+    # from the frame mean. Two subjects at one spot then share a layout, as their masks do.
+    energy = np.sqrt((pooled**2).sum(axis=0))  # [8, 8]
+    return _project("layout", energy - energy.mean())
 
 
 def build_signature(clip_vision=None, text=None, start_latent=None) -> Signature:

@@ -1,0 +1,162 @@
+"""Build the example workflows (UI format and API twin) from one API-format definition.
+
+The API graphs below are the source of truth; the UI files that ComfyUI's template browser
+shows are derived from them with a running server's ``/object_info`` (widget order, output
+types), so the two formats cannot drift apart. Regenerate after changing a node's inputs::
+
+    .venv/bin/python tests/example_workflows_tool.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO_ROOT / "example_workflows"
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+# The file names ComfyUI's own Wan 2.1 templates use (Comfy-Org/Wan_2.1_ComfyUI_repackaged).
+MODEL_FILES = {
+    "480p": "wan2.1_i2v_480p_14B_fp16.safetensors",
+    "720p": "wan2.1_i2v_720p_14B_fp16.safetensors",
+}
+TEXT_ENCODER = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
+CLIP_VISION = "clip_vision_h.safetensors"
+VAE = "wan_2.1_vae.safetensors"
+SIZES = {"480p": (832, 480), "720p": (1280, 720)}
+PROMPT = "the subject turns towards the camera and smiles, gentle camera push-in, soft daylight"
+NEGATIVE = "static, blurry, low quality, deformed, watermark, text"
+
+
+def wan21_i2v_chorus(resolution: str) -> dict:
+    """Wan 2.1 I2V 14B with Chorus: bank loader, similarity match and the sparse sampler."""
+    width, height = SIZES[resolution]
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL_FILES[resolution], "weight_dtype": "default"}},
+        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": TEXT_ENCODER, "type": "wan", "device": "default"}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT, "clip": ["2", 0]}},
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"text": NEGATIVE, "clip": ["2", 0]}},
+        "5": {"class_type": "CLIPVisionLoader", "inputs": {"clip_name": CLIP_VISION}},
+        "6": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+        "7": {"class_type": "CLIPVisionEncode", "inputs": {"clip_vision": ["5", 0], "image": ["6", 0], "crop": "none"}},
+        "8": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
+        "9": {"class_type": "WanImageToVideo", "inputs": {
+            "positive": ["3", 0], "negative": ["4", 0], "vae": ["8", 0], "clip_vision_output": ["7", 0],
+            "start_image": ["6", 0], "width": width, "height": height, "length": 81, "batch_size": 1}},
+        "10": {"class_type": "ChorusMaskBankLoader", "inputs": {
+            "bank": "(create new bank)", "new_bank_name": f"wan21_i2v_{resolution}", "read_only": False}},
+        "11": {"class_type": "ChorusSimilarityMatch", "inputs": {
+            "mask_bank": ["10", 0], "model": ["1", 0], "clip_vision_output": ["7", 0], "positive": ["9", 0],
+            "latent": ["9", 2], "threshold": 0.9, "clip_weight": 0.5, "text_weight": 0.3, "layout_weight": 0.2,
+            "block_size": 128}},
+        "12": {"class_type": "ChorusSparseWanSampler", "inputs": {
+            "model": ["1", 0], "positive": ["9", 0], "negative": ["9", 1], "latent_image": ["9", 2],
+            "match": ["11", 0], "seed": 42, "steps": 40, "cfg": 5.0, "sampler_name": "uni_pc",
+            "scheduler": "simple", "denoise": 1.0, "dense_warmup_steps": 1, "dense_layers": "",
+            "miss_mode": "online", "top_p": 0.9, "min_density": 0.05, "max_density": 0.5,
+            "record_on_miss": True, "tag": "my_effect_template"}},
+        "13": {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["8", 0]}},
+        "14": {"class_type": "CreateVideo", "inputs": {"images": ["13", 0], "fps": 16.0}},
+        "15": {"class_type": "SaveVideo", "inputs": {"video": ["14", 0], "filename_prefix": "video/chorus_wan21_i2v",
+                                                     "format": "auto", "codec": "auto"}},
+        "16": {"class_type": "PreviewAny", "inputs": {"source": ["11", 1]}},
+    }
+
+
+WORKFLOWS = {f"chorus_wan21_i2v_{r}": (lambda r=r: wan21_i2v_chorus(r)) for r in ("480p", "720p")}
+
+
+def _inputs_in_order(spec: dict) -> list[tuple[str, list]]:
+    ordered = list(spec["input"].get("required", {}).items()) + list(spec["input"].get("optional", {}).items())
+    return [(name, value) for name, value in ordered]
+
+
+def _is_widget(value: list) -> bool:
+    kind = value[0]
+    return isinstance(kind, list) or kind in WIDGET_TYPES
+
+
+def _depths(prompt: dict) -> dict[str, int]:
+    depth: dict[str, int] = {}
+
+    def visit(node_id: str) -> int:
+        if node_id not in depth:
+            links = [v for v in prompt[node_id]["inputs"].values() if isinstance(v, list)]
+            depth[node_id] = 1 + max((visit(str(l[0])) for l in links), default=-1)
+        return depth[node_id]
+
+    for node_id in prompt:
+        visit(node_id)
+    return depth
+
+
+def api_to_ui(prompt: dict, object_info: dict) -> dict:
+    """A UI-format workflow equivalent to the API-format ``prompt``."""
+    links, nodes, rows = [], {}, {}
+    depth = _depths(prompt)
+    for node_id, node in sorted(prompt.items(), key=lambda item: (depth[item[0]], int(item[0]))):
+        spec = object_info[node["class_type"]]
+        column = depth[node_id]
+        row = rows.get(column, 0)
+        rows[column] = row + 1
+        nodes[node_id] = {
+            "id": int(node_id), "type": node["class_type"], "pos": [40 + 420 * column, 40 + 260 * row],
+            "size": [380, 220], "flags": {}, "order": 0, "mode": 0, "inputs": [],
+            "outputs": [{"name": name, "type": kind, "links": [], "slot_index": i}
+                        for i, (name, kind) in enumerate(zip(spec["output_name"], spec["output"]))],
+            "properties": {"Node name for S&R": node["class_type"]}, "widgets_values": [],
+        }
+    for order, node_id in enumerate(sorted(prompt, key=lambda n: (depth[n], int(n)))):
+        _fill_node(nodes[node_id], prompt[node_id], object_info, nodes, links, order)
+    return {"last_node_id": max(int(n) for n in prompt), "last_link_id": len(links), "nodes": list(nodes.values()),
+            "links": links, "groups": [], "config": {}, "extra": {"frontendVersion": "1.27.10"}, "version": 0.4}
+
+
+def _fill_node(ui_node, api_node, object_info, nodes, links, order):
+    ui_node["order"] = order
+    for name, value in _inputs_in_order(object_info[api_node["class_type"]]):
+        given = api_node["inputs"].get(name)
+        if _is_widget(value):
+            ui_node["widgets_values"].append(given if given is not None else value[1].get("default") if len(value) > 1 else None)
+            if len(value) > 1 and value[1].get("control_after_generate"):
+                ui_node["widgets_values"].append("fixed")
+            continue
+        slot = len(ui_node["inputs"])
+        link_id = None
+        if isinstance(given, list):
+            link_id = len(links) + 1
+            origin = nodes[str(given[0])]
+            kind = origin["outputs"][given[1]]["type"]
+            links.append([link_id, int(given[0]), given[1], ui_node["id"], slot, kind])
+            origin["outputs"][given[1]]["links"].append(link_id)
+        ui_node["inputs"].append({"name": name, "type": value[0], "link": link_id})
+
+
+def write_examples(object_info: dict, out: Path = EXAMPLES) -> list[Path]:
+    # API twins go one folder down: ComfyUI's template browser lists only the top level.
+    (out / "api").mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, build in WORKFLOWS.items():
+        prompt = build()
+        (out / f"{name}.json").write_text(json.dumps(api_to_ui(prompt, object_info), indent=1) + "\n")
+        (out / "api" / f"{name}_api.json").write_text(json.dumps(prompt, indent=1) + "\n")
+        written += [out / f"{name}.json", out / "api" / f"{name}_api.json"]
+    return written
+
+
+def main() -> int:
+    import tempfile
+
+    sys.path.insert(0, str(REPO_ROOT))
+    from chorus_core.comfyui_process import ComfyServer, prepare_base_directory
+
+    with tempfile.TemporaryDirectory() as tmp, ComfyServer(prepare_base_directory(Path(tmp))) as server:
+        for path in write_examples(server.get_json("/object_info")):
+            print(path.relative_to(REPO_ROOT))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
