@@ -282,7 +282,8 @@ class ReuseRun:
                                  scheduler=self.sampling.scheduler, shift=_model_shift(self.model_patcher))
         return MaskRecorder(num_layers=len(self.model_patcher.model.diffusion_model.blocks),
                             step_buckets=recorded_steps(self.schedule.step_buckets), block_size=self.block_size,
-                            top_p=o.top_p, min_density=o.min_density, max_density=o.max_density)
+                            top_p=o.top_p, min_density=o.min_density, max_density=o.max_density,
+                            query_stride=_recording_query_stride(self.model_patcher))
 
     def progress(self, step_stats, run_stats) -> dict:
         """A per-step event for the web view: per-layer share of attention run sparse, so far."""
@@ -331,3 +332,10 @@ def _mean_density(stats) -> float | None:
 def _model_shift(model_patcher) -> float:
     sampling = getattr(model_patcher.model, "model_sampling", None)
     return float(getattr(sampling, "shift", 0.0) or 0.0)
+
+
+def _recording_query_stride(model_patcher) -> int:
+    """Every 4th query estimates the block mass on a GPU: a quarter of the recording cost
+    (tests/benchmarks/results/mask_costs_h200.md) for a block-mass error under 4e-4."""
+    device = getattr(model_patcher, "load_device", None)
+    return 4 if getattr(device, "type", "cpu") == "cuda" else 1
