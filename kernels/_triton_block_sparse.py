@@ -59,6 +59,50 @@ def _attend_tile(acc, l_i, m_i, q, k_base, v_base, KD, VD, kv_row0, kv_col0, sta
 
 
 @triton.jit
+def _load_tile(base, desc, row0, col0, start, offs_n, offs_d, stride_n, USE_TMA: tl.constexpr):
+    """A full [BLOCK_N, D] tile of K or V starting at key ``start``."""
+    if USE_TMA:
+        return desc.load([row0 + start, col0])
+    return tl.load(base + (start + offs_n)[:, None] * stride_n + offs_d[None, :])
+
+
+@triton.jit
+def _main_loop_pipelined(acc, l_i, m_i, q, k_base, v_base, KD, VD, kv_row0, kv_col0, live, n_full,
+                         offs_n, offs_d, stride_kn, stride_vn, qk_scale,
+                         BLOCK_N: tl.constexpr, SUBS_PER_KB: tl.constexpr, USE_TMA: tl.constexpr):
+    """Full tiles with QK^T of step j+1 issued before the softmax of step j (FA3's overlap).
+
+    The asynchronous wgmma of the next scores can then run on the tensor cores while the
+    exp2 of the current ones run on the special-function units. Steps j walk the flattened
+    (live block, sub-tile) pairs.
+    """
+    KB: tl.constexpr = BLOCK_N * SUBS_PER_KB
+    n_steps = n_full * SUBS_PER_KB
+    if n_steps > 0:
+        start = tl.load(live) * KB
+        qk = tl.dot(q, tl.trans(_load_tile(k_base, KD, kv_row0, kv_col0, start, offs_n, offs_d, stride_kn, USE_TMA)))
+        for j in range(1, n_steps):
+            nxt = tl.load(live + j // SUBS_PER_KB) * KB + (j % SUBS_PER_KB) * BLOCK_N
+            k = _load_tile(k_base, KD, kv_row0, kv_col0, nxt, offs_n, offs_d, stride_kn, USE_TMA)
+            qk_next = tl.dot(q, tl.trans(k))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+            alpha = tl.math.exp2(m_i - m_ij)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_tile(v_base, VD, kv_row0, kv_col0, start, offs_n, offs_d, stride_vn, USE_TMA)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i, qk, start = m_ij, qk_next, nxt
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_base, VD, kv_row0, kv_col0, start, offs_n, offs_d, stride_vn, USE_TMA)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _bsa_fwd_kernel(Q, K, V, O, KD, VD, LIVE, COUNT, ORDER,
                     stride_qb, stride_qh, stride_qn,
                     stride_kb, stride_kh, stride_kn,
@@ -69,7 +113,7 @@ def _bsa_fwd_kernel(Q, K, V, O, KD, VD, LIVE, COUNT, ORDER,
                     H, N, n_tiles, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     TILES_PER_QB: tl.constexpr, SUBS_PER_KB: tl.constexpr, RAGGED: tl.constexpr,
-                    WARP_SPEC: tl.constexpr, USE_TMA: tl.constexpr):
+                    PIPELINE_QK: tl.constexpr, USE_TMA: tl.constexpr):
     # ORDER maps launch slots to tiles: heaviest tiles of each head launch first, so the
     # last wave is made of light tiles (load balance over uneven rows), while the tiles
     # of one head still run together and share its K/V in L2.
@@ -102,13 +146,10 @@ def _bsa_fwd_kernel(Q, K, V, O, KD, VD, LIVE, COUNT, ORDER,
         # ids ascend, so the ragged last key block, when live, is the last entry
         last_kb = (N - 1) // KB
         n_full = count - (tl.load(live + count - 1) == last_kb).to(tl.int32)
-    if WARP_SPEC:  # Triton's warp specialization (producer/consumer warps); tuned on/off
-        for i in tl.range(0, n_full, warp_specialize=True):
-            kb = tl.load(live + i)
-            for s in tl.static_range(SUBS_PER_KB):
-                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_base, v_base, KD, VD, kv_row0, kv_col0,
-                                             kb * KB + s * BLOCK_N, offs_n, offs_d, stride_kn, stride_vn,
-                                             N, qk_scale, False, USE_TMA)
+    if PIPELINE_QK:
+        acc, l_i, m_i = _main_loop_pipelined(acc, l_i, m_i, q, k_base, v_base, KD, VD, kv_row0, kv_col0, live,
+                                             n_full, offs_n, offs_d, stride_kn, stride_vn, qk_scale,
+                                             BLOCK_N, SUBS_PER_KB, USE_TMA)
     else:
         for i in range(0, n_full):
             kb = tl.load(live + i)
@@ -228,7 +269,7 @@ def block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None):
         h, n, math.ceil(n / bm), d**-0.5 * LOG2E,
         HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
         TILES_PER_QB=mask.block_q // bm, SUBS_PER_KB=mask.block_k // bn,
-        RAGGED=n % mask.block_k != 0, WARP_SPEC=bool(cfg.get("warp_specialize", False)),
+        RAGGED=n % mask.block_k != 0, PIPELINE_QK=bool(cfg.get("pipeline_qk", False)),
         USE_TMA=kd is not k,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

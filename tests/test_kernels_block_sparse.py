@@ -280,6 +280,7 @@ def test_kernels_package_has_no_comfy_imports():
 
 TILES16 = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 TMA16 = dict(TILES16, tma=True)  # K/V full tiles through tensor descriptors
+PIPE16 = dict(TILES16, pipeline_qk=True)  # next QK^T issued before this softmax
 # (B, H, N, D, mask block, map kind, tile config): ragged N everywhere but one case
 KERNEL_CASES = [
     (1, 2, 256, 32, 32, "random35", TILES16),
@@ -293,12 +294,15 @@ KERNEL_CASES = [
     (1, 2, 100, 32, 64, "random35", TILES16),  # 4x4 tiles per mask block, half-empty tail
     (2, 2, 203, 32, 32, "structured", TMA16),
     (1, 2, 100, 32, 64, "one_per_row", TMA16),
+    (2, 2, 203, 32, 32, "structured", PIPE16),
+    (1, 2, 100, 32, 64, "one_per_row", dict(PIPE16, tma=True)),
+    (1, 2, 150, 32, 32, "all_live", dict(PIPE16, tma=True)),
 ]
 
 
 def _case_id(case):
     b, h, n, d, block, kind, cfg = case
-    return f"B{b}-H{h}-N{n}-D{d}-blk{block}-{kind}-tile{cfg['BLOCK_M']}" + ("-tma" if cfg.get("tma") else "")
+    return f"B{b}-H{h}-N{n}-D{d}-blk{block}-{kind}-tile{cfg['BLOCK_M']}" + ("-tma" if cfg.get("tma") else "") + ("-pipe" if cfg.get("pipeline_qk") else "")
 
 
 @needs_triton
@@ -397,7 +401,10 @@ GPU_CASES = [
 
 
 @needs_gpu
-@pytest.mark.parametrize("cfg", [None, {"tma": True}, {"tma": False}], ids=["default", "tma", "ptr"])
+@pytest.mark.parametrize(
+    "cfg", [None, {"tma": True}, {"tma": False}, {"tma": True, "pipeline_qk": True}, {"pipeline_qk": True, "BLOCK_N": 64}],
+    ids=["default", "tma", "ptr", "tma-pipe", "pipe-n64"],
+)
 @pytest.mark.parametrize(
     "case", GPU_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}-N{c[2]}-D{c[3]}-blk{c[4]}-{c[5]}-{str(c[6])[6:]}"
 )
