@@ -8,7 +8,7 @@ VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.chorus-setup
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo clean browser
 
 setup: $(STAMP)
 
@@ -17,7 +17,13 @@ $(STAMP): requirements.txt tests/requirements.txt Makefile
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m chorus_core.comfyui_locator --write-requirements $(VENV)/comfyui-requirements.txt
 	$(VPY) -m pip install -q -r $(VENV)/comfyui-requirements.txt -r requirements.txt -r tests/requirements.txt
+	$(MAKE) --no-print-directory browser
 	touch $(STAMP)
+
+# Debian's Chromium and its driver, for the browser test of the web extension.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 
 test: setup
 	$(VPY) -m pytest tests

@@ -21,8 +21,8 @@ LOG2E = 1.4426950408889634
 
 # Chosen on an H200 (tests/benchmarks/KERNEL_NOTES.md); keys: head_dim.
 _DEFAULTS = {
-    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
 }
 _FALLBACK = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 

@@ -92,6 +92,12 @@ def _depths(prompt: dict) -> dict[str, int]:
     return depth
 
 
+def _node_height(spec: dict) -> int:
+    """Room for every socket and widget row, as the frontend lays them out (about 24 px a row)."""
+    rows = len(_inputs_in_order(spec)) + len(spec["output"])
+    return 40 + 24 * rows
+
+
 def api_to_ui(prompt: dict, object_info: dict) -> dict:
     """A UI-format workflow equivalent to the API-format ``prompt``."""
     links, nodes, rows = [], {}, {}
@@ -103,7 +109,7 @@ def api_to_ui(prompt: dict, object_info: dict) -> dict:
         rows[column] = row + 1
         nodes[node_id] = {
             "id": int(node_id), "type": node["class_type"], "pos": [40 + 420 * column, 40 + 260 * row],
-            "size": [380, 220], "flags": {}, "order": 0, "mode": 0, "inputs": [],
+            "size": [400, _node_height(spec)], "flags": {}, "order": 0, "mode": 0, "inputs": [],
             "outputs": [{"name": name, "type": kind, "links": [], "slot_index": i}
                         for i, (name, kind) in enumerate(zip(spec["output_name"], spec["output"]))],
             "properties": {"Node name for S&R": node["class_type"]}, "widgets_values": [],

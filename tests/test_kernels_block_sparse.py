@@ -278,7 +278,7 @@ def test_kernels_package_has_no_comfy_imports():
 # Triton kernel (interpreter on CPU, float32)
 # --------------------------------------------------------------------------------------------
 
-TILES16 = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+TILES16 = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, tma=False)
 TMA16 = dict(TILES16, tma=True)  # K/V full tiles through tensor descriptors
 PIPE16 = dict(TILES16, pipeline_qk=True)  # next QK^T issued before this softmax
 # (B, H, N, D, mask block, map kind, tile config): ragged N everywhere but one case
@@ -418,5 +418,5 @@ def test_gpu_matches_reference(case, cfg, gen):
         q4, k4, v4 = (x.view(b, n, h, d).transpose(1, 2).contiguous() for x in (q, k, v))
         out4 = run_triton(q4, k4, v4, mask, h, cfg, True, True)
         assert_close(out4, out.view(b, n, h, d).transpose(1, 2), 1e-6, 1e-6)
-    # auto dispatch picks the kernel on CUDA tensors
-    assert_close(block_sparse_attention(q, k, v, mask, h), out, 1e-6, 1e-6)
+    if cfg is None:  # auto dispatch picks the kernel (default tiles) on CUDA tensors
+        assert_close(block_sparse_attention(q, k, v, mask, h), out, 1e-6, 1e-6)

@@ -33,7 +33,10 @@ function drawView(node, ctx, report) {
   const layers = report.layers ?? [];
   if (!layers.length) return;
   const width = node.size[0] - 20;
-  const top = node.size[1] - VIEW_HEIGHT - 6;
+  // Below the last widget; grow the node once if the view does not fit under it.
+  const widgetsBottom = Math.max(0, ...(node.widgets ?? []).map((w) => (w.last_y ?? 0) + (w.computeSize?.(node.size[0])?.[1] ?? 22)));
+  if (node.size[1] < widgetsBottom + VIEW_HEIGHT + 10) node.setSize?.([node.size[0], widgetsBottom + VIEW_HEIGHT + 10]);
+  const top = Math.max(node.size[1] - VIEW_HEIGHT - 6, widgetsBottom + 4);
   const barWidth = Math.max(1, width / layers.length);
   ctx.save();
   ctx.fillStyle = "rgba(0,0,0,0.35)";
@@ -73,29 +76,31 @@ function onRunStart(event) {
   }
 }
 
-app.registerExtension({
-  name: EXTENSION,
-  async setup() {
-    api.addEventListener("chorus.step", onStep);
-    api.addEventListener("chorus.run_start", onRunStart);
-  },
-  async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData.name !== SAMPLER_TYPE) return;
-    // Chain the existing hooks: other extensions may draw on this node too.
-    const previousDraw = nodeType.prototype.onDrawForeground;
-    nodeType.prototype.onDrawForeground = function (ctx, ...rest) {
-      const result = previousDraw?.apply(this, [ctx, ...rest]);
-      if (this.chorusReport && !this.flags?.collapsed) drawView(this, ctx, this.chorusReport);
-      return result;
-    };
-    const previousCreated = nodeType.prototype.onNodeCreated;
-    nodeType.prototype.onNodeCreated = function (...args) {
-      const result = previousCreated?.apply(this, args);
-      this.size[1] += VIEW_HEIGHT + 8;
-      return result;
-    };
-  },
-});
-
-// Exposed for tests and for other extensions that want the numbers.
-window.chorusReuseReports = reports;
+// ComfyUI may serve this folder under two names (WEB_DIRECTORY and pyproject's [tool.comfy] web);
+// the module then loads twice, and only the first copy registers.
+if (!window.chorusReuseReports) {
+  window.chorusReuseReports = reports;
+  app.registerExtension({
+    name: EXTENSION,
+    async setup() {
+      api.addEventListener("chorus.step", onStep);
+      api.addEventListener("chorus.run_start", onRunStart);
+    },
+    async beforeRegisterNodeDef(nodeType, nodeData) {
+      if (nodeData.name !== SAMPLER_TYPE) return;
+      // Chain the existing hooks: other extensions may draw on this node too.
+      const previousDraw = nodeType.prototype.onDrawForeground;
+      nodeType.prototype.onDrawForeground = function (ctx, ...rest) {
+        const result = previousDraw?.apply(this, [ctx, ...rest]);
+        if (this.chorusReport && !this.flags?.collapsed) drawView(this, ctx, this.chorusReport);
+        return result;
+      };
+      const previousCreated = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function (...args) {
+        const result = previousCreated?.apply(this, args);
+        this.size[1] += VIEW_HEIGHT + 8;
+        return result;
+      };
+    },
+  });
+}

@@ -38,13 +38,12 @@ DEVICE = "cuda"
 # Wan2.1 latent grids, 81 frames: (t, h, w) tokens after the 1x2x2 patchify
 SHAPES = {"480p": (21, 30, 52), "720p": (21, 45, 80)}
 DENSITIES = [0.05, 0.10, 0.15, 0.25, 0.50, 1.00]
-SWEEP = [  # call 1 (KERNEL_NOTES.md) ruled out BLOCK_N=64 w4, BLOCK_M=64 and "natural" order
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+SWEEP = [  # calls 1-2 (KERNEL_NOTES.md) ruled out BLOCK_M=64, 4 warps, "natural" order, warp_specialize
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, tma=True),
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, tma=True),
-    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, tma=True),
-    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, warp_specialize=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, pipeline_qk=True),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, tma=True, pipeline_qk=True),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, tma=True, pipeline_qk=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, tma=True, pipeline_qk=True),
 ]
 
 

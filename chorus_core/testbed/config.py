@@ -1,0 +1,134 @@
+"""Sizes and hyper-parameters of the quality testbed (model, training, report).
+
+Two presets: ``full`` (the committed checkpoint, trained on an H200 in about 3.5 minutes) and
+``smoke`` (a few CPU seconds; what ``tests/test_testbed.py`` runs). Every field can be
+overridden from the command line of ``train`` / ``report`` with ``--set name=value``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Optional
+
+# Latent grids (frames, height, width); tokens = frames * (height / 2) * (width / 2).
+SHORT_SIZE = (5, 16, 16)     # 320 tokens: CPU tests
+MEDIUM_SIZE = (4, 64, 64)    # 4,096 tokens
+LONG_SIZE = (16, 64, 64)     # 16,384 tokens: trained and reported
+LONGER_SIZE = (32, 64, 64)   # 32,768 tokens: recall only (the model never saw it in training)
+
+SIZE_NAMES = {SHORT_SIZE: "testbed-320", MEDIUM_SIZE: "testbed-4k", LONG_SIZE: "testbed-16k", LONGER_SIZE: "testbed-32k"}
+
+
+def tokens_of(size) -> int:
+    t, h, w = size
+    return t * ((h + 1) // 2) * ((w + 1) // 2)
+
+
+def size_name(size) -> str:
+    return SIZE_NAMES.get(tuple(size), f"testbed-{tokens_of(size)}")
+
+
+@dataclass
+class TestbedConfig:
+    __test__ = False  # not a pytest class
+
+    # model (ComfyUI WanModel, I2V; heads = dim // 128)
+    dim: int = 256
+    ffn_dim: int = 1024
+    num_layers: int = 4
+    model_seed: int = 0
+
+    # training
+    short_size: tuple = SHORT_SIZE
+    long_size: tuple = LONG_SIZE
+    long_share: float = 0.8        # share of steps at the long size
+    batch_short: int = 16
+    batch_long: int = 4
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    weight_decay: float = 0.01
+    warmup_steps: int = 100
+    grad_clip: float = 1.0
+    max_steps: int = 100000
+    time_budget_s: float = 210.0   # wall-clock training budget (stop when reached)
+    expected_steps: int = 3000     # the cosine schedule's length (min with max_steps)
+    shift: float = 5.0             # flow-matching timestep shift for training
+    seed: int = 1234
+    autocast_bf16: bool = True
+    train_templates: tuple = ("pan", "zoom", "orbit", "bounce", "fade")
+    train_subjects: int = 8        # subjects 0 .. n-1
+    train_layouts: int = 8         # layouts 0 .. n-1
+    data_workers: int = 8
+    log_every: int = 25
+
+    # report
+    block_size: int = 128
+    sample_steps: int = 10
+    sample_shift: float = 8.0      # ComfyUI's WAN21 sampling shift
+    step_buckets: tuple = ((0, 1, 2), (3, 4, 5, 6), (7, 8, 9))
+    eval_layouts: tuple = (0, 1)   # target / similar requests use these (seen) layouts
+    population_layouts: tuple = (2, 3)
+    eval_subject_base: int = 100   # held-out subjects: targets 100+, similar sources 200+, population 300+
+    densities: tuple = (0.03, 0.05, 0.08, 0.12, 0.2, 0.3, 0.5)
+    table_density: float = 0.12
+    warmup_dense_steps: int = 1    # dense steps before sparse ones in the main grid
+    warmup_sweep: tuple = (0, 1, 2, 3)
+    top_p_sweep: tuple = (0.5, 0.7, 0.8, 0.9, 0.95)
+    error_steps: tuple = (1, 5, 8)  # steps whose q, k, v are kept for the output-error measure
+    length_sizes: tuple = (MEDIUM_SIZE, LONG_SIZE, LONGER_SIZE)
+    length_sigmas: tuple = (0.95, 0.7, 0.3)
+    length_targets: int = 5
+    thresholds: tuple = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
+    report_budget_s: float = 150.0
+    seed_report: int = 7
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @property
+    def num_heads(self) -> int:
+        return self.dim // 128
+
+
+def smoke_config() -> TestbedConfig:
+    """A config a CPU runs in seconds (tests)."""
+    return TestbedConfig(
+        dim=128, ffn_dim=256, num_layers=2, long_size=(2, 16, 32), batch_short=2, batch_long=1,
+        warmup_steps=2, max_steps=4, expected_steps=4, time_budget_s=60, train_subjects=2, train_layouts=2,
+        data_workers=1, log_every=1, sample_steps=3, step_buckets=((0,), (1,), (2,)), densities=(0.3, 0.6),
+        table_density=0.3, warmup_sweep=(0, 1), top_p_sweep=(0.9,), error_steps=(1,),
+        length_sizes=((2, 16, 32),), length_sigmas=(0.7,), length_targets=2, thresholds=(0.5, 0.9),
+        eval_layouts=(0, 1), population_layouts=(2,), block_size=64, report_budget_s=120, lr=2e-3,
+    )
+
+
+PRESETS = {"full": TestbedConfig, "smoke": smoke_config}
+
+
+def _parse_value(text: str, current):
+    if isinstance(current, bool):
+        return text.lower() in ("1", "true", "yes")
+    if isinstance(current, (int, float, str)) and not isinstance(current, bool):
+        return type(current)(text)
+    return _tuplify(json.loads(text))
+
+
+def _tuplify(value):
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
+
+
+def make_config(preset: str = "full", overrides: Optional[list] = None) -> TestbedConfig:
+    config = PRESETS[preset]()
+    for item in overrides or []:
+        name, _, text = item.partition("=")
+        known = {f.name for f in fields(TestbedConfig)}
+        if name not in known:
+            raise SystemExit(f"unknown config field {name!r}")
+        config = replace(config, **{name: _parse_value(text, getattr(config, name))})
+    return config
+
+
+def config_from_dict(data: dict) -> TestbedConfig:
+    known = {f.name for f in fields(TestbedConfig)}
+    return TestbedConfig(**{k: _tuplify(v) for k, v in data.items() if k in known})

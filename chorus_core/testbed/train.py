@@ -1,0 +1,186 @@
+"""Train the testbed model: ComfyUI's WanModel (I2V) with Wan's flow-matching objective.
+
+    python -m chorus_core.testbed.train --out DIR [--preset full|smoke] [--set name=value ...]
+
+Writes ``DIR/chorus_testbed_wan21_i2v.safetensors`` (fp16, unprefixed keys: UNETLoader loads
+it and ComfyUI detects WAN21_I2V), ``DIR/train_config.json`` (config, loss log, timing) and
+``DIR/loss_curve.png`` (when matplotlib is there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..workload import I2VRequest
+from .config import TestbedConfig, make_config, size_name, tokens_of
+from .models import build_model, flow_loss, make_batch
+
+CHECKPOINT_NAME = "chorus_testbed_wan21_i2v.safetensors"
+
+
+def training_requests(config: TestbedConfig, size) -> list[I2VRequest]:
+    frames, height, width = size
+    return [I2VRequest(template, subject, layout, frames, height, width)
+            for template in config.train_templates
+            for layout in range(config.train_layouts)
+            for subject in range(config.train_subjects)]
+
+
+def lr_at(config: TestbedConfig, step: int) -> float:
+    total = max(1, min(config.expected_steps, config.max_steps))
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, total - config.warmup_steps))
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def train(config: TestbedConfig, device: str = "cpu", log=print, model=None) -> dict:
+    """Train in place; returns ``{"model", "log": [...], "steps", "seconds", ...}``."""
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    gen = torch.Generator().manual_seed(config.seed)
+    t0 = time.time()
+    pools = {}
+    for name, size in (("short", config.short_size), ("long", config.long_size)):
+        if name == "long" and config.long_share <= 0:
+            continue
+        pools[name] = make_batch(training_requests(config, size), workers=config.data_workers).to(device)
+    data_s = time.time() - t0
+    log(f"data: {', '.join(f'{k} {len(v)} x {tuple(v.x0.shape[1:])}' for k, v in pools.items())} in {data_s:.1f}s")
+
+    model = model if model is not None else build_model(config)
+    model.to(device).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.99))
+    history = []
+    start = time.time()
+    step = 0
+    autocast = config.autocast_bf16 and device != "cpu"
+    while step < config.max_steps and time.time() - start < config.time_budget_s:
+        which = "long" if ("long" in pools and rng.random() < config.long_share) else "short"
+        pool = pools[which]
+        bsz = config.batch_long if which == "long" else config.batch_short
+        idx = torch.randint(len(pool), (bsz,), generator=gen)
+        batch = pool.select(idx.to(pool.x0.device))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(config, step)
+        with torch.autocast(device_type="cuda" if device != "cpu" else "cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = flow_loss(model, batch, config.shift, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        step += 1
+        if step % config.log_every == 0 or step == 1:
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss became {value} at step {step}")
+            history.append({"step": step, "size": which, "loss": value, "grad_norm": float(grad_norm),
+                            "lr": lr_at(config, step - 1), "seconds": round(time.time() - start, 2)})
+            log(f"step {step:5d} {which:5s} loss {value:.4f} grad {float(grad_norm):.3f} t {time.time() - start:.0f}s")
+    if device != "cpu":
+        torch.cuda.synchronize()
+    model.eval()
+    return {"model": model, "log": history, "steps": step, "seconds": time.time() - start, "data_seconds": data_s}
+
+
+def save_checkpoint(model, path: Path, config: TestbedConfig, dtype=torch.float16) -> Path:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"architecture": "wan2.1-i2v-chorus-testbed", "dim": str(config.dim),
+                "ffn_dim": str(config.ffn_dim), "num_layers": str(config.num_layers)}
+    save_file(state, str(path), metadata=metadata)
+    return path
+
+
+def load_checkpoint(path: Path, config: TestbedConfig, device="cpu") -> torch.nn.Module:
+    from safetensors.torch import load_file
+
+    model = build_model(config)
+    model.load_state_dict({k: v.float() for k, v in load_file(str(path)).items()})
+    return model.to(device).eval()
+
+
+def smoothed(values, window=10):
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1): i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def plot_loss(history: list, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for size in ("short", "long"):
+        rows = [h for h in history if h["size"] == size]
+        if rows:
+            ax.plot([h["step"] for h in rows], [h["loss"] for h in rows], ".", alpha=0.3, label=f"{size} (raw)")
+            ax.plot([h["step"] for h in rows], smoothed([h["loss"] for h in rows]), "-", label=f"{size} (mean of 10)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("flow-matching loss (velocity MSE)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(result: dict, config: TestbedConfig, out: Path, device: str, command: str) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(result["model"], out / CHECKPOINT_NAME, config)
+    machine = torch.cuda.get_device_name() if device != "cpu" else "cpu"
+    info = {"config": asdict(config), "steps": result["steps"], "train_seconds": round(result["seconds"], 1),
+            "data_seconds": round(result["data_seconds"], 1), "machine": machine, "command": command,
+            "sizes": {"short": {"latent": list(config.short_size), "tokens": tokens_of(config.short_size),
+                                "name": size_name(config.short_size)},
+                      "long": {"latent": list(config.long_size), "tokens": tokens_of(config.long_size),
+                               "name": size_name(config.long_size)}},
+            "objective": "flow matching: x_t = (1-t) x0 + t noise, t = shift*u/(1+(shift-1)*u), u~U(0,1); "
+                         "target noise - x0; timestep 1000 t; inputs [x_t, 1-concat_mask (4), process_in(concat latent) (16)]",
+            "log": result["log"]}
+    (out / "train_config.json").write_text(json.dumps(info, indent=1))
+    plot_loss(result["log"], out / "loss_curve.png")
+    return info
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--preset", default="full", choices=("full", "smoke"))
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    from ..comfyui_locator import prepare_in_process
+
+    prepare_in_process(cpu=args.device == "cpu")
+    config = make_config(args.preset, args.set)
+    result = train(config, args.device)
+    write_outputs(result, config, args.out, args.device, "python -m chorus_core.testbed.train " + " ".join(argv or sys.argv[1:]))
+    print(f"trained {result['steps']} steps in {result['seconds']:.0f}s -> {args.out / CHECKPOINT_NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
