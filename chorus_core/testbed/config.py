@@ -67,6 +67,7 @@ class TestbedConfig:
     sample_steps: int = 10
     sample_shift: float = 8.0      # ComfyUI's WAN21 sampling shift
     step_buckets: tuple = ((0, 1, 2), (3, 4, 5, 6), (7, 8, 9))
+    eval_templates: tuple = ()     # () = every template
     eval_layouts: tuple = (0, 1)   # target / similar requests use these (seen) layouts
     population_layouts: tuple = (2, 3)
     eval_subject_base: int = 100   # held-out subjects: targets 100+, similar sources 200+, population 300+
@@ -99,7 +100,7 @@ def smoke_config() -> TestbedConfig:
         data_workers=1, log_every=1, sample_steps=3, step_buckets=((0,), (1,), (2,)), densities=(0.3, 0.6),
         table_density=0.3, warmup_sweep=(0, 1), top_p_sweep=(0.9,), error_steps=(1,),
         length_sizes=((2, 16, 32),), length_sigmas=(0.7,), length_targets=2, thresholds=(0.5, 0.9),
-        eval_layouts=(0, 1), population_layouts=(2,), block_size=64, report_budget_s=120, lr=2e-3,
+        eval_templates=("pan", "zoom"), eval_layouts=(0, 1), population_layouts=(2,), block_size=64, report_budget_s=120, lr=2e-3,
     )
 
 

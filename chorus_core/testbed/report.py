@@ -1,0 +1,905 @@
+"""Mask-quality report on the trained testbed model.
+
+    python -m chorus_core.testbed.report --checkpoint FILE --out DIR [--preset full|smoke] [--set name=value ...]
+
+At the long size, for target requests of every template (held-out subjects), compares block
+masks of six sources at matched densities (same kept-block count per query-block row, the
+diagonal always kept):
+
+- ``oracle``: the target's own block attention mass (``kernels.block_mass`` on its dense run,
+  mean over the steps of each step bucket), top blocks per row;
+- ``reused_similar``: the same, from another request with the same template and layout
+  (another subject): what a bank hit reuses;
+- ``reused_dissimilar``: from a request of another template and another layout;
+- ``online``: mean-pooled Q/K block scores of the current call (``online_predictor``);
+- ``population``: the population prior (``population_prior``) of masks recorded from requests
+  of other layouts and every template;
+- ``static``: local 3D windows (key blocks nearest the query block in (t, h, w)).
+
+Measures: attention recall per layer against the target's dense run; relative output error
+of sparse vs dense attention; PSNR/SSIM of the final latents of a sparse Euler sampling run vs
+the dense run from the same noise (attention is swapped through ComfyUI's
+``optimized_attention_override`` directly, no ModelPatcher: ``models.AttentionHook``). Plus
+recall vs density at several sequence lengths, the common/request-specific split of the
+masks, dense warm-up, top-p and signature-threshold sweeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .._siblings import import_sibling
+from ..masks import forced_blocks, keep_top_counts, select_blocks
+from ..online_predictor import block_scores
+from ..population_prior import population_prior
+from ..quality import mass_recall, psnr, sparse_output_error, ssim
+from ..workload import TEMPLATES, I2VRequest, generate_request
+from .config import TestbedConfig, make_config, size_name, tokens_of
+from .models import AttentionHook, block_grid_coords, make_batch, predict_velocity, sample, sigma_schedule
+
+KINDS = ("oracle", "reused_similar", "reused_dissimilar", "online", "population", "static")
+
+
+# --------------------------------------------------------------------------------------------
+# Mask helpers (pure; tested on tiny inputs)
+# --------------------------------------------------------------------------------------------
+
+
+def keep_count(density: float, nk: int) -> int:
+    return max(1, round(density * nk))
+
+
+def top_blocks(scores: torch.Tensor, density: float) -> torch.Tensor:
+    """Per row keep the ``round(density * nk)`` highest-scoring blocks, the diagonal forced. scores ``[..., nq, nk]``."""
+    nq, nk = scores.shape[-2:]
+    forced = forced_blocks(nq, nk, True, None, scores.device)
+    counts = torch.full(scores.shape[:-1], keep_count(density, nk), dtype=torch.long, device=scores.device)
+    return keep_top_counts(scores, counts, forced)
+
+
+def static_window_scores(size, block_size: int, heads: int, frame_weight: float = 4.0) -> torch.Tensor:
+    """Scores of local 3D windows: minus the distance between block centres -> ``[H, nb, nb]``.
+
+    A frame step counts ``frame_weight`` token rows (a 128-token block spans about 4 rows of a
+    32-token-wide frame, so the neighbour block in the next frame ranks with the neighbour rows).
+    """
+    c = block_grid_coords(size, block_size)
+    c = c * torch.tensor([frame_weight, 1.0, 1.0])
+    d = torch.cdist(c, c)
+    return (-d)[None].expand(heads, -1, -1).contiguous()
+
+
+def recall_of(mass: torch.Tensor, block_map: torch.Tensor, seq_len: int, block_size: int) -> float:
+    """Mean recall over heads of a map against block mass (both ``[H, nb, nb]``)."""
+    return float(mass_recall(mass, block_map, seq_len, block_size).mean())
+
+
+def split_common_specific(oracle: torch.Tensor, prior: torch.Tensor, mass: torch.Tensor, seq_len: int,
+                          block_size: int) -> dict:
+    """How much of the oracle mask is the common (prior) part and what the rest adds in recall."""
+    common = oracle & prior
+    return {"common_share": float(common.sum() / oracle.sum().clamp(min=1)),
+            "recall_oracle": recall_of(mass, oracle, seq_len, block_size),
+            "recall_common_part": recall_of(mass, common, seq_len, block_size),
+            "recall_prior": recall_of(mass, prior, seq_len, block_size)}
+
+
+def first_density_reaching(rows: list, value_key: str, target: float):
+    """Smallest density whose mean ``value_key`` reaches ``target`` (rows: dicts with density), or None."""
+    ok = sorted(r["density"] for r in rows if r.get(value_key) is not None and r[value_key] >= target)
+    return ok[0] if ok else None
+
+
+def load_signature_module():
+    """``chorus_core.bank.signature`` without the bank's optional imports (sqlite-utils)."""
+    try:
+        from ..bank import signature  # noqa: PLC0415
+
+        return signature
+    except Exception:  # noqa: BLE001
+        path = Path(__file__).resolve().parent.parent / "bank" / "signature.py"
+        spec = importlib.util.spec_from_file_location("chorus_bank_signature_standalone", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------
+
+
+def eval_requests(config: TestbedConfig, size, templates=None):
+    """targets, similar[i], dissimilar[i] (indices into sources), population requests."""
+    templates = list(templates or config.eval_templates or TEMPLATES)
+    f, h, w = size
+    base = config.eval_subject_base
+    targets, similar = [], []
+    for ti, template in enumerate(templates):
+        for li, layout in enumerate(config.eval_layouts):
+            i = len(targets)
+            targets.append(I2VRequest(template, base + i, layout, f, h, w))
+            similar.append(I2VRequest(template, base + 100 + i, layout, f, h, w))
+    dissimilar = []
+    for ti, template in enumerate(templates):
+        for li, layout in enumerate(config.eval_layouts):
+            other_t = (ti + 1) % len(templates)
+            other_l = (li + 1) % len(config.eval_layouts)
+            dissimilar.append(other_t * len(config.eval_layouts) + other_l)  # index into `similar`
+    population = [I2VRequest(t, base + 200 + j, layout, f, h, w)
+                  for j, (t, layout) in enumerate((t, l) for t in templates for l in config.population_layouts)]
+    return targets, similar, dissimilar, population
+
+
+# --------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Observes a dense run: block mass (and optionally online scores, q/k/v) per (step, layer)."""
+
+    def __init__(self, steps: int, layers: int, block_size: int, keep_scores=False, qkv_steps=()):
+        self.step = 0
+        self.block_size = block_size
+        self.mass = [[None] * layers for _ in range(steps)]
+        self.scores = [[None] * layers for _ in range(steps)] if keep_scores else None
+        self.qkv = {}
+        self.qkv_steps = set(qkv_steps)
+
+    def __call__(self, layer, q, k, v, heads):
+        bm = import_sibling("kernels.block_mass")
+        self.mass[self.step][layer] = bm.block_mass(q, k, heads, self.block_size)[0].float()
+        if self.scores is not None:
+            self.scores[self.step][layer] = block_scores(q, k, heads, self.block_size)[0]
+        if self.step in self.qkv_steps:
+            self.qkv[(self.step, layer)] = (q.detach().clone(), k.detach().clone(), v.detach().clone(), heads)
+
+    def stacked_mass(self) -> torch.Tensor:
+        return torch.stack([torch.stack(row) for row in self.mass])  # [S, L, H, nb, nb]
+
+
+def noise_for(request: I2VRequest, index: int, seed: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + index)
+    return torch.randn((1, 16, request.frames, request.height, request.width), generator=g).to(device)
+
+
+class Report:
+    def __init__(self, model, config: TestbedConfig, device: str, log=print):
+        self.model, self.config, self.device, self.log = model, config, device, log
+        self.autocast = device != "cpu"
+        self.L, self.H = config.num_layers, config.num_heads
+        self.bs = config.block_size
+        self.sigmas = sigma_schedule(config.sample_steps, config.sample_shift)
+        self.bucket_of = {s: b for b, steps in enumerate(config.step_buckets) for s in steps}
+        self.deadline = time.time() + config.report_budget_s
+        self.skipped = []
+
+    def time_left(self) -> float:
+        return self.deadline - time.time()
+
+    # --- dense runs ------------------------------------------------------------------------
+    def dense_run(self, request, index, keep_scores=False, qkv_steps=()):
+        batch = make_batch([request]).to(self.device)
+        rec = Recorder(self.config.sample_steps, self.L, self.bs, keep_scores, qkv_steps)
+        hook = AttentionHook(self.L, self.bs)
+        hook.observe = rec
+
+        def on_step(i):
+            rec.step = i
+
+        with torch.no_grad():
+            final = sample(self.model, batch, noise_for(request, index, self.config.seed_report, self.device),
+                           self.sigmas, hook, on_step, self.autocast)
+        mass = rec.stacked_mass()
+        buckets = torch.stack([mass[list(steps)].mean(0) for steps in self.config.step_buckets])  # [Bk, L, H, nb, nb]
+        return {"request": request, "batch": batch, "final": final, "mass": mass, "bucket_mass": buckets,
+                "scores": rec.scores, "qkv": rec.qkv, "index": index}
+
+    # --- sparse runs -----------------------------------------------------------------------
+    def sparse_run(self, run: dict, maps_per_element: list, warmups: list):
+        """One batched sampling run; element e uses ``maps_per_element[e](step, layer, q, k, heads, e)``
+        (a bool [H, nb, nb] map) after ``warmups[e]`` dense steps. Returns final latents [E, ...]."""
+        e_count = len(maps_per_element)
+        base = run["batch"]
+        batch = base.select(torch.zeros(e_count, dtype=torch.long, device=base.x0.device))
+        noise = noise_for(run["request"], run["index"], self.config.seed_report, self.device).expand(e_count, -1, -1, -1, -1)
+        hook = AttentionHook(self.L, self.bs)
+        state = {"step": 0}
+        nb = None
+
+        def block_map_for(layer, q, k, heads):
+            step = state["step"]
+            maps = []
+            for e, fn in enumerate(maps_per_element):
+                if step < warmups[e]:
+                    n = q.shape[1]
+                    nbk = math.ceil(n / self.bs)
+                    maps.append(torch.ones(self.H, nbk, nbk, dtype=torch.bool, device=q.device))
+                else:
+                    qe, ke = q[e:e + 1], k[e:e + 1]
+                    maps.append(fn(step, layer, qe, ke, heads, e).to(q.device))
+            return torch.stack(maps)
+
+        hook.block_map_for = block_map_for
+
+        def on_step(i):
+            state["step"] = i
+
+        with torch.no_grad():
+            return sample(self.model, batch, noise.contiguous(), self.sigmas, hook, on_step, self.autocast)
+
+    # --- mask sources ----------------------------------------------------------------------
+    def source_maps(self, runs, targets_idx, similar_idx, dissimilar_of, population_idx, density, size):
+        """Per target: dict kind -> [Bk, L, H, nb, nb] bool (online is per call, None here)."""
+        static = top_blocks(static_window_scores(size, self.bs, self.H).to(self.device), density)
+        pop_maps = torch.stack([top_blocks(runs[p]["bucket_mass"], density) for p in population_idx])
+        prior = population_prior(pop_maps, density)
+        out = []
+        for t, s, d in zip(targets_idx, similar_idx, dissimilar_of):
+            out.append({"oracle": top_blocks(runs[t]["bucket_mass"], density),
+                        "reused_similar": top_blocks(runs[s]["bucket_mass"], density),
+                        "reused_dissimilar": top_blocks(runs[d]["bucket_mass"], density),
+                        "population": prior,
+                        "static": static[None, None].expand(len(self.config.step_buckets), self.L, -1, -1, -1)})
+        return out
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(v, digits=3):
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "inf"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def md_table(rows: list, columns: list) -> str:
+    head = "| " + " | ".join(c for c, _ in columns) + " |\n| " + " | ".join("---" for _ in columns) + " |\n"
+    return head + "".join("| " + " | ".join(_fmt(r.get(k)) if not callable(k) else k(r) for _, k in columns) + " |\n"
+                          for r in rows)
+
+
+# --------------------------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------------------------
+
+
+def run_report(model, config: TestbedConfig, device: str, log=print) -> dict:
+    rep = Report(model, config, device, log)
+    size = tuple(config.long_size)
+    n_tok = tokens_of(size)
+    shape = size_name(size)
+    t_start = time.time()
+    targets, similar, dissimilar, population = eval_requests(config, size)
+    # dense runs: similar sources and population first, then targets (with scores and q/k/v)
+    runs = []
+    for r in similar + population:
+        runs.append(rep.dense_run(r, len(runs)))
+    sim_idx = list(range(len(similar)))
+    pop_idx = list(range(len(similar), len(similar) + len(population)))
+    tgt_idx = []
+    for r in targets:
+        tgt_idx.append(len(runs))
+        runs.append(rep.dense_run(r, len(runs), keep_scores=True, qkv_steps=config.error_steps))
+    dis_idx = [sim_idx[d] for d in dissimilar]
+    log(f"dense runs: {len(runs)} at N={n_tok} in {time.time() - t_start:.1f}s")
+    nb = runs[0]["mass"].shape[-1]
+    S = config.sample_steps
+    results = {"rows": [], "sections": {}}
+
+    def bucket(step):
+        return rep.bucket_of[step]
+
+    # ---- recall per layer and output error, at every density ------------------------------
+    grid = defaultdict(list)        # (kind, density) -> per-target dicts
+    per_layer = defaultdict(list)   # (kind, density, layer) -> recalls
+    split_rows = defaultdict(list)
+    maps_by_density = {}
+    for density in config.densities:
+        maps = rep.source_maps(runs, tgt_idx, sim_idx, dis_idx, pop_idx, density, size)
+        maps_by_density[density] = maps
+        for ti, t in enumerate(tgt_idx):
+            run = runs[t]
+            for kind in KINDS:
+                layer_recalls = []
+                for layer in range(rep.L):
+                    vals = []
+                    for step in range(S):
+                        mass = run["mass"][step, layer]
+                        if kind == "online":
+                            m = top_blocks(run["scores"][step][layer], density)
+                        else:
+                            m = maps[ti][kind][bucket(step), layer]
+                        vals.append(recall_of(mass, m, n_tok, rep.bs))
+                    layer_recalls.append(_mean(vals))
+                    per_layer[(kind, density, layer)].append(layer_recalls[-1])
+                grid[(kind, density)].append({"recall": _mean(layer_recalls)})
+            # common vs request-specific split (bucket-mean mass of the target)
+            for layer in range(rep.L):
+                for b in range(len(config.step_buckets)):
+                    split_rows[density].append(split_common_specific(
+                        maps[ti]["oracle"][b, layer], maps[ti]["population"][b, layer],
+                        run["bucket_mass"][b, layer], n_tok, rep.bs))
+    log(f"recall done at {time.time() - t_start:.1f}s")
+
+    # output error at the table density (and the neighbouring ones)
+    err = defaultdict(list)
+    err_densities = [d for d in config.densities if abs(d - config.table_density) < 1e-9] or [config.densities[0]]
+    for density in err_densities:
+        maps = maps_by_density[density]
+        for ti, t in enumerate(tgt_idx):
+            for (step, layer), (q, k, v, heads) in runs[t]["qkv"].items():
+                for kind in KINDS:
+                    if kind == "online":
+                        m = top_blocks(block_scores(q, k, heads, rep.bs)[0], density)
+                    else:
+                        m = maps[ti][kind][bucket(step), layer]
+                    e = sparse_output_error(q.float(), k.float(), v.float(), m[None], heads, rep.bs).overall
+                    err[(kind, density)].append(e)
+                    err[(kind, density, layer)].append(e)
+    log(f"output error done at {time.time() - t_start:.1f}s")
+
+    # ---- sparse sampling: PSNR / SSIM vs dense, same noise ------------------------------------
+    def map_fn(kind, ti, density, select=None):
+        maps = maps_by_density.get(density)
+        if kind == "online":
+            def fn(step, layer, q, k, heads, e):
+                scores = block_scores(q, k, heads, rep.bs)[0]
+                return select(scores) if select else top_blocks(scores, density)
+            return fn
+        if kind == "all_blocks":
+            return lambda step, layer, q, k, heads, e: torch.ones(rep.H, nb, nb, dtype=torch.bool, device=q.device)
+        if select is not None:
+            source = {"oracle": tgt_idx[ti], "reused_similar": sim_idx[ti], "reused_dissimilar": dis_idx[ti]}[kind]
+            chosen = select(runs[source]["bucket_mass"])
+            return lambda step, layer, q, k, heads, e: chosen[bucket(step), layer]
+        table = maps[ti][kind]
+        return lambda step, layer, q, k, heads, e: table[bucket(step), layer]
+
+    def compare(ti, finals, labels):
+        ref = runs[tgt_idx[ti]]["final"].float()
+        out = {}
+        for e, label in enumerate(labels):
+            x = finals[e:e + 1].float()
+            out[label] = (float(psnr(ref, x)[0]), float(ssim(ref, x)[0]))
+        return out
+
+    quality = defaultdict(list)
+    floor = []
+    for density in config.densities:
+        if rep.time_left() < 0.45 * config.report_budget_s * 0 + 25:
+            rep.skipped.append(f"sparse sampling at density {density} and above (time)")
+            break
+        for ti in range(len(tgt_idx)):
+            kinds = list(KINDS) + (["all_blocks"] if density == config.densities[0] else [])
+            fns = [map_fn(k, ti, density) for k in kinds]
+            finals = rep.sparse_run(runs[tgt_idx[ti]], fns, [config.warmup_dense_steps] * len(fns))
+            res = compare(ti, finals, kinds)
+            for kind in KINDS:
+                quality[(kind, density)].append(res[kind])
+            if "all_blocks" in res:
+                floor.append(res["all_blocks"])
+    log(f"sparse sampling done at {time.time() - t_start:.1f}s")
+
+    # rows of the main grid
+    for density in config.densities:
+        oracle_recall = _mean([g["recall"] for g in grid[("oracle", density)]])
+        oracle_psnr = _mean([q[0] for q in quality.get(("oracle", density), [])])
+        for kind in KINDS:
+            rec = _mean([g["recall"] for g in grid[(kind, density)]])
+            qs = quality.get((kind, density), [])
+            p = _mean([q[0] for q in qs])
+            row = {"section": "grid", "mask_kind": kind, "density": density, "recall": rec,
+                   "recall_vs_oracle": rec / oracle_recall if rec is not None and oracle_recall else None,
+                   "psnr_db": p, "ssim": _mean([q[1] for q in qs]),
+                   "psnr_vs_oracle_db": (p - oracle_psnr) if p is not None and oracle_psnr is not None else None,
+                   "output_error": _mean(err.get((kind, density), [])) if (kind, density) in err else None,
+                   "shape": shape, "N": n_tok, "batch": 1, "targets": len(tgt_idx),
+                   "warmup_dense_steps": config.warmup_dense_steps, "steps": S}
+            results["rows"].append(row)
+    for (kind, density, layer), vals in sorted(per_layer.items(), key=lambda kv: (kv[0][1], KINDS.index(kv[0][0]), kv[0][2])):
+        if abs(density - config.table_density) > 1e-9:
+            continue
+        oracle = _mean(per_layer[("oracle", density, layer)])
+        rec = _mean(vals)
+        results["rows"].append({"section": "per_layer", "mask_kind": kind, "density": density, "layer": layer,
+                                "recall": rec, "recall_vs_oracle": rec / oracle if oracle else None,
+                                "output_error": _mean(err.get((kind, density, layer), [])) if (kind, density, layer) in err else None,
+                                "shape": shape, "N": n_tok})
+    for density, rows in split_rows.items():
+        row = {k: _mean([r[k] for r in rows]) for k in rows[0]}
+        row["request_specific_recall_gain"] = row["recall_oracle"] - row["recall_common_part"]
+        row["oracle_gain_over_prior"] = row["recall_oracle"] - row["recall_prior"]
+        results["rows"].append({"section": "split", "mask_kind": "oracle", "density": density, "shape": shape,
+                                "N": n_tok, **row})
+    if floor:
+        results["rows"].append({"section": "numerical_floor", "mask_kind": "all_blocks", "density": 1.0,
+                                "psnr_db": _mean([f[0] for f in floor]), "ssim": _mean([f[1] for f in floor]),
+                                "shape": shape, "N": n_tok,
+                                "note": "every block kept, block-sparse kernel vs dense SDPA: the numerical floor"})
+
+    # ---- dense warm-up sweep ---------------------------------------------------------------------
+    td = config.table_density
+    if td in maps_by_density and rep.time_left() > 20:
+        wrows = defaultdict(list)
+        for ti in range(len(tgt_idx)):
+            kinds = ["oracle", "reused_similar", "online"]
+            fns, warm, labels = [], [], []
+            for w in config.warmup_sweep:
+                for kind in kinds:
+                    fns.append(map_fn(kind, ti, td))
+                    warm.append(w)
+                    labels.append((kind, w))
+            finals = rep.sparse_run(runs[tgt_idx[ti]], fns, warm)
+            res = compare(ti, finals, labels)
+            for label, v in res.items():
+                wrows[label].append(v)
+        for (kind, w), vals in sorted(wrows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            results["rows"].append({"section": "warmup", "mask_kind": kind, "density": td, "warmup_dense_steps": w,
+                                    "psnr_db": _mean([v[0] for v in vals]), "ssim": _mean([v[1] for v in vals]),
+                                    "shape": shape, "N": n_tok, "steps": S})
+    else:
+        rep.skipped.append("dense warm-up sweep (time)")
+    log(f"warm-up sweep done at {time.time() - t_start:.1f}s")
+
+    # ---- top-p sweep (no density bounds) --------------------------------------------------------
+    if rep.time_left() > 20:
+        prow = defaultdict(list)
+        for ti in range(len(tgt_idx)):
+            fns, labels = [], []
+            for top_p in config.top_p_sweep:
+                sel = lambda mass, p=top_p: select_blocks(mass, top_p=p)  # noqa: E731
+                for kind in ("oracle", "reused_similar", "online"):
+                    fns.append(map_fn(kind, ti, None, select=sel))
+                    labels.append((kind, top_p))
+            finals = rep.sparse_run(runs[tgt_idx[ti]], fns, [config.warmup_dense_steps] * len(fns))
+            res = compare(ti, finals, labels)
+            run = runs[tgt_idx[ti]]
+            for (kind, top_p), v in res.items():
+                dens, recs = [], []
+                for step in range(S):
+                    for layer in range(rep.L):
+                        if kind == "online":
+                            m = select_blocks(run["scores"][step][layer], top_p=top_p)
+                        else:
+                            src = {"oracle": tgt_idx[ti], "reused_similar": sim_idx[ti]}[kind]
+                            m = select_blocks(runs[src]["bucket_mass"][bucket(step), layer], top_p=top_p)
+                        dens.append(float(m.float().mean()))
+                        recs.append(recall_of(run["mass"][step, layer], m, n_tok, rep.bs))
+                prow[(kind, top_p)].append((v[0], v[1], _mean(dens), _mean(recs), min(dens), max(dens)))
+        for (kind, top_p), vals in sorted(prow.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            results["rows"].append({"section": "top_p", "mask_kind": kind, "top_p": top_p,
+                                    "density": _mean([v[2] for v in vals]), "recall": _mean([v[3] for v in vals]),
+                                    "psnr_db": _mean([v[0] for v in vals]), "ssim": _mean([v[1] for v in vals]),
+                                    "density_min_layer_step": min(v[4] for v in vals),
+                                    "density_max_layer_step": max(v[5] for v in vals),
+                                    "shape": shape, "N": n_tok})
+    else:
+        rep.skipped.append("top-p sweep (time)")
+    log(f"top-p sweep done at {time.time() - t_start:.1f}s")
+
+    # ---- signature threshold sweep --------------------------------------------------------------
+    try:
+        if td not in maps_by_density or rep.time_left() < 15:
+            raise TimeoutError("time")
+        sig_mod = load_signature_module()
+
+        def signature(request):
+            t = generate_request(request)
+            return sig_mod.build_signature(clip_vision=t.clip_vision[None], text=t.text[None], start_latent=t.first_frame)
+
+        bank_idx = sim_idx + pop_idx  # entries recorded from earlier requests
+        bank_sigs = [signature(runs[i]["request"]) for i in bank_idx]
+        online_psnr = [q[0] for q in quality[("online", td)]]
+        sim_psnr = [q[0] for q in quality[("reused_similar", td)]]
+        matches = []
+        for ti, t in enumerate(tgt_idx):
+            sig = signature(runs[t]["request"])
+            sims = [sig.similarity(b)[0] for b in bank_sigs]
+            best = max(range(len(sims)), key=lambda j: sims[j])
+            entry = bank_idx[best]
+            if entry == sim_idx[ti]:
+                p_hit = sim_psnr[ti]
+            else:
+                table = top_blocks(runs[entry]["bucket_mass"], td)
+                fn = lambda step, layer, q, k, heads, e, table=table: table[bucket(step), layer]  # noqa: E731
+                finals = rep.sparse_run(runs[t], [fn], [config.warmup_dense_steps])
+                p_hit = compare(ti, finals, ["m"])["m"][0]
+            same_family = (runs[entry]["request"].template == runs[t]["request"].template
+                           and runs[entry]["request"].layout == runs[t]["request"].layout)
+            sims_sorted = sorted(sims, reverse=True)
+            matches.append({"similarity": sims[best], "second": sims_sorted[1] if len(sims) > 1 else None,
+                            "psnr_hit": p_hit, "psnr_miss": online_psnr[ti], "same_family": same_family,
+                            "similar_source_similarity": sims[bank_idx.index(sim_idx[ti])],
+                            "best_other_family_similarity": max(
+                                (s for j, s in enumerate(sims)
+                                 if not (runs[bank_idx[j]]["request"].template == runs[t]["request"].template
+                                         and runs[bank_idx[j]]["request"].layout == runs[t]["request"].layout)),
+                                default=None)})
+        for threshold in config.thresholds:
+            hits = [m for m in matches if m["similarity"] >= threshold]
+            results["rows"].append({
+                "section": "threshold", "threshold": threshold, "density": td, "hit_rate": len(hits) / len(matches),
+                "hit_same_family_share": (sum(m["same_family"] for m in hits) / len(hits)) if hits else None,
+                "psnr_db": _mean([m["psnr_hit"] if m["similarity"] >= threshold else m["psnr_miss"] for m in matches]),
+                "psnr_hits_db": _mean([m["psnr_hit"] for m in hits]), "mask_kind": "bank_top1_else_online",
+                "shape": shape, "N": n_tok})
+        results["sections"]["matches"] = matches
+    except Exception as exc:  # noqa: BLE001
+        rep.skipped.append(f"threshold sweep ({type(exc).__name__}: {exc})")
+    log(f"threshold sweep done at {time.time() - t_start:.1f}s")
+
+    # ---- recall vs density at each sequence length ------------------------------------------------
+    for lsize in config.length_sizes:
+        lsize = tuple(lsize)
+        if rep.time_left() < 8:
+            rep.skipped.append(f"length {size_name(lsize)} (time)")
+            continue
+        results["rows"].extend(length_rows(rep, lsize))
+    log(f"lengths done at {time.time() - t_start:.1f}s")
+    results["skipped"] = rep.skipped
+    results["report_seconds"] = round(time.time() - t_start, 1)
+    return results
+
+
+def length_rows(rep: Report, size) -> list:
+    """Recall vs density from single forwards at noised ground truth (sigmas), several kinds."""
+    config = rep.config
+    targets, similar, dissimilar, _ = eval_requests(config, size)
+    k = min(config.length_targets, len(targets))
+    picks = [round(i * (len(targets) - 1) / max(1, k - 1)) for i in range(k)] if k > 1 else [0]
+    n_tok = tokens_of(size)
+    static = static_window_scores(size, rep.bs, rep.H).to(rep.device)
+
+    def forward_mass(request, index, with_scores=False):
+        batch = make_batch([request]).to(rep.device)
+        g = torch.Generator().manual_seed(config.seed_report * 77 + index)
+        noise = torch.randn(batch.x0.shape, generator=g).to(rep.device)
+        masses, scores = [], []
+        for sigma in config.length_sigmas:
+            rec = Recorder(1, rep.L, rep.bs, with_scores)
+            hook = AttentionHook(rep.L, rep.bs)
+            hook.observe = rec
+            x_t = (1 - sigma) * batch.x0 + sigma * noise
+            with torch.no_grad(), torch.autocast(rep.device if rep.device != "cpu" else "cpu", dtype=torch.bfloat16,
+                                                 enabled=rep.autocast):
+                predict_velocity(rep.model, x_t, torch.full((1,), sigma, device=rep.device), batch, hook.options())
+            masses.append(rec.stacked_mass()[0])
+            if with_scores:
+                scores.append(torch.stack(rec.scores[0]))
+        return torch.stack(masses), (torch.stack(scores) if with_scores else None)  # [Sg, L, H, nb, nb]
+
+    acc = defaultdict(list)
+    for i in picks:
+        t_mass, t_scores = forward_mass(targets[i], i, True)
+        s_mass, _ = forward_mass(similar[i], 100 + i)
+        d_req = similar[dissimilar[i]]
+        d_mass, _ = forward_mass(d_req, 200 + i)
+        for density in config.densities:
+            for kind, source in (("oracle", t_mass), ("reused_similar", s_mass), ("reused_dissimilar", d_mass),
+                                 ("online", t_scores), ("static", None)):
+                vals = []
+                for g in range(t_mass.shape[0]):
+                    for layer in range(rep.L):
+                        m = top_blocks(static if source is None else source[g, layer], density)
+                        vals.append(recall_of(t_mass[g, layer], m, n_tok, rep.bs))
+                acc[(kind, density)].append(_mean(vals))
+    rows = []
+    for density in config.densities:
+        oracle = _mean(acc[("oracle", density)])
+        for kind in ("oracle", "reused_similar", "reused_dissimilar", "online", "static"):
+            rec = _mean(acc[(kind, density)])
+            rows.append({"section": "length", "mask_kind": kind, "density": density, "recall": rec,
+                         "recall_vs_oracle": rec / oracle if oracle else None, "shape": size_name(size), "N": n_tok,
+                         "targets": len(picks), "sigmas": list(config.length_sigmas)})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def summarize(results: dict, config: TestbedConfig) -> dict:
+    rows = results["rows"]
+    grid = [r for r in rows if r["section"] == "grid"]
+    td = config.table_density
+    at = {r["mask_kind"]: r for r in grid if abs(r["density"] - td) < 1e-9}
+    summary = {"table_density": td, "density_for_30db": {}, "targets": {}}
+    for kind in KINDS:
+        summary["density_for_30db"][kind] = first_density_reaching([r for r in grid if r["mask_kind"] == kind],
+                                                                   "psnr_db", 30.0)
+    sim, orc = at.get("reused_similar"), at.get("oracle")
+    if sim and orc:
+        others = [at[k] for k in ("reused_dissimilar", "online", "static") if k in at]
+        summary["targets"] = {
+            "similar_recall_vs_oracle_ge_0.95": (sim["recall_vs_oracle"] or 0) >= 0.95,
+            "similar_recall_vs_oracle": sim["recall_vs_oracle"],
+            "similar_within_1db_of_oracle": (sim["psnr_vs_oracle_db"] is not None and sim["psnr_vs_oracle_db"] >= -1.0),
+            "similar_psnr_minus_oracle_db": sim["psnr_vs_oracle_db"],
+            "similar_ahead_of_dissimilar_online_static_recall": all(
+                (sim["recall"] or 0) > (o["recall"] or 0) for o in others),
+            "similar_ahead_of_dissimilar_online_static_psnr": all(
+                (sim["psnr_db"] or -1e9) > (o["psnr_db"] or -1e9) for o in others),
+        }
+        # the same targets at every density
+        per_density = []
+        for density in config.densities:
+            d_at = {r["mask_kind"]: r for r in grid if abs(r["density"] - density) < 1e-9}
+            s, o = d_at.get("reused_similar"), d_at.get("oracle")
+            if s and o and s["psnr_db"] is not None:
+                per_density.append({"density": density, "recall_vs_oracle": s["recall_vs_oracle"],
+                                    "psnr_minus_oracle_db": s["psnr_vs_oracle_db"]})
+        summary["similar_vs_oracle_by_density"] = per_density
+    # defaults from evidence
+    warm = [r for r in rows if r["section"] == "warmup" and r["mask_kind"] == "reused_similar"]
+    if warm:
+        best = max(r["psnr_db"] for r in warm)
+        # fewest warm-up steps within 0.5 dB of the best
+        summary["suggested_warmup_dense_steps"] = min(r["warmup_dense_steps"] for r in warm if r["psnr_db"] >= best - 0.5)
+    tp = [r for r in rows if r["section"] == "top_p" and r["mask_kind"] == "reused_similar"]
+    if tp:
+        ok = [r for r in tp if r["psnr_db"] is not None and r["psnr_db"] >= 30.0]
+        pick = min(ok, key=lambda r: r["density"]) if ok else max(tp, key=lambda r: r["psnr_db"] or -1e9)
+        summary["suggested_top_p"] = pick["top_p"]
+        summary["suggested_top_p_density"] = pick["density"]
+    d30 = summary["density_for_30db"].get("reused_similar")
+    summary["suggested_density_bounds"] = {"min_density": d30, "max_density": 0.5} if d30 else None
+    th = [r for r in rows if r["section"] == "threshold"]
+    matches = results["sections"].get("matches") or []
+    if th and matches:
+        fam = [m["similar_source_similarity"] for m in matches]
+        other = [m["best_other_family_similarity"] for m in matches if m["best_other_family_similarity"] is not None]
+        summary["signature_similarity"] = {"same_family_min": min(fam), "same_family_mean": _mean(fam),
+                                           "other_family_max": max(other) if other else None}
+        # highest threshold that still hits every same-family pair but no other family
+        clean = [r["threshold"] for r in th if r["hit_rate"] > 0 and (r["hit_same_family_share"] or 0) >= 1.0]
+        summary["suggested_threshold"] = (min(clean) if clean else None)
+    return summary
+
+
+def write_plots(results: dict, config: TestbedConfig, out: Path) -> list:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return []
+    rows = results["rows"]
+    colours = {"oracle": "k", "reused_similar": "tab:green", "reused_dissimilar": "tab:red", "online": "tab:blue",
+               "population": "tab:purple", "static": "tab:orange"}
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
+    grid = [r for r in rows if r["section"] == "grid"]
+    for kind in KINDS:
+        rs = sorted((r for r in grid if r["mask_kind"] == kind), key=lambda r: r["density"])
+        axes[0, 0].plot([r["density"] for r in rs], [r["recall"] for r in rs], "o-", color=colours[kind], label=kind)
+        rp = [r for r in rs if r["psnr_db"] is not None]
+        axes[0, 1].plot([r["density"] for r in rp], [r["psnr_db"] for r in rp], "o-", color=colours[kind], label=kind)
+    n = grid[0]["N"] if grid else 0
+    axes[0, 0].set(title=f"attention recall vs density (N={n}, sampled runs)", xlabel="density", ylabel="recall")
+    axes[0, 1].axhline(30, color="grey", ls=":")
+    axes[0, 1].set(title=f"final-latent PSNR vs dense (N={n})", xlabel="density", ylabel="PSNR dB")
+    axes[0, 0].legend(fontsize=8)
+    axes[0, 1].legend(fontsize=8)
+    # lengths
+    lens = [r for r in rows if r["section"] == "length"]
+    styles = ["-", "--", ":", "-."]
+    for li, shape in enumerate(sorted({r["shape"] for r in lens}, key=lambda s: next(r["N"] for r in lens if r["shape"] == s))):
+        for kind in ("oracle", "reused_similar", "online", "static"):
+            rs = sorted((r for r in lens if r["shape"] == shape and r["mask_kind"] == kind), key=lambda r: r["density"])
+            axes[0, 2].plot([r["density"] for r in rs], [r["recall"] for r in rs], styles[li % 4], color=colours[kind],
+                            label=f"{kind} {shape}")
+    axes[0, 2].set(title="recall vs density at each length (noised targets)", xlabel="density", ylabel="recall")
+    axes[0, 2].legend(fontsize=6, ncol=2)
+    # per layer
+    pl = [r for r in rows if r["section"] == "per_layer"]
+    width = 0.13
+    for i, kind in enumerate(KINDS):
+        rs = sorted((r for r in pl if r["mask_kind"] == kind), key=lambda r: r["layer"])
+        axes[1, 0].bar([r["layer"] + (i - 2.5) * width for r in rs], [r["recall"] for r in rs], width,
+                       color=colours[kind], label=kind)
+    axes[1, 0].set(title=f"recall per layer at density {config.table_density}", xlabel="layer", ylabel="recall")
+    axes[1, 0].set_ylim(0, 1)
+    # warm-up and top-p
+    warm = [r for r in rows if r["section"] == "warmup"]
+    for kind in ("oracle", "reused_similar", "online"):
+        rs = sorted((r for r in warm if r["mask_kind"] == kind), key=lambda r: r["warmup_dense_steps"])
+        axes[1, 1].plot([r["warmup_dense_steps"] for r in rs], [r["psnr_db"] for r in rs], "o-", color=colours[kind],
+                        label=f"warm-up: {kind}")
+    tp = [r for r in rows if r["section"] == "top_p"]
+    ax2 = axes[1, 1]
+    axes[1, 1].set(title=f"PSNR vs dense warm-up steps (density {config.table_density})", xlabel="dense steps first",
+                   ylabel="PSNR dB")
+    axes[1, 1].legend(fontsize=8)
+    for kind in ("oracle", "reused_similar", "online"):
+        rs = sorted((r for r in tp if r["mask_kind"] == kind), key=lambda r: r["top_p"])
+        axes[1, 2].plot([r["density"] for r in rs], [r["psnr_db"] for r in rs], "s--", color=colours[kind],
+                        label=f"top-p {kind}")
+        for r in rs:
+            axes[1, 2].annotate(f"{r['top_p']}", (r["density"], r["psnr_db"]), fontsize=6)
+    th = [r for r in rows if r["section"] == "threshold"]
+    if th:
+        ax3 = axes[1, 2].twiny()
+        ax3.plot([r["threshold"] for r in th], [r["psnr_db"] for r in th], "^-", color="tab:gray", label="threshold")
+        ax3.set_xlabel("signature threshold (grey triangles: mean PSNR, hit else online)")
+    axes[1, 2].set(title="top-p selection: PSNR vs achieved density", xlabel="density", ylabel="PSNR dB")
+    axes[1, 2].legend(fontsize=8)
+    del ax2
+    fig.tight_layout()
+    path = out / "quality_plots.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path.name]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def write_outputs(results: dict, config: TestbedConfig, out: Path, device: str, command: str, train_info=None) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(results, config)
+    machine = torch.cuda.get_device_name() if device != "cpu" else "cpu"
+    doc = {"benchmark": "testbed_quality", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine, "command": command, "git_commit": git_commit(), "summary": summary,
+           "skipped": results.get("skipped", []), "report_seconds": results.get("report_seconds"),
+           "model": {"dim": config.dim, "ffn_dim": config.ffn_dim, "num_layers": config.num_layers,
+                     "heads": config.num_heads, "block_size": config.block_size},
+           "sampler": f"Euler flow sampler, {config.sample_steps} steps, shift {config.sample_shift}, cfg 1, "
+                      "bf16 autocast; attention swapped by a direct optimized_attention_override",
+           "matches": results["sections"].get("matches"),
+           "rows": results["rows"]}
+    if train_info:
+        doc["training"] = {k: train_info[k] for k in ("steps", "train_seconds", "machine") if k in train_info}
+        log = train_info.get("log") or []
+        longs = [h["loss"] for h in log if h["size"] == "long"]
+        if longs:
+            doc["training"]["final_long_loss_mean_of_10"] = sum(longs[-10:]) / len(longs[-10:])
+            doc["training"]["first_long_loss"] = longs[0]
+    (out / "testbed_quality.json").write_text(json.dumps(doc, indent=1, default=float))
+    plots = write_plots(results, config, out)
+    md = markdown(doc, config, plots)
+    (out / "testbed_quality.md").write_text(md)
+    (out / "REPORT.md").write_text(md)
+    return doc
+
+
+def markdown(doc: dict, config: TestbedConfig, plots: list) -> str:
+    rows = doc["rows"]
+    s = doc["summary"]
+    lines = [f"# Chorus testbed: mask quality on a trained Wan2.1-I2V-architecture model\n",
+             f"Generated by `{doc['command']}` on {doc['machine']} ({doc['date']}, commit {doc['git_commit'][:10]}).\n",
+             f"Model: ComfyUI `WanModel` (I2V), dim {config.dim}, {config.num_layers} layers, {config.num_heads} heads x 128, "
+             f"ffn {config.ffn_dim}."]
+    if "training" in doc:
+        t = doc["training"]
+        lines.append(f" Trained {t.get('steps')} steps in {t.get('train_seconds')} s "
+                     f"(long-size loss {_fmt(t.get('first_long_loss'))} -> {_fmt(t.get('final_long_loss_mean_of_10'))}).")
+    lines.append(f"\n{doc['sampler']}. Block size {config.block_size}; step buckets {list(map(list, config.step_buckets))}; "
+                 f"main grid with {config.warmup_dense_steps} dense warm-up step(s). Densities are matched: every source "
+                 "keeps the same number of key blocks in every query-block row (diagonal forced). Targets are held-out "
+                 "subjects of every template x layouts "
+                 f"{list(config.eval_layouts)}; similar = same template + layout, other subject; dissimilar = other template "
+                 f"and layout; population prior from layouts {list(config.population_layouts)} x every template.\n")
+    for p in plots:
+        lines.append(f"![quality plots]({p})\n")
+    if s.get("targets"):
+        tg = s["targets"]
+        lines.append("## Targets\n")
+        lines.append(f"At density {s['table_density']} (N={next((r['N'] for r in rows if r['section'] == 'grid'), '?')}):\n")
+        lines.append(f"- reused_similar keeps {_fmt(tg['similar_recall_vs_oracle'])} of the oracle's recall "
+                     f"(target >= 0.95: {'met' if tg['similar_recall_vs_oracle_ge_0.95'] else 'NOT met'})")
+        lines.append(f"- reused_similar PSNR minus oracle PSNR: {_fmt(tg['similar_psnr_minus_oracle_db'], 2)} dB "
+                     f"(target within 1 dB: {'met' if tg['similar_within_1db_of_oracle'] else 'NOT met'})")
+        lines.append(f"- ahead of dissimilar reuse, online and static in recall: "
+                     f"{'yes' if tg['similar_ahead_of_dissimilar_online_static_recall'] else 'NO'}; in PSNR: "
+                     f"{'yes' if tg['similar_ahead_of_dissimilar_online_static_psnr'] else 'NO'}")
+        lines.append("- density at which each source first reaches 30 dB (of the densities tried): " + ", ".join(
+            f"{k} {_fmt(v, 2) if v is not None else 'never'}" for k, v in s["density_for_30db"].items()))
+        if s.get("similar_vs_oracle_by_density"):
+            lines.append("\nreused_similar vs oracle at every density:\n")
+            lines.append(md_table(s["similar_vs_oracle_by_density"], [("density", "density"),
+                                                                      ("recall vs oracle", "recall_vs_oracle"),
+                                                                      ("PSNR - oracle (dB)", "psnr_minus_oracle_db")]))
+    lines.append("\n## Defaults the numbers support\n")
+    lines.append(f"- dense warm-up steps: {s.get('suggested_warmup_dense_steps', '–')} (fewest within 0.5 dB of the best, "
+                 f"reused_similar, density {config.table_density}, {config.sample_steps} steps)")
+    lines.append(f"- top-p: {s.get('suggested_top_p', '–')} (mean density {_fmt(s.get('suggested_top_p_density'))}; "
+                 "lowest-density top-p whose reused_similar PSNR reaches 30 dB)")
+    lines.append(f"- density bounds: {s.get('suggested_density_bounds')}")
+    lines.append(f"- signature threshold: {s.get('suggested_threshold', '–')} (lowest tried whose hits are all the "
+                 f"target's own family); similarities {s.get('signature_similarity')}")
+    cols = [("kind", "mask_kind"), ("density", "density"), ("recall", "recall"), ("recall/oracle", "recall_vs_oracle"),
+            ("out. err", "output_error"), ("PSNR dB", "psnr_db"), ("PSNR-oracle", "psnr_vs_oracle_db"), ("SSIM", "ssim")]
+    lines.append("\n## Main grid (mean over targets)\n")
+    lines.append(md_table([r for r in rows if r["section"] == "grid"], cols))
+    floor = [r for r in rows if r["section"] == "numerical_floor"]
+    if floor:
+        lines.append(f"\nNumerical floor (every block kept through the block-sparse kernel vs dense SDPA): "
+                     f"PSNR {_fmt(floor[0]['psnr_db'], 2)} dB, SSIM {_fmt(floor[0]['ssim'], 4)}.\n")
+    lines.append(f"\n## Per layer at density {config.table_density}\n")
+    lines.append(md_table([r for r in rows if r["section"] == "per_layer"],
+                          [("kind", "mask_kind"), ("layer", "layer"), ("recall", "recall"),
+                           ("recall/oracle", "recall_vs_oracle"), ("output error", "output_error")]))
+    lines.append("\n## Common (population prior) vs request-specific part of the oracle mask\n")
+    lines.append(md_table([r for r in rows if r["section"] == "split"],
+                          [("density", "density"), ("share of oracle blocks in prior", "common_share"),
+                           ("recall oracle", "recall_oracle"), ("recall of common part", "recall_common_part"),
+                           ("recall added by request-specific part", "request_specific_recall_gain"),
+                           ("recall prior alone", "recall_prior"), ("oracle - prior", "oracle_gain_over_prior")]))
+    lines.append("\n## Recall vs density at each sequence length\n")
+    lines.append("Single forwards on noised targets at sigmas " + str(list(config.length_sigmas)) + "; masks of the source "
+                 "requests at the same sigma.\n")
+    lines.append(md_table([r for r in rows if r["section"] == "length"],
+                          [("shape", "shape"), ("N", "N"), ("kind", "mask_kind"), ("density", "density"),
+                           ("recall", "recall"), ("recall/oracle", "recall_vs_oracle")]))
+    lines.append("\n## Dense warm-up sweep\n")
+    lines.append(md_table([r for r in rows if r["section"] == "warmup"],
+                          [("kind", "mask_kind"), ("dense steps", "warmup_dense_steps"), ("density", "density"),
+                           ("PSNR dB", "psnr_db"), ("SSIM", "ssim")]))
+    lines.append("\n## Top-p sweep (no density bounds)\n")
+    lines.append(md_table([r for r in rows if r["section"] == "top_p"],
+                          [("kind", "mask_kind"), ("top-p", "top_p"), ("mean density", "density"),
+                           ("min", "density_min_layer_step"), ("max", "density_max_layer_step"), ("recall", "recall"),
+                           ("PSNR dB", "psnr_db"), ("SSIM", "ssim")]))
+    lines.append("\n## Signature threshold sweep (bank = similar sources + population requests; "
+                 "hit: top-1 entry's masks, miss: online, density " + str(config.table_density) + ")\n")
+    lines.append(md_table([r for r in rows if r["section"] == "threshold"],
+                          [("threshold", "threshold"), ("hit rate", "hit_rate"),
+                           ("hits from own family", "hit_same_family_share"), ("PSNR dB (all)", "psnr_db"),
+                           ("PSNR dB (hits)", "psnr_hits_db")]))
+    if doc.get("skipped"):
+        lines.append("\nSkipped: " + "; ".join(doc["skipped"]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--preset", default="full", choices=("full", "smoke"))
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--train-info", type=Path, help="train_config.json to quote in the report")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    from ..comfyui_locator import prepare_in_process
+
+    prepare_in_process(cpu=args.device == "cpu")
+    from .train import load_checkpoint
+
+    config = make_config(args.preset, args.set)
+    model = load_checkpoint(args.checkpoint, config, args.device)
+    results = run_report(model, config, args.device)
+    train_info = json.loads(args.train_info.read_text()) if args.train_info and args.train_info.exists() else None
+    doc = write_outputs(results, config, args.out, args.device,
+                        "python -m chorus_core.testbed.report " + " ".join(argv or sys.argv[1:]), train_info)
+    print(json.dumps(doc["summary"], indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
