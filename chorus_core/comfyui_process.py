@@ -133,8 +133,12 @@ class ComfyServer:
         """Submit an API-format workflow; returns its prompt id."""
         return self.post_json("/prompt", {"prompt": prompt, "client_id": self.client_id})["prompt_id"]
 
-    def wait_for_prompt(self, prompt_id: str, timeout: float = 600, on_event=None) -> dict:
-        """Follow the websocket until the prompt finishes; returns its ``/history`` record.
+    def run_prompt(self, prompt: dict, timeout: float = 600, on_event=None) -> dict:
+        """Submit a workflow, follow its websocket events to the end, return its ``/history`` record.
+
+        The websocket is opened before submitting, and the run counts as over only at
+        ComfyUI's final ``executing`` message (node None), which follows every event the
+        nodes sent, so ``on_event`` sees all of them.
 
         :param on_event: called with every websocket JSON message (progress, executed, ...).
         """
@@ -142,22 +146,37 @@ class ComfyServer:
 
         ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=timeout)
         try:
+            prompt_id = self.queue_prompt(prompt)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                history = self.get_json(f"/history/{prompt_id}")
-                if prompt_id in history and history[prompt_id].get("status", {}).get("completed") is not None:
-                    return history[prompt_id]
                 message = _receive(ws, min(5.0, max(deadline - time.monotonic(), 0.1)))
-                if message is not None and on_event is not None:
+                if message is None:
+                    if self.process.poll() is not None:
+                        raise RuntimeError(f"ComfyUI exited while running {prompt_id}:\n{self.log_tail()}")
+                    continue
+                if on_event is not None:
                     on_event(message)
-                if message and message.get("type") == "execution_error":
-                    return self.get_json(f"/history/{prompt_id}").get(prompt_id, {"error": message})
+                if _ends(message, prompt_id):
+                    return self._history_record(prompt_id)
         finally:
             ws.close()
-        raise TimeoutError(f"prompt {prompt_id} did not finish within {timeout:.0f}s:\n{self.log_tail()}")
+        raise TimeoutError(f"prompt did not finish within {timeout:.0f}s:\n{self.log_tail()}")
 
-    def run_prompt(self, prompt: dict, timeout: float = 600, on_event=None) -> dict:
-        return self.wait_for_prompt(self.queue_prompt(prompt), timeout, on_event)
+    def _history_record(self, prompt_id: str) -> dict:
+        for _ in range(50):  # the record is written right after the final message
+            history = self.get_json(f"/history/{prompt_id}")
+            if prompt_id in history:
+                return history[prompt_id]
+            time.sleep(0.1)
+        raise RuntimeError(f"prompt {prompt_id} finished but /history has no record of it")
+
+
+def _ends(message: dict, prompt_id: str) -> bool:
+    data = message.get("data", {})
+    if data.get("prompt_id") != prompt_id:
+        return False
+    kind = message.get("type")
+    return kind in ("execution_error", "execution_interrupted") or (kind == "executing" and data.get("node") is None)
 
 
 def _receive(ws, timeout: float):

@@ -156,6 +156,8 @@ class AttentionHook:
             return func(*args, **kwargs)
         bs = import_sibling("kernels.block_sparse")
         n = q.shape[1]
+        if q.is_cuda:  # under autocast q, k (after RoPE) can be fp32 while v is bf16: one dtype for the kernel
+            q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
         mask = bs.block_map_to_mask(block_map, self.block_size, self.block_size, n)
         return bs.block_sparse_attention(q, k, v, mask, heads)
 

@@ -386,7 +386,7 @@ def run_report(model, config: TestbedConfig, device: str, log=print) -> dict:
     quality = defaultdict(list)
     floor = []
     for density in config.densities:
-        if rep.time_left() < 0.45 * config.report_budget_s * 0 + 25:
+        if rep.time_left() < 25:
             rep.skipped.append(f"sparse sampling at density {density} and above (time)")
             break
         for ti in range(len(tgt_idx)):

@@ -1,0 +1,341 @@
+"""Guidance enhancement after mask reuse: reinforce the image/text conditioning in chosen steps.
+
+Reused block-sparse masks drop a little attention mass in every self-attention, and what a
+request is *about* (its first frame, its template's motion) is what drifts first. Two
+training-free ways to push the prediction back toward the conditioning, both installed on a
+clone of a ComfyUI ModelPatcher (never on the model passed in):
+
+* ``cfg_boost`` (post-CFG hook, ``sampler_post_cfg_function``, a list, so it composes with
+  other packs): in the window's steps the guidance term is scaled by ``1 + strength``::
+
+      out = denoised + strength * cond_scale * (cond_denoised - uncond_denoised)
+
+  i.e. ``uncond + cond_scale * (1 + strength) * (cond - uncond)`` when nothing else changed the
+  CFG result. Needs an uncond pass: at cfg 1 ComfyUI skips it, and this method does nothing
+  (logged once per run). No extra model pass.
+* ``cross_attention`` (attention override, chained to the override already there, e.g. the
+  Chorus sparse patch): in the window's steps every cross-attention output (calls whose key
+  length differs from the query length: Wan I2V's 257 CLIP-image tokens and its text tokens) is
+  multiplied by ``1 + strength`` before the block's output projection. Works at any cfg.
+
+The step window is ``[start, end)`` as fractions of the run's schedule: step ``i`` of ``n`` is
+in it when ``start <= i / n < end``. Per-run state (current step, counters) lives in a keyed
+``OUTER_SAMPLE`` wrapper and is dropped in ``finally``; ``get_guidance_stats(patched)`` reads the
+current or last run's counters.
+
+Condition-adherence measures for the procedural workload (``chorus_core.workload``) are here
+too: first-frame error, foreground-map correlation with the template's video, centroid path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "METHODS",
+    "GuidanceSettings",
+    "GuidanceStats",
+    "boosted_cfg",
+    "scale_cross_attention",
+    "step_fraction",
+    "in_window",
+    "install_guidance",
+    "get_guidance_stats",
+    "first_frame_error",
+    "foreground_maps",
+    "template_adherence",
+    "centroid_path_error",
+]
+
+log = logging.getLogger("chorus")
+
+METHODS = ("cfg_boost", "cross_attention")
+OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE
+OVERRIDE_KEY = "optimized_attention_override"
+DEFAULT_KEY = "chorus_guidance"
+
+
+# --------------------------------------------------------------------------------------------
+# The math
+# --------------------------------------------------------------------------------------------
+
+
+def boosted_cfg(denoised: torch.Tensor, cond_denoised: torch.Tensor, uncond_denoised: torch.Tensor,
+                cond_scale: float, strength: float) -> torch.Tensor:
+    """CFG with its guidance term scaled by ``1 + strength``: ``denoised + strength * s * (c - u)``.
+
+    All tensors are denoised predictions ``[B, C, T, H, W]``; ``denoised`` is the CFG result so far
+    (``u + s (c - u)`` unless an earlier post-CFG hook changed it).
+    """
+    if strength == 0:
+        return denoised
+    return denoised + (strength * cond_scale) * (cond_denoised - uncond_denoised)
+
+
+def scale_cross_attention(out: torch.Tensor, strength: float) -> torch.Tensor:
+    """A cross-attention output ``[B, N, H*D]`` (or ``[B, H, N, D]``) times ``1 + strength``."""
+    return out if strength == 0 else out * (1.0 + strength)
+
+
+def step_fraction(sigma: torch.Tensor, schedule: Optional[torch.Tensor]) -> Optional[float]:
+    """Position ``i / n`` of ``sigma`` in a schedule of ``n + 1`` sigmas (closest match); None without one."""
+    if schedule is None or sigma is None or len(schedule) < 2:
+        return None
+    s = sigma.flatten()[0].to(schedule.device, schedule.dtype)
+    index = int((schedule - s).abs().argmin())
+    return index / (len(schedule) - 1)
+
+
+def in_window(fraction: Optional[float], start: float, end: float) -> bool:
+    """``start <= fraction < end`` (with float slack); an unknown step is in only a full window."""
+    if fraction is None:
+        return start <= 0.0 and end >= 1.0
+    return start - 1e-9 <= fraction < end - 1e-9
+
+
+def _is_cross_attention(args, kwargs) -> bool:
+    """True for an ``optimized_attention(q, k, v, heads, ...)`` call whose key length != query length."""
+    q = kwargs["q"] if "q" in kwargs else (args[0] if len(args) > 0 else None)
+    k = kwargs["k"] if "k" in kwargs else (args[1] if len(args) > 1 else None)
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        return False
+    skip_reshape = kwargs.get("skip_reshape", args[6] if len(args) > 6 else False)
+    dim = 2 if skip_reshape else 1
+    return q.dim() > dim and k.dim() > dim and q.shape[dim] != k.shape[dim]
+
+
+# --------------------------------------------------------------------------------------------
+# Settings and per-run state
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GuidanceSettings:
+    """What to install: ``method`` (one of METHODS), ``strength`` (0 = off), window ``[start, end)``."""
+
+    method: str = "cfg_boost"
+    strength: float = 0.5
+    start: float = 0.1
+    end: float = 1.0
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"guidance method {self.method!r} is not one of {', '.join(METHODS)}")
+        if not 0.0 <= self.start <= self.end <= 1.0:
+            raise ValueError(f"need 0 <= start <= end <= 1 (fractions of the schedule), got {self.start} and {self.end}")
+        if not -1.0 < self.strength <= 10.0:
+            raise ValueError(f"strength must be in (-1, 10], got {self.strength}")
+
+
+@dataclass
+class GuidanceStats:
+    """One sampling run: how many CFG combinations / cross-attention calls were changed."""
+
+    boosted_steps: int = 0           # post-CFG calls inside the window that changed the result
+    skipped_no_uncond: int = 0       # post-CFG calls in the window at cfg 1 (nothing to act on)
+    scaled_cross_attention: int = 0  # cross-attention calls scaled
+    notes: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"boosted_steps": self.boosted_steps, "skipped_no_uncond": self.skipped_no_uncond,
+                "scaled_cross_attention": self.scaled_cross_attention, "notes": list(self.notes)}
+
+
+class _Run:
+    """Per-run state: the step of the current model call (one host sync per call), counters."""
+
+    def __init__(self, settings: GuidanceSettings):
+        self.settings = settings
+        self.stats = GuidanceStats()
+        self._sigmas = None
+        self._active = False
+
+    def active(self, sigmas, schedule) -> bool:
+        if sigmas is not self._sigmas:  # a new model call; every layer after it reuses the answer
+            self._sigmas = sigmas
+            self._active = in_window(step_fraction(sigmas, schedule), self.settings.start, self.settings.end)
+        return self._active
+
+    def note(self, text: str) -> None:
+        if text not in self.stats.notes:
+            self.stats.notes.append(text)
+            log.info("Chorus guidance: %s", text)
+
+
+class GuidanceState:
+    """Attached to the patched clone: settings and the current/last run's statistics."""
+
+    def __init__(self, settings: GuidanceSettings, key: str):
+        self.settings, self.key = settings, key
+        self.stats: Optional[GuidanceStats] = None
+
+    def start_run(self) -> _Run:
+        run = _Run(self.settings)
+        self.stats = run.stats
+        return run
+
+
+NO_UNCOND_NOTE = ("cfg_boost has nothing to act on at cfg 1 (ComfyUI skips the uncond pass); "
+                  "guidance left unchanged. Use method cross_attention, or cfg > 1.")
+
+
+# --------------------------------------------------------------------------------------------
+# The hooks (plain closures; clones of the patched model share them, the run lives in options)
+# --------------------------------------------------------------------------------------------
+
+
+def _run_key(key: str) -> str:
+    return f"{key}_run"
+
+
+def _make_post_cfg(key: str, strength: float) -> Callable:
+    run_key = _run_key(key)
+
+    def chorus_guidance_post_cfg(args):
+        denoised = args["denoised"]
+        options = args.get("model_options", {}).get("transformer_options", {})
+        run = options.get(run_key)
+        if run is None:
+            return denoised
+        if not run.active(args["sigma"], options.get("sample_sigmas")):
+            return denoised
+        if args.get("uncond") is None:  # cfg 1: uncond_denoised is zeros, not a prediction
+            run.stats.skipped_no_uncond += 1
+            run.note(NO_UNCOND_NOTE)
+            return denoised
+        run.stats.boosted_steps += 1
+        return boosted_cfg(denoised, args["cond_denoised"], args["uncond_denoised"], args["cond_scale"], strength)
+
+    chorus_guidance_post_cfg.chorus_key = key
+    return chorus_guidance_post_cfg
+
+
+def _make_attention_override(key: str, strength: float, previous: Optional[Callable]) -> Callable:
+    run_key = _run_key(key)
+
+    def chorus_guidance_attention(func, *args, **kwargs):
+        out = previous(func, *args, **kwargs) if previous is not None else func(*args, **kwargs)
+        options = kwargs.get("transformer_options") or {}
+        run = options.get(run_key)
+        if run is None or not _is_cross_attention(args, kwargs):
+            return out
+        if not run.active(options.get("sigmas"), options.get("sample_sigmas")):
+            return out
+        run.stats.scaled_cross_attention += 1
+        return scale_cross_attention(out, strength)
+
+    chorus_guidance_attention.chorus_key = key
+    chorus_guidance_attention.chorus_previous = previous
+    return chorus_guidance_attention
+
+
+def _unwrap_own(function, key: str):
+    """What our own earlier install chained to, so installing twice replaces instead of stacking."""
+    while function is not None and getattr(function, "chorus_key", None) == key:
+        function = function.chorus_previous
+    return function
+
+
+def _make_outer_sample_wrapper(holder: GuidanceState) -> Callable:
+    run_key = _run_key(holder.key)
+
+    def chorus_guidance_outer_sample(executor, *args, **kwargs):
+        options = executor.class_obj.model_options.setdefault("transformer_options", {})
+        options[run_key] = holder.start_run()
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            options.pop(run_key, None)
+
+    return chorus_guidance_outer_sample
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------
+
+
+def install_guidance(model_patcher, settings: GuidanceSettings, key: str = DEFAULT_KEY):
+    """Return a clone of ``model_patcher`` with guidance enhancement; the input is never modified.
+
+    Strength 0 returns a plain clone (bit-identical sampling). Installing again with the same
+    ``key`` replaces the earlier install. Composes with ``install_sparse_attention`` in either
+    order (both chain the attention override) and with other packs' post-CFG hooks.
+    """
+    patched = model_patcher.clone()
+    if settings.strength == 0:
+        return patched
+    holder = GuidanceState(settings, key)
+    post = patched.model_options.get("sampler_post_cfg_function", [])
+    patched.model_options["sampler_post_cfg_function"] = [f for f in post if getattr(f, "chorus_key", None) != key]
+    options = patched.model_options.setdefault("transformer_options", {})
+    options[OVERRIDE_KEY] = _unwrap_own(options.get(OVERRIDE_KEY), key)
+    if options[OVERRIDE_KEY] is None:
+        del options[OVERRIDE_KEY]
+    if settings.method == "cfg_boost":
+        patched.set_model_sampler_post_cfg_function(_make_post_cfg(key, settings.strength))
+    else:
+        options[OVERRIDE_KEY] = _make_attention_override(key, settings.strength, options.get(OVERRIDE_KEY))
+    patched.remove_wrappers_with_key(OUTER_SAMPLE, key)
+    patched.add_wrapper_with_key(OUTER_SAMPLE, key, _make_outer_sample_wrapper(holder))
+    patched.set_attachments(key, holder)
+    return patched
+
+
+def get_guidance_stats(model_patcher, key: str = DEFAULT_KEY) -> Optional[GuidanceStats]:
+    """Counters of the current or last sampling run of a model from ``install_guidance`` (None before any)."""
+    holder = model_patcher.get_attachment(key)
+    return holder.stats if isinstance(holder, GuidanceState) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Condition adherence on the procedural workload
+# --------------------------------------------------------------------------------------------
+
+
+def first_frame_error(latent: torch.Tensor, first_frame: torch.Tensor) -> torch.Tensor:
+    """RMS error of the generated first latent frame vs the conditioning frame: ``[B, C, T, H, W]``,
+    ``[C, 1, H, W]`` -> ``[B]`` (float64), divided by the condition's RMS (0 = exact)."""
+    ref = first_frame.double().reshape(1, -1)
+    gen = latent[:, :, :1].double().flatten(1)
+    return (gen - ref).square().mean(1).sqrt() / ref.square().mean().sqrt()
+
+
+def foreground_maps(video: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
+    """Where the subject is, per frame: channel-RMS of ``video - background``.
+
+    ``video [..., C, T, H, W]``, ``background [C, H, W]`` -> ``[..., T, H, W]``.
+    """
+    return (video.double() - background.double()[:, None]).square().mean(-4).sqrt()
+
+
+def template_adherence(latent: torch.Tensor, target: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
+    """Template following: Pearson correlation of the generated and the template video's foreground
+    maps over frames 1..T-1 (frame 0 is given). ``[B, C, T, H, W]``, ``[C, T, H, W]``, ``[C, H, W]`` -> ``[B]``."""
+    gen = foreground_maps(latent, background)[:, 1:].flatten(1)
+    ref = foreground_maps(target, background)[1:].flatten()[None]
+    gen, ref = gen - gen.mean(1, keepdim=True), ref - ref.mean(1, keepdim=True)
+    return (gen * ref).sum(1) / (gen.norm(dim=1) * ref.norm(dim=1)).clamp_min(1e-12)
+
+
+def _centroids(maps: torch.Tensor) -> torch.Tensor:
+    """Weighted centroid (y, x) per frame of foreground maps ``[..., T, H, W]`` -> ``[..., T, 2]``."""
+    h, w = maps.shape[-2:]
+    ys = torch.arange(h, dtype=maps.dtype, device=maps.device)
+    xs = torch.arange(w, dtype=maps.dtype, device=maps.device)
+    weights = maps - maps.flatten(-2).median(-1).values[..., None, None]  # background level out
+    weights = weights.clamp_min(0)
+    total = weights.sum((-1, -2)).clamp_min(1e-12)
+    return torch.stack([(weights.sum(-1) * ys).sum(-1) / total, (weights.sum(-2) * xs).sum(-1) / total], -1)
+
+
+def centroid_path_error(latent: torch.Tensor, target: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
+    """Mean distance (latent pixels) between the generated and the template video's subject
+    centroids over frames 1..T-1 -> ``[B]``."""
+    gen = _centroids(foreground_maps(latent, background))[:, 1:]
+    ref = _centroids(foreground_maps(target, background))[None, 1:]
+    return (gen - ref).norm(dim=-1).mean(-1)
