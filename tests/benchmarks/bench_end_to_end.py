@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -426,7 +427,7 @@ def measure_overheads(ctx, shape, entry_layers, bank_entries):
     out["signature_ms"] = median_ms(lambda: build_signature(clip_vision=clip, text=positive[0][0],
                                                             start_latent=start), 5)
     set_blocks(ctx["model"], ctx["all_blocks"], entry_layers)
-    fingerprint = fingerprint_patcher(ctx["patcher"])
+    fingerprint = dataclasses.replace(fingerprint_patcher(ctx["patcher"]), heads=heads)  # same on the real model
     out["fingerprint_ms"] = median_ms(lambda: fingerprint_patcher(ctx["patcher"]), 3)
     out["fingerprint_blocks"] = entry_layers
 
@@ -504,12 +505,7 @@ def measure_overheads(ctx, shape, entry_layers, bank_entries):
     out["convert_ms_per_layer"] = median_ms(lambda: convert(2), 3) / entry_layers
     out["convert_ms"] = out["convert_ms_per_layer"] * FULL_LAYERS * buckets
     masks = convert(2)
-    per_layer = []
-    for mask in masks:
-        b = mask.live_blocks.numel() * 4 + mask.live_counts.numel() * 4
-        b += sum(o.numel() * o.element_size() for o in mask.__dict__.get("_launch_orders", {}).values())
-        per_layer.append(b)
-    out["mask_bytes_per_layer"] = int(statistics.mean(per_layer))
+    out["mask_bytes_per_layer"] = int(statistics.mean(mask_bytes_of(mask) for mask in masks))
     out["accumulator_bytes_per_layer_bucket"] = heads * math.ceil(n / BLOCK) ** 2 * 4
     del maps, masks
     if cuda:

@@ -1,0 +1,81 @@
+"""Finding ComfyUI: COMFYUI_PATH, the containing checkout, the per-user cache, and a clear failure."""
+
+import subprocess
+import sys
+
+import pytest
+
+from chorus_core import comfyui_locator as loc
+from conftest import REPO_ROOT
+
+
+def fake_checkout(path):
+    for name in ("main.py", "nodes.py", "folder_paths.py"):
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text("")
+    (path / "comfy").mkdir()
+    (path / "comfy" / "__init__.py").write_text("")
+    (path / "requirements.txt").write_text("torch\ntorchvision\nnumpy>=1.25.0\naiohttp>=3.11.8  # web\n#comment\n")
+    return path
+
+
+@pytest.fixture()
+def nowhere(monkeypatch, tmp_path):
+    """No COMFYUI_PATH, an empty cache, no network clone."""
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    monkeypatch.setenv("CHORUS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CHORUS_NO_CLONE", "1")
+    return tmp_path
+
+
+def test_comfyui_path_wins(nowhere, monkeypatch):
+    checkout = fake_checkout(nowhere / "mine")
+    monkeypatch.setenv("COMFYUI_PATH", str(checkout))
+    assert loc.locate_comfyui(pack_dir=nowhere / "pack") == checkout.resolve()
+
+
+def test_containing_checkout_is_found(nowhere):
+    checkout = fake_checkout(nowhere / "ComfyUI")
+    pack = checkout / "custom_nodes" / "any_name"
+    pack.mkdir(parents=True)
+    assert loc.locate_comfyui(pack_dir=pack) == checkout.resolve()
+
+
+def test_per_user_cache_is_used(nowhere):
+    cached = fake_checkout(loc.cached_checkout_dir())
+    assert loc.locate_comfyui(pack_dir=nowhere / "pack") == cached
+
+
+def test_nothing_found_names_every_place_and_what_to_set(nowhere, monkeypatch):
+    monkeypatch.setenv("COMFYUI_PATH", str(nowhere / "not_comfy"))
+    with pytest.raises(loc.ComfyUINotFound) as err:
+        loc.locate_comfyui(pack_dir=nowhere / "pack")
+    message = str(err.value)
+    for place in ("COMFYUI_PATH=", "containing checkout", "per-user cache", "git clone: disabled"):
+        assert place in message
+    assert "Fix: set COMFYUI_PATH" in message and loc.PINNED_COMMIT[:10] in message
+
+
+def test_command_line_fails_loudly_without_comfyui(nowhere):
+    env = {"PATH": "/usr/bin:/bin", "CHORUS_CACHE_DIR": str(nowhere / "cache"), "CHORUS_NO_CLONE": "1"}
+    result = subprocess.run([sys.executable, "-m", "chorus_core.comfyui_locator"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "ComfyUI was not found" in result.stderr
+
+
+def test_requirements_drop_the_torch_family_and_add_requests(nowhere):
+    checkout = fake_checkout(nowhere / "c")
+    assert loc.comfyui_requirements(checkout) == ["numpy>=1.25.0", "aiohttp>=3.11.8", "requests"]
+
+
+def test_install_from_a_local_git_repository(nowhere, tmp_path, monkeypatch):
+    repo = fake_checkout(tmp_path / "src")
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], check=True)
+    head = subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(loc, "PINNED_COMMIT", head)
+    dest = loc.install_from_git_dir(repo / ".git")
+    assert loc.is_comfyui_checkout(dest) and dest == loc.cached_checkout_dir()
