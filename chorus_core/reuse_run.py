@@ -283,7 +283,9 @@ class ReuseRun:
         return MaskRecorder(num_layers=len(self.model_patcher.model.diffusion_model.blocks),
                             step_buckets=recorded_steps(self.schedule.step_buckets), block_size=self.block_size,
                             top_p=o.top_p, min_density=o.min_density, max_density=o.max_density,
-                            query_stride=_recording_query_stride(self.model_patcher))
+                            query_stride=_recording_query_stride(self.model_patcher),
+                            # 3 buckets x 40 layers x 56 MB of float32 mass at 720p: host memory, not VRAM
+                            store_device="cpu")
 
     def progress(self, step_stats, run_stats) -> dict:
         """A per-step event for the web view: per-layer share of attention run sparse, so far."""

@@ -63,6 +63,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -108,6 +109,7 @@ def elapsed() -> float:
 def setup_comfy(cuda: bool, extra_site: str | None):
     if extra_site:  # carried pure-Python packages; appended, so the machine's own win
         sys.path.append(str(Path(extra_site).resolve()))
+        CARRIED.append(extra_site)
     from chorus_core.comfyui_locator import prepare_in_process
 
     path = prepare_in_process(cpu=not cuda)
@@ -215,6 +217,7 @@ def structured_block_map(grid, heads, density, seed, device):
 # --------------------------------------------------------------------------------------------
 
 FALLBACKS = {"cudnn": 0}
+CARRIED: list[str] = []
 
 
 @contextlib.contextmanager
@@ -392,6 +395,7 @@ def run_mode(ctx, mode, layers):
             m["recorded_density"] = round(recorded.density, 4)
             del recorded
     del patcher
+    gc.collect()  # the mask-cache watcher makes a reference cycle: free the run's GPU state now
     return m
 
 
@@ -541,7 +545,9 @@ def derive_rows(shape, res, ov):
     def vram(m, extra_layers_bytes=0):
         if not m.get("peak_bytes"):
             return None, None
-        measured = (m["peak_bytes"] - dense["peak_bytes"]) / 2**30
+        # peak over what was allocated when the run started (weights, anything left over),
+        # minus the same for dense cuDNN
+        measured = ((m["peak_bytes"] - m["base_bytes"]) - (dense["peak_bytes"] - dense["base_bytes"])) / 2**30
         return round(measured + extra_layers_bytes / 2**30, 3), round(measured, 3)
 
     for key, attention in (("dense_cudnn", "cudnn"), ("dense_comfyui", "comfyui"), ("dense_sdpa_default", "sdpa_default")):
@@ -678,7 +684,11 @@ def write_results(out_dir: Path, name: str, doc: dict) -> None:
     lines = [f"# End-to-end speed: Chorus on Wan2.1-I2V-14B shapes ({doc['machine']})", "",
              f"- date: {doc['date']}", f"- machine: {doc['machine']}", f"- command: `{doc['command']}`",
              f"- git commit: {doc['git_commit']}", f"- torch {d.get('torch')}, triton {d.get('triton')}, "
-             f"ComfyUI {d.get('comfyui')}", "",
+             f"ComfyUI {d.get('comfyui')}"]
+    if d.get("rederived"):
+        lines += [f"- rows re-derived from this run's measurements on {d['rederived']['date']}: "
+                  f"`{d['rederived']['command']}`"]
+    lines += ["",
              doc["method"], "",
              "Whole generation: 40 euler steps, cond + uncond as one batch of 2, 1 dense warm-up step; "
              "speedup over dense with torch SDPA's cuDNN backend. step_ms is extrapolated to 40 blocks "
@@ -689,6 +699,23 @@ def write_results(out_dir: Path, name: str, doc: dict) -> None:
         lines += ["", "Per-request overhead (host side, on the generation path); share of the hit generation "
                   "at density 0.15:", ""]
         lines += table(over_rows, OVERHEAD_COLUMNS)
+    lines += ["", "Where a step's time goes (per block, batch 2, from the rows and details.attention_alone_ms):", ""]
+    for shape, res in d.get("measurements", {}).items():
+        alone = d.get("attention_alone_ms", {}).get(shape) or {}
+        dense = next((r for r in main_rows if r["shape"] == shape and r["mode"] == "dense"
+                      and r["attention"] == "cudnn"), None)
+        hit = next((r for r in main_rows if r["shape"] == shape and r["mode"] == "hit" and r["density"] == MISS_DENSITY), None)
+        if dense and hit and alone.get("cudnn"):
+            other = dense["block_ms"] - alone["cudnn"]
+            lines.append(f"- {shape}: dense block {dense['block_ms']} ms, of which cuDNN self-attention alone "
+                         f"{alone['cudnn']} ms (flash {alone.get('flash')}, torch default {alone.get('default')}); "
+                         f"everything else {other:.1f} ms; hit block at 0.15 {hit['block_ms']} ms, so its sparse "
+                         f"self-attention takes about {hit['block_ms'] - other:.1f} ms")
+        lin = res.get("linearity")
+        if lin:
+            parts = [f"{k}: {v['blocks']} blocks measured {v['measured_ms']} ms vs predicted {v['predicted_ms']} ms"
+                     for k, v in lin.items()]
+            lines.append(f"- {shape} linearity: " + "; ".join(parts))
     if doc.get("targets"):
         lines += ["", "Targets:", ""] + [f"- {t}" for t in doc["targets"]]
     if doc.get("not_measured"):
@@ -696,6 +723,33 @@ def write_results(out_dir: Path, name: str, doc: dict) -> None:
     lines += ["", "Measurements (per shape; ms per step with the blocks measured):", "", "```",
               json.dumps(d.get("measurements", {}), indent=1)[:20000], "```"]
     (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def caveats(doc) -> list[str]:
+    """What the numbers do not cover, written from the run's own details."""
+    d = doc["details"]
+    out = ["image quality or mask recall: random weights (speed only)",
+           f"all 40 blocks: {d.get('blocks')} were timed and scaled (a + 40 x per-block time); "
+           "the linearity check in details.measurements.*.linearity compares half the blocks, measured vs predicted",
+           "VAE encode/decode, text and CLIP-vision encoders (outside the sampler, equal in every mode)",
+           "feature reuse and guidance enhancement",
+           "timing repetitions: each mode is one sampling run; step_ms is the median of its 2-4 steady steps",
+           "the hit's dense warm-up step is counted as one dense cuDNN step (Chorus leaves it to ComfyUI's own "
+           "SDPA choice, which the dense_comfyui row measures equal)",
+           "hit masks are synthetic (local 3D windows + global columns per head) and the same at every step; "
+           "recorded masks of a trained model may differ in layout, density per layer and per step"]
+    for shape, ov in sorted(d.get("overheads", {}).items()):
+        out.append(f"{shape} mask load + decode depends on how well the entry compresses: the synthetic entry "
+                   f"here is {ov['entry_bytes'] / 1e6:.1f} MB (3 buckets x 40 layers, scaled from "
+                   f"{ov['entry_layers']} layers); bank_entry_size.md's synthetic 720p masks give 8.6 MB")
+    if d.get("overheads"):
+        ov = next(iter(d["overheads"].values()))
+        out.append(f"fingerprint timed on the benchmark model with {ov['fingerprint_blocks']} blocks "
+                   "(a state_dict walk + 4 sampled tensors; grows little with 40 blocks)")
+    if d.get("carried_packages"):
+        out.append(d["carried_packages"])
+    out += [e for e in doc.get("skipped", [])]
+    return out
 
 
 def targets(rows):
@@ -751,6 +805,24 @@ def attention_microbench(shape, heads, cuda):
     return out
 
 
+def rederive(path: Path, out_dir: Path, command: str) -> None:
+    """Rows, targets and markdown again from the measurements of an earlier run (no timing)."""
+    doc = json.loads(path.read_text())
+    doc["rows"] = []
+    for shape, res in doc["details"]["measurements"].items():
+        if res and "nonblock" in res:
+            doc["rows"] += derive_rows(shape, res, doc["details"]["overheads"].get(shape))
+    doc["targets"] = targets(doc["rows"])
+    doc.setdefault("skipped", [])
+    doc["not_measured"] = caveats(doc)
+    doc["details"]["rederived"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                   "command": command}
+    name = path.stem
+    write_results(out_dir, name, doc)
+    for t in doc["targets"]:
+        print(t)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(REPO_ROOT / "tests" / "benchmarks" / "results"))
@@ -764,7 +836,11 @@ def main(argv=None):
     p.add_argument("--extra-site", default=None, help="folder of carried pure-Python packages (appended to sys.path)")
     p.add_argument("--git-commit", default=None)
     p.add_argument("--command", default=None, help="the command line to record (default: argv)")
+    p.add_argument("--rederive", default=None, metavar="JSON",
+                   help="recompute rows and targets from a results file's measurements; write to --out")
     args = p.parse_args(argv)
+    if args.rederive:
+        return rederive(Path(args.rederive), Path(args.out), " ".join(["python"] + sys.argv))
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = "cuda" if cuda else "cpu"
@@ -796,8 +872,11 @@ def main(argv=None):
            "details": {"torch": torch.__version__, "triton": triton_version,
                        "comfyui": getattr(sys.modules.get("comfyui_version"), "__version__", None),
                        "blocks": blocks, "dim": dim, "ffn_dim": ffn, "heads": heads, "dtype": str(dtype),
-                       "measurements": {}, "overheads": {}, "errors": [], "attention_alone_ms": {}},
-           "not_measured": []}
+                       "measurements": {}, "overheads": {}, "errors": [], "attention_alone_ms": {},
+                       "carried_packages": (f"pure-Python packages the machine may lack (sqlite-utils and its "
+                                            f"deps, einops, torchsde) came unpacked in {CARRIED[0]}, after its own "
+                                            "on sys.path") if CARRIED else None},
+           "not_measured": [], "skipped": []}
 
     t0 = time.perf_counter()
     model, patcher = build_model(dim, ffn, blocks, device, dtype)
@@ -815,6 +894,7 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001
                     doc["details"]["errors"].append(f"derive {shape}: {type(e).__name__}: {e}")
         doc["targets"] = targets(doc["rows"])
+        doc["not_measured"] = caveats(doc)
         doc["details"]["cudnn_fallbacks"] = FALLBACKS["cudnn"]
         write_results(out_dir, name, doc)
 
@@ -849,7 +929,7 @@ def main(argv=None):
         for key, mode, layers in plan:
             required = key in ("nonblock", "dense_cudnn", "hit_0.15") or key.startswith("hit_")
             if not required and elapsed() > shape_budget:
-                doc["not_measured"].append(f"{shape} {key}: skipped, time budget")
+                doc["skipped"].append(f"{shape} {key}: skipped, time budget")
                 log(f"skip {key} (budget)")
                 continue
             try:
@@ -884,12 +964,6 @@ def main(argv=None):
         del ctx
         if cuda:
             torch.cuda.empty_cache()
-    doc["not_measured"] += [
-        "image quality or mask recall: random weights (speed only)",
-        "all 40 blocks: a subset was timed and scaled (a + 40 x per-block time), see the linearity check",
-        "VAE encode/decode, text and CLIP-vision encoders (outside the sampler, equal in every mode)",
-        "feature reuse and guidance enhancement (not built)",
-    ]
     save()
     for r in doc["rows"]:
         if "step_ms" in r:
