@@ -1,0 +1,838 @@
+"""Feature reuse: redundant regions of a Wan 2.1 video computed at reduced token resolution.
+
+Cells of ``cell = (ct, ch, cw)`` video tokens (default 1 x 2 x 2) that a region map selects are
+mean-pooled into one token each before a Wan block runs; the block runs on the shorter
+sequence (self-attention, cross-attention and FFN all see ``N' < N`` tokens); its *update*
+(block output minus block input) of a pooled token is brought back to the cell's tokens while
+the residual stream itself stays at full resolution::
+
+    x [B, N, C] --pool--> x' [B, N', C] --block--> y' ;  y = x + restore(y' - x')
+
+How it hooks in (never by copying ``forward_orig``, never by module-level monkeypatching):
+
+* ``("double_block", i)`` patches reduce the tokens and the RoPE table (``pe``) and restore the
+  output; chained to a block patch already in the slot, and usable under a later one;
+* ``transformer_options["optimized_attention_override"]`` runs the reduced self-attention:
+  pooled keys get a ``log(cell size)`` logit bias (a pooled key stands for ``s`` similar keys,
+  ToMe's proportional attention) or, when Chorus's sparse attention (``sparse_patch``) is
+  installed and has a block map for this layer and step, block-sparse with that map carried
+  over to the reduced layout (see ``TokenLayout.map_block_map``);
+* a keyed ``OUTER_SAMPLE`` wrapper holds the per-run state, dropped in ``finally``.
+
+Mask consistency. The reduced sequence keeps the (t, h, w) raster order (a pooled token sits
+where its cell's first token was), so each reduced block overlaps few full-resolution blocks.
+A reduced query block attends to a reduced key block iff some full-resolution query block
+behind it attends to some full-resolution key block behind the other one (an OR over the
+blocks each reduced block draws tokens from): a superset of the original map, so no key a
+full-resolution query attended to is dropped. Reduced calls are taken out of the sparse
+patch's hands (its per-run entries are removed from the ``transformer_options`` handed down)
+and counted in its statistics here, so both install orders behave the same.
+
+RoPE. A pooled token gets the rotation of its cell's centre (fractional position): the
+normalised mean of the member tokens' rotation matrices. For members symmetric around the
+centre, and offsets below pi / 2 rad (Wan's fastest RoPE frequency is 1 rad per position, so
+cells up to 4 tokens per axis), that is exactly RoPE at the centre position.
+
+Seams. ``rim`` cells at the border of every region stay at full resolution, and ``blend``
+replaces the piecewise-constant (nearest) upsampling of pooled updates by a tent filter over
+neighbouring tokens (bilinear between cell centres, and towards the exact updates of
+full-resolution neighbours at region borders). ``seam_measure`` compares gradient energy
+across region borders with the dense run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._siblings import import_sibling
+from .mask_provider import step_bucket_of
+
+__all__ = [
+    "FeatureReuseSettings",
+    "FeatureReuseStats",
+    "TokenLayout",
+    "token_grid",
+    "cell_grid",
+    "select_regions",
+    "region_scores",
+    "erode_regions",
+    "region_map_image",
+    "install_feature_reuse",
+    "get_feature_reuse_state",
+    "seam_measure",
+    "flops_estimate",
+]
+
+OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE
+OVERRIDE_KEY = "optimized_attention_override"
+PATCH_SIZE = (1, 2, 2)  # Wan 2.1 patchify (t, h, w) in latent pixels
+
+
+# --------------------------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FeatureReuseSettings:
+    """Which cells, steps and layers run at reduced resolution, and how borders are handled.
+
+    :param cell: (ct, ch, cw) tokens pooled into one; each 1, 2 or 4.
+    :param start_percent: first share of the schedule (0..1) that runs reduced; steps before it
+        run at full resolution (they set the layout of the video).
+    :param end_percent: reduced while ``step / steps < end_percent``.
+    :param layers: block indices that run reduced; None = all but ``skip_first`` / ``skip_last``.
+    :param skip_first: with ``layers=None``, the first blocks that stay at full resolution.
+    :param skip_last: with ``layers=None``, the last blocks that stay at full resolution.
+    :param rim: cells at each region's border kept at full resolution (erosion, spatial).
+    :param blend: tent-filter upsampling of pooled updates instead of nearest.
+    :param size_bias: ``log(cell size)`` attention bias on pooled keys (dense reduced calls).
+    :param sparse_key: the key Chorus's sparse attention was installed with.
+    """
+
+    cell: tuple = (1, 2, 2)
+    start_percent: float = 0.3
+    end_percent: float = 1.0
+    layers: Optional[tuple] = None
+    skip_first: int = 1
+    skip_last: int = 1
+    rim: int = 1
+    blend: bool = True
+    size_bias: bool = True
+    sparse_key: str = "chorus"
+
+    def __post_init__(self):
+        if len(self.cell) != 3 or any(c not in (1, 2, 4) for c in self.cell):
+            raise ValueError(f"cell must be three of 1, 2 or 4 tokens (t, h, w), got {self.cell!r}")
+        if math.prod(self.cell) < 2:
+            raise ValueError("cell (1, 1, 1) pools nothing; use (1, 2, 2) or larger")
+        if not 0.0 <= self.start_percent <= self.end_percent <= 1.0:
+            raise ValueError(f"need 0 <= start_percent <= end_percent <= 1, got {self.start_percent}, {self.end_percent}")
+        if self.rim < 0:
+            raise ValueError(f"rim must be >= 0 cells, got {self.rim}")
+
+    def runs_layer(self, layer: int, num_layers: int) -> bool:
+        if self.layers is not None:
+            return layer in self.layers
+        return self.skip_first <= layer < num_layers - self.skip_last
+
+    def runs_step(self, step: int, steps: int) -> bool:
+        if steps <= 0:
+            return False
+        return self.start_percent <= step / steps < self.end_percent
+
+
+# --------------------------------------------------------------------------------------------
+# Region selection
+# --------------------------------------------------------------------------------------------
+
+
+def token_grid(latent_shape: Sequence[int]) -> tuple[int, int, int]:
+    """(T, H, W) token grid of a latent ``[B, C, T, H, W]`` after Wan's (1, 2, 2) patchify (padded)."""
+    t, h, w = latent_shape[-3:]
+    return tuple(math.ceil(n / p) for n, p in zip((t, h, w), PATCH_SIZE))
+
+
+def cell_grid(grid: Sequence[int], cell: Sequence[int]) -> tuple[int, int, int]:
+    """Whole cells that fit in the token grid (partial cells at the far edges are never pooled)."""
+    return tuple(g // c for g, c in zip(grid, cell))
+
+
+def region_scores(start_latent: torch.Tensor, cell: Sequence[int], margin: int = 1) -> torch.Tensor:
+    """Redundancy score per spatial cell of a start frame: lower = smoother = more redundant.
+
+    The start frame ``[B, C, T, H, W]`` (frame 0 is used) or ``[C, H, W]`` is patchified to
+    tokens; a cell's score is the largest within-cell token variance over the cell and its
+    ``margin``-cell neighbourhood (so cells next to detail, where things move, are not picked),
+    over the frame's token variance. Returns float ``[Hc, Wc]``.
+    """
+    frame = start_latent.detach().float()
+    if frame.dim() == 5:
+        frame = frame[0, :, 0]
+    elif frame.dim() == 4:
+        frame = frame[0] if frame.shape[1] != 1 else frame[:, 0]
+    if frame.dim() != 3:
+        raise ValueError(f"start latent must be [B, C, T, H, W] or [C, H, W], got {tuple(start_latent.shape)}")
+    c, h, w = frame.shape
+    ph, pw = PATCH_SIZE[1:]
+    frame = F.pad(frame, (0, (-w) % pw, 0, (-h) % ph), mode="replicate")
+    tokens = F.avg_pool2d(frame[None], (ph, pw))[0]  # [C, Ht, Wt]: what a token sees, roughly
+    ch, cw = cell[1], cell[2]
+    hc, wc = tokens.shape[1] // ch, tokens.shape[2] // cw
+    tokens = tokens[:, :hc * ch, :wc * cw]
+    mean = F.avg_pool2d(tokens[None], (ch, cw))[0]                          # [C, Hc, Wc]
+    within = F.avg_pool2d(tokens[None].square(), (ch, cw))[0] - mean.square()
+    # detail inside the cell, plus the step to neighbouring cells (edges between cells)
+    step = torch.zeros_like(mean)
+    step[:, 1:] += (mean[:, 1:] - mean[:, :-1]).square()
+    step[:, :-1] += (mean[:, 1:] - mean[:, :-1]).square()
+    step[:, :, 1:] += (mean[:, :, 1:] - mean[:, :, :-1]).square()
+    step[:, :, :-1] += (mean[:, :, 1:] - mean[:, :, :-1]).square()
+    score = (within.clamp_min(0) + 0.25 * step).sum(0)  # [Hc, Wc]
+    if margin > 0:
+        score = F.max_pool2d(score[None, None], 2 * margin + 1, stride=1, padding=margin)[0, 0]
+    scale = tokens.var(dim=(1, 2)).sum().clamp_min(1e-12)
+    return score / scale
+
+
+def erode_regions(region_map: torch.Tensor, rim: int) -> torch.Tensor:
+    """Drop ``rim`` cells at the border of every region (spatially, per frame); frame edges do not erode."""
+    if rim <= 0 or not region_map.any():
+        return region_map.clone()
+    outside = (~region_map).float()[:, None]  # [Tc, 1, Hc, Wc]
+    near_outside = F.max_pool2d(outside, 2 * rim + 1, stride=1, padding=rim)[:, 0] > 0
+    return region_map & ~near_outside
+
+
+def select_regions(start_latent: torch.Tensor, grid: Sequence[int], strength: float,
+                   cell: Sequence[int] = (1, 2, 2), margin: int = 1, rim: int = 1,
+                   skip_first_frame: bool = False) -> torch.Tensor:
+    """Region map bool ``[Tc, Hc, Wc]``: the ``strength`` share of cells with the lowest score.
+
+    :param start_latent: the I2V start frame latent (``[B, C, T, H, W]``, frame 0 used).
+    :param grid: (T, H, W) token grid of the video being generated.
+    :param strength: share of cells (0..1) picked before the ``rim`` erosion.
+    :param margin: cells around detail that are never picked (see ``region_scores``).
+    :param rim: border cells of each region kept at full resolution (``erode_regions``).
+    :param skip_first_frame: keep the first latent frame (the start image) at full resolution.
+    """
+    if not 0.0 <= strength <= 1.0:
+        raise ValueError(f"strength must be in 0..1, got {strength}")
+    tc, hc, wc = cell_grid(grid, cell)
+    scores = region_scores(start_latent, cell, margin)
+    if scores.shape != (hc, wc):  # the start frame may be at another size than the video grid
+        scores = F.interpolate(scores[None, None], size=(hc, wc), mode="bilinear", align_corners=False)[0, 0]
+    picked = torch.zeros(hc * wc, dtype=torch.bool)
+    count = int(round(strength * hc * wc))
+    if count > 0:
+        picked[torch.argsort(scores.flatten().cpu(), stable=True)[:count]] = True
+    region_map = picked.view(1, hc, wc).expand(tc, hc, wc).clone()
+    if skip_first_frame and tc > 0:
+        region_map[0] = False
+    return erode_regions(region_map, rim)
+
+
+def region_map_image(region_map: torch.Tensor, grid: Sequence[int], cell: Sequence[int],
+                     start_latent: Optional[torch.Tensor] = None, scale: int = 8) -> torch.Tensor:
+    """ComfyUI IMAGE ``[Tc, H*16/scale.., W.., 3]`` per cell-frame: reduced cells tinted orange.
+
+    Each token is ``scale`` pixels wide. With a start latent, its first three channels
+    (normalised) show underneath so the user sees what was reduced.
+    """
+    t, h, w = grid
+    tc = region_map.shape[0]
+    token_map = region_map.repeat_interleave(cell[1], 1).repeat_interleave(cell[2], 2).float()
+    full = torch.zeros(tc, h, w)
+    full[:, :token_map.shape[1], :token_map.shape[2]] = token_map
+    base = torch.full((tc, h, w, 3), 0.35)
+    if start_latent is not None:
+        frame = start_latent.detach().float().cpu()
+        frame = frame[0, :3, 0] if frame.dim() == 5 else frame[:3]
+        frame = F.adaptive_avg_pool2d(frame[None], (h, w))[0]
+        lo, hi = frame.amin(), frame.amax()
+        base = ((frame - lo) / (hi - lo).clamp_min(1e-6)).permute(1, 2, 0)[None].expand(tc, h, w, 3) * 0.8
+    orange = torch.tensor([1.0, 0.55, 0.1])
+    image = base * (1 - 0.6 * full[..., None]) + 0.6 * full[..., None] * orange
+    image = image.repeat_interleave(scale, 1).repeat_interleave(scale, 2)
+    # thin dark grid lines between cells
+    cell_px = (cell[1] * scale, cell[2] * scale)
+    image[:, ::cell_px[0]] *= 0.7
+    image[:, :, ::cell_px[1]] *= 0.7
+    return image.clamp(0, 1).contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# Token bookkeeping
+# --------------------------------------------------------------------------------------------
+
+
+class TokenLayout:
+    """Full-resolution tokens (t, h, w raster) <-> reduced sequence (kept tokens + one per pooled cell).
+
+    :param region_map: bool ``[Tc, Hc, Wc]``; True = the cell is pooled.
+    :param grid: (T, H, W) video token grid.
+    :param cell: (ct, ch, cw) tokens per cell.
+    """
+
+    def __init__(self, region_map: torch.Tensor, grid: Sequence[int], cell: Sequence[int], device=None):
+        grid, cell = tuple(int(g) for g in grid), tuple(int(c) for c in cell)
+        if tuple(region_map.shape) != cell_grid(grid, cell):
+            raise ValueError(f"region map {tuple(region_map.shape)} does not fit grid {grid} with cells {cell}: "
+                             f"expected {cell_grid(grid, cell)}")
+        self.grid, self.cell = grid, cell
+        self.region_map = region_map.bool().cpu()
+        t, h, w = grid
+        ct, ch, cw = cell
+        self.n_full = t * h * w
+        index = torch.arange(self.n_full).view(t, h, w)
+        tc, hc, wc = self.region_map.shape
+        cells = index[:tc * ct, :hc * ch, :wc * cw].reshape(tc, ct, hc, ch, wc, cw).permute(0, 2, 4, 1, 3, 5)
+        cells = cells.reshape(tc, hc, wc, ct * ch * cw)
+        members = cells[self.region_map]                         # [P, s], ascending within a cell
+        pooled = torch.zeros(self.n_full, dtype=torch.bool)
+        pooled[members.flatten()] = True
+        kept = torch.nonzero(~pooled).flatten()                  # [K]
+        # reduced order: raster order of each new token's first full-resolution token
+        first = torch.cat([kept, members[:, 0]])
+        self.order = torch.argsort(first)                        # reduced position -> row of cat(kept, pooled)
+        self.kept, self.members = kept, members
+        self.pooled = pooled
+        self.n_reduced = len(kept) + len(members)
+        self.cell_size = ct * ch * cw
+        self._device_cache: dict[str, dict] = {}
+
+    @property
+    def n_pooled_cells(self) -> int:
+        return len(self.members)
+
+    @property
+    def pooled_token_share(self) -> float:
+        return float(self.pooled.float().mean()) if self.n_full else 0.0
+
+    def _on(self, device) -> dict:
+        key = str(device)
+        cached = self._device_cache.get(key)
+        if cached is None:
+            inverse = torch.empty_like(self.order)
+            inverse[self.order] = torch.arange(len(self.order))
+            size = torch.cat([torch.ones(len(self.kept)), torch.full((len(self.members),), float(self.cell_size))])
+            cached = dict(kept=self.kept.to(device), members=self.members.to(device), order=self.order.to(device),
+                          inverse=inverse.to(device), log_size=size[self.order].log().to(device),
+                          pooled=self.pooled.to(device))
+            self._device_cache = {key: cached}  # one device at a time: memory stays bounded
+        return cached
+
+    # ---- tokens
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, N, C]`` -> ``[B, N', C]``: kept tokens as they are, each pooled cell its mean."""
+        d = self._on(x.device)
+        parts = [x[:, d["kept"]], x[:, d["members"]].mean(2)] if len(self.members) else [x[:, d["kept"]]]
+        return torch.cat(parts, 1)[:, d["order"]]
+
+    def unpool(self, y: torch.Tensor, blend: bool = False) -> torch.Tensor:
+        """``[B, N', C]`` -> ``[B, N, C]``: kept tokens back in place, a pooled value on every token of its cell.
+
+        ``blend`` smooths the pooled tokens' values with a tent filter over their (h, w)
+        neighbours, kept neighbours included (the kept tokens' values are never changed).
+        """
+        d = self._on(y.device)
+        rows = y[:, d["inverse"]]  # rows of cat(kept, pooled)
+        b, _, c = y.shape
+        out = y.new_empty(b, self.n_full, c)
+        k = len(self.kept)
+        out[:, d["kept"]] = rows[:, :k]
+        if len(self.members):
+            out[:, d["members"]] = rows[:, k:, None].expand(-1, -1, self.cell_size, -1)
+            if blend:
+                out = torch.where(d["pooled"][None, :, None], _tent_hw(out, self.grid), out)
+        return out
+
+    def restore(self, x: torch.Tensor, x_reduced: torch.Tensor, y_reduced: torch.Tensor, blend: bool = True) -> torch.Tensor:
+        """Block output at full resolution: ``x + unpool(y' - x')``; exact for kept tokens' updates."""
+        return x + self.unpool(y_reduced - x_reduced, blend=blend).to(x.dtype)
+
+    # ---- RoPE
+
+    def pool_freqs(self, freqs: torch.Tensor) -> torch.Tensor:
+        """RoPE table ``[1, N, 1, D/2, 2, 2]`` -> ``[1, N', 1, D/2, 2, 2]``: a cell's centre rotation per pooled token."""
+        if freqs.shape[1] != self.n_full:
+            raise ValueError(f"RoPE table has {freqs.shape[1]} positions, layout has {self.n_full} tokens")
+        d = self._on(freqs.device)
+        parts = [freqs[:, d["kept"]]]
+        if len(self.members):
+            mean = freqs[:, d["members"]].mean(2)  # mean of rotation matrices [[cos, -sin], [sin, cos]]
+            norm = torch.sqrt(mean[..., 0, 0].square() + mean[..., 1, 0].square()).clamp_min(1e-12)
+            parts.append(mean / norm[..., None, None])
+        return torch.cat(parts, 1)[:, d["order"]]
+
+    def key_bias(self, device, dtype) -> torch.Tensor:
+        """``[1, 1, N']`` additive attention bias: ``log(tokens behind each key)``."""
+        return self._on(device)["log_size"].to(dtype)[None, None]
+
+    # ---- block maps
+
+    def block_membership(self, block: int, device=None) -> torch.Tensor:
+        """float ``[nb', nb]``: 1 where reduced block r' holds a token drawn from full-resolution block r."""
+        nb, nbr = math.ceil(self.n_full / block), math.ceil(self.n_reduced / block)
+        rows = torch.cat([self.kept[:, None].expand(-1, self.cell_size), self.members])[self.order]  # [N', s]
+        new_block = (torch.arange(self.n_reduced) // block)[:, None].expand_as(rows)
+        membership = torch.zeros(nbr, nb)
+        membership[new_block.flatten(), (rows // block).flatten()] = 1.0
+        return membership.to(device) if device is not None else membership
+
+    def map_block_map(self, block_map: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
+        """bool ``[B, H, nq, nk]`` over N tokens -> bool ``[B, H, nq', nk']`` over the reduced N'.
+
+        A reduced (query, key) block pair is live iff any full-resolution pair behind it is.
+        """
+        aq = self.block_membership(block_q, block_map.device)
+        ak = aq if block_k == block_q else self.block_membership(block_k, block_map.device)
+        counts = aq @ block_map.float() @ ak.T
+        return counts > 0
+
+
+def _tent_hw(x: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
+    """``[B, N, C]`` -> same, each token the [1 2 1] x [1 2 1] / 16 average of its (h, w) neighbourhood."""
+    t, h, w = grid
+    b, n, c = x.shape
+    v = x.view(b, t, h, w, c).permute(0, 4, 1, 2, 3).reshape(b * c, t, h, w).float()
+    v = F.pad(v, (1, 1, 1, 1), mode="replicate")
+    v = (v[..., :-2] + 2 * v[..., 1:-1] + v[..., 2:]) / 4
+    v = (v[..., :-2, :] + 2 * v[..., 1:-1, :] + v[..., 2:, :]) / 4
+    return v.view(b, c, t, h, w).permute(0, 2, 3, 4, 1).reshape(b, n, c).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics and state
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FeatureReuseStats:
+    """One sampling run: block calls run reduced / at full resolution, and the tokens they ran."""
+
+    reduced_calls: int = 0
+    full_calls: int = 0
+    tokens_full: int = 0      # N of a full-resolution call
+    tokens_reduced: int = 0   # N' of a reduced call
+    sparse_reduced_calls: int = 0
+    skipped_reason: str = ""  # why nothing ran reduced, when so
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class FeatureReuseState:
+    """Attached to the patched clone: settings, the region map, the last run's statistics."""
+
+    def __init__(self, region_map: torch.Tensor, grid: Sequence[int], settings: FeatureReuseSettings, key: str):
+        self.region_map = region_map.bool().cpu()
+        self.grid = tuple(grid)
+        self.settings = settings
+        self.key = key
+        self.layout = TokenLayout(self.region_map, self.grid, settings.cell)
+        self.stats: Optional[FeatureReuseStats] = None
+
+    def start_run(self, num_layers: int) -> "_Run":
+        run = _Run(self, num_layers)
+        self.stats = run.stats
+        return run
+
+
+class _Run:
+    """Per-run state: the step, which calls run reduced, statistics."""
+
+    def __init__(self, state: FeatureReuseState, num_layers: int):
+        self.state, self.num_layers = state, num_layers
+        self.stats = FeatureReuseStats(tokens_full=state.layout.n_full, tokens_reduced=state.layout.n_reduced)
+        self._sigmas = None
+        self._step: Optional[int] = None
+        self._steps = 0
+        self._masks: dict = {}
+        self._bucket: Any = object()
+
+    def step_of(self, options: dict) -> Optional[int]:
+        sigmas, schedule = options.get("sigmas"), options.get("sample_sigmas")
+        if sigmas is None or schedule is None:
+            return None
+        if sigmas is not self._sigmas:
+            self._sigmas = sigmas
+            self._step = int((schedule.to(sigmas.device) - sigmas.flatten()[0]).abs().argmin())
+            self._steps = len(schedule) - 1
+        return self._step
+
+    def layout_for(self, layer: int, args: dict, options: dict) -> Optional[TokenLayout]:
+        """The layout when this block call runs reduced, else None."""
+        settings, layout = self.state.settings, self.state.layout
+        step = self.step_of(options)
+        if step is None or not settings.runs_step(step, self._steps) or not settings.runs_layer(layer, self.num_layers):
+            return None
+        if layout.n_pooled_cells == 0:
+            self.stats.skipped_reason = "the region map selects no cell"
+            return None
+        x, pe, vec = args["img"], args.get("pe"), args.get("vec")
+        if x.shape[1] != layout.n_full:
+            self.stats.skipped_reason = (f"the model runs {x.shape[1]} tokens, the region map was made for "
+                                         f"{layout.n_full} (grid {layout.grid}); connect the LATENT that is sampled")
+            return None
+        if pe is None or pe.dim() != 6 or pe.shape[1] != layout.n_full:
+            self.stats.skipped_reason = "unexpected RoPE table"
+            return None
+        if vec is not None and vec.dim() == 4 and vec.shape[1] != 1:
+            self.stats.skipped_reason = "per-token timestep modulation (not Wan 2.1) is not supported"
+            return None
+        return layout
+
+    def sparse_mask(self, sparse_run, layer, options, call, layout: TokenLayout):
+        """The sparse patch's map for this layer and step carried to the reduced layout, or None (dense)."""
+        provider = getattr(sparse_run, "provider", None)
+        if provider is None or _records(provider):
+            return None
+        step = sparse_run.step_of(options)
+        if step is None:
+            return None
+        bucket = step_bucket_of(provider, step)
+        if bucket != self._bucket:
+            self._masks.clear()
+            self._bucket = bucket
+        cond_or_uncond = tuple(options.get("cond_or_uncond") or [0])
+        key = (layer, cond_or_uncond, call.batch, call.heads, str(call.q.device))
+        if key not in self._masks:
+            self._masks[key] = None
+            block_map = provider.block_map(layer, step, list(cond_or_uncond), call.heads, layout.n_full, call.q.device)
+            if block_map is not None:
+                block_q, block_k = provider.block_size
+                block_map = _match_batch(block_map, len(cond_or_uncond), call.batch).to(call.q.device)
+                reduced = layout.map_block_map(block_map.bool(), block_q, block_k)
+                self._masks[key] = _block_sparse().block_map_to_mask(reduced, block_q, block_k, layout.n_reduced)
+        return self._masks[key]
+
+    def release(self) -> None:
+        self._masks.clear()
+        self._sigmas = None
+
+
+def _records(provider) -> bool:
+    """True when a provider (or one it wraps) records masks: a run that records stays full-resolution."""
+    seen = 0
+    while provider is not None and seen < 16:
+        if getattr(provider, "recorder", None) is not None:
+            return True
+        provider, seen = getattr(provider, "inner", None), seen + 1
+    return False
+
+
+def _match_batch(block_map: torch.Tensor, chunks: int, batch: int) -> torch.Tensor:
+    n = block_map.shape[0]
+    if n in (1, batch):
+        return block_map
+    if n == chunks and batch % chunks == 0:
+        return block_map.repeat_interleave(batch // chunks, dim=0)
+    raise ValueError(f"block map batch {n} fits neither 1, {chunks} chunks nor batch {batch}")
+
+
+def _block_sparse():
+    return import_sibling("kernels.block_sparse")
+
+
+# --------------------------------------------------------------------------------------------
+# The hooks
+# --------------------------------------------------------------------------------------------
+
+_ATTENTION_PARAMS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+
+
+@dataclass
+class _Attention:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    heads: int
+    named: dict
+
+    @classmethod
+    def parse(cls, args, kwargs) -> Optional["_Attention"]:
+        named = dict(zip(_ATTENTION_PARAMS, args)) | kwargs
+        if not all(n in named for n in ("q", "k", "v", "heads")):
+            return None
+        return cls(named["q"], named["k"], named["v"], int(named["heads"]), named)
+
+    @property
+    def skip_reshape(self) -> bool:
+        return bool(self.named.get("skip_reshape", False))
+
+    def length(self, x) -> int:
+        return x.shape[2] if self.skip_reshape else x.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+
+@dataclass
+class _ReducedCall:
+    """Handed down to a block that runs reduced: what its self-attention needs."""
+
+    run: _Run
+    layout: TokenLayout
+    layer: int
+    sparse_run: Any
+    options: dict
+    seen: bool = False
+
+    def claims(self, call: _Attention) -> bool:
+        """The block's first attention with q and k over all N' tokens is its self-attention."""
+        if self.seen or not (call.length(call.q) == call.length(call.k) == self.layout.n_reduced):
+            return False
+        self.seen = True
+        return call.named.get("mask") is None
+
+
+def _run_key(key: str) -> str:
+    return f"{key}_feature_reuse_run"
+
+
+def _call_key(key: str) -> str:
+    return f"{key}_feature_reuse_call"
+
+
+def _mark_own(function, key: str, previous):
+    function.chorus_key = key
+    function.chorus_previous = previous
+    return function
+
+
+def _unwrap_own(function, key: str):
+    while function is not None and getattr(function, "chorus_key", None) == key:
+        function = function.chorus_previous
+    return function
+
+
+def _make_block_patch(key: str, index: int, previous: Optional[Callable], sparse_key: str) -> Callable:
+    run_key, call_key = _run_key(key), _call_key(key)
+    sparse_run_key, sparse_block_key = f"{sparse_key}_sparse_run", f"{sparse_key}_sparse_block"
+
+    def call_next(args, extra):
+        return previous(args, extra) if previous is not None else extra["original_block"](args)
+
+    def chorus_feature_reuse_block_patch(args, extra):
+        options = args.get("transformer_options")
+        run = options.get(run_key) if options is not None else None
+        if run is None:
+            return call_next(args, extra)
+        layer = options.get("block_index", index)
+        layout = run.layout_for(layer, args, options)
+        if layout is None:
+            run.stats.full_calls += 1
+            return call_next(args, extra)
+        x = args["img"]
+        x_reduced = layout.pool(x)
+        # The sparse patch's per-run entries leave the options handed down: the reduced
+        # self-attention is run (and counted in its statistics) by our override instead.
+        down = {k: v for k, v in options.items() if k not in (sparse_run_key, sparse_block_key)}
+        down["block_index"] = layer
+        down[call_key] = _ReducedCall(run, layout, layer, options.get(sparse_run_key), down)
+        out = call_next({**args, "img": x_reduced, "pe": layout.pool_freqs(args["pe"]), "transformer_options": down},
+                        extra)
+        run.stats.reduced_calls += 1
+        out = dict(out)
+        out["img"] = layout.restore(x, x_reduced, out["img"], blend=run.state.settings.blend)
+        return out
+
+    return _mark_own(chorus_feature_reuse_block_patch, key, previous)
+
+
+def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable:
+    call_key = _call_key(key)
+
+    def call_next(func, args, kwargs):
+        return previous(func, *args, **kwargs) if previous is not None else func(*args, **kwargs)
+
+    def chorus_feature_reuse_attention(func, *args, **kwargs):
+        options = kwargs.get("transformer_options") or {}
+        reduced = options.get(call_key)
+        if reduced is None:
+            return call_next(func, args, kwargs)
+        call = _Attention.parse(args, kwargs)
+        if call is None or not reduced.claims(call):
+            return call_next(func, args, kwargs)
+        run, layout = reduced.run, reduced.layout
+        mask = None
+        if reduced.sparse_run is not None:
+            mask = run.sparse_mask(reduced.sparse_run, reduced.layer, reduced.options, call, layout)
+            reduced.sparse_run.record(reduced.layer, None if mask is None else mask.density)
+        if mask is not None:
+            run.stats.sparse_reduced_calls += 1
+            return _block_sparse().block_sparse_attention(
+                call.q, call.k, call.v, mask, call.heads, skip_reshape=call.skip_reshape,
+                skip_output_reshape=bool(call.named.get("skip_output_reshape", False)))
+        if not run.state.settings.size_bias:
+            return call_next(func, args, kwargs)
+        named = {k: v for k, v in call.named.items()}
+        named["mask"] = layout.key_bias(call.q.device, call.q.dtype)
+        q, k, v, heads = (named.pop(n) for n in ("q", "k", "v", "heads"))
+        return call_next(func, (q, k, v, heads), named)
+
+    return _mark_own(chorus_feature_reuse_attention, key, previous)
+
+
+def _make_outer_sample_wrapper(holder: FeatureReuseState, num_layers: int) -> Callable:
+    run_key = _run_key(holder.key)
+
+    def chorus_feature_reuse_outer_sample(executor, *args, **kwargs):
+        options = executor.class_obj.model_options.setdefault("transformer_options", {})
+        run = holder.start_run(num_layers)
+        options[run_key] = run
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            options.pop(run_key, None)
+            run.release()
+            if run.stats.reduced_calls == 0 and run.stats.skipped_reason:
+                logging.warning("Chorus feature reuse ran nothing reduced: %s", run.stats.skipped_reason)
+
+    return chorus_feature_reuse_outer_sample
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------
+
+
+def install_feature_reuse(model_patcher, region_map: torch.Tensor, grid: Sequence[int],
+                          settings: FeatureReuseSettings = FeatureReuseSettings(), key: str = "chorus_fr"):
+    """Return a clone of ``model_patcher`` whose Wan blocks run the selected cells at reduced resolution.
+
+    :param model_patcher: a ComfyUI ModelPatcher of a Wan 2.1 I2V/T2V model; never modified.
+    :param region_map: bool ``[Tc, Hc, Wc]`` over ``cell_grid(grid, settings.cell)``; True = pooled.
+    :param grid: (T, H, W) token grid of the latent that will be sampled (``token_grid``).
+    :param settings: cells, steps, layers, border handling.
+    :param key: namespace of the wrapper, attachment and options entries; installing again with
+        the same key replaces the earlier install.
+    :raises UnsupportedModelError: for any model other than Wan 2.1 I2V/T2V.
+    """
+    from .sparse_patch import check_supported_model
+
+    check_supported_model(model_patcher)
+    holder = FeatureReuseState(region_map, grid, settings, key)
+    patched = model_patcher.clone()
+    num_layers = len(patched.model.diffusion_model.blocks)
+    existing = patched.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    for index in range(num_layers):
+        previous = _unwrap_own(existing.get(("double_block", index)), key)
+        patched.set_model_patch_replace(_make_block_patch(key, index, previous, settings.sparse_key),
+                                        "dit", "double_block", index)
+    options = patched.model_options["transformer_options"]
+    options[OVERRIDE_KEY] = _make_attention_override(key, _unwrap_own(options.get(OVERRIDE_KEY), key))
+    patched.remove_wrappers_with_key(OUTER_SAMPLE, key)
+    patched.add_wrapper_with_key(OUTER_SAMPLE, key, _make_outer_sample_wrapper(holder, num_layers))
+    patched.set_attachments(key, holder)
+    return patched
+
+
+def get_feature_reuse_state(model_patcher, key: str = "chorus_fr") -> Optional[FeatureReuseState]:
+    """The holder attached by ``install_feature_reuse`` (None if not installed)."""
+    holder = model_patcher.get_attachment(key)
+    return holder if isinstance(holder, FeatureReuseState) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Measures
+# --------------------------------------------------------------------------------------------
+
+
+def _latent_cell_labels(region_map: torch.Tensor, cell: Sequence[int], latent_shape: Sequence[int]) -> torch.Tensor:
+    """int ``[T, H, W]`` over latent pixels: a cell id for pooled pixels, -1 for full-resolution ones."""
+    t, h, w = latent_shape[-3:]
+    tc, hc, wc = region_map.shape
+    ids = torch.arange(tc * hc * wc).view(tc, hc, wc).masked_fill(~region_map.cpu(), -1)
+    scale = [c * p for c, p in zip(cell, PATCH_SIZE)]
+    ids = ids.repeat_interleave(scale[0], 0).repeat_interleave(scale[1], 1).repeat_interleave(scale[2], 2)
+    labels = torch.full((t, h, w), -1, dtype=torch.long)
+    tt, hh, ww = min(t, ids.shape[0]), min(h, ids.shape[1]), min(w, ids.shape[2])
+    labels[:tt, :hh, :ww] = ids[:tt, :hh, :ww]
+    return labels
+
+
+def seam_measure(dense: torch.Tensor, test: torch.Tensor, region_map: torch.Tensor, cell: Sequence[int]) -> dict:
+    """Gradient energy across borders of pooled cells, ``test`` vs ``dense`` latents ``[B, C, T, H, W]``.
+
+    Pairs of horizontally / vertically adjacent latent pixels are split into *region borders*
+    (one pixel pooled, the other full resolution), *cell borders* (two different pooled cells)
+    and the rest. Returns:
+
+    * ``seam_ratio``: mean squared gradient of ``test`` over region borders / the same for ``dense``
+      (1.0 = borders as sharp as in the dense run; > 1 = added edges, < 1 = smoothed);
+    * ``cell_seam_ratio``: the same over borders between pooled cells;
+    * ``seam_excess``: mean squared error of the gradient (test - dense) on region borders / on
+      pairs inside the pooled regions (1.0 = the border is no worse than the reduced area itself).
+    """
+    labels = _latent_cell_labels(region_map, cell, dense.shape)
+    out = {}
+    sums = {name: [0.0, 0.0, 0.0, 0] for name in ("region", "cell", "inside")}
+    for dim in (3, 4):  # H, W of [B, C, T, H, W]
+        ld = labels.diff(dim=dim - 2) != 0
+        a, b = labels.narrow(dim - 2, 0, labels.shape[dim - 2] - 1), labels.narrow(dim - 2, 1, labels.shape[dim - 2] - 1)
+        region = ld & ((a < 0) != (b < 0))
+        cellb = ld & (a >= 0) & (b >= 0)
+        inside = (a >= 0) & (b >= 0)
+        gd, gt = dense.double().diff(dim=dim), test.double().diff(dim=dim)
+        for name, sel in (("region", region), ("cell", cellb), ("inside", inside)):
+            m = sel[None, None].expand_as(gd)
+            sums[name][0] += float(gt[m].square().sum())
+            sums[name][1] += float(gd[m].square().sum())
+            sums[name][2] += float((gt - gd)[m].square().sum())
+            sums[name][3] += int(m.sum())
+    ratio = lambda s: s[0] / s[1] if s[1] > 0 else float("nan")  # noqa: E731
+    out["seam_ratio"] = ratio(sums["region"])
+    out["cell_seam_ratio"] = ratio(sums["cell"])
+    region_err = sums["region"][2] / max(sums["region"][3], 1)
+    inside_err = sums["inside"][2] / max(sums["inside"][3], 1)
+    out["seam_excess"] = region_err / inside_err if inside_err > 0 else float("nan")
+    out["border_pairs"] = sums["region"][3]
+    return out
+
+
+def flops_estimate(grid: Sequence[int], pooled_token_share: float, cell_size: int, *, dim: int = 5120,
+                   ffn_dim: int = 13824, layers: int = 40, reduced_layers: int = 38, steps: int = 40,
+                   reduced_steps: int = 28, context: int = 257 + 512, density: float = 1.0) -> dict:
+    """Analytic FLOPs of the Wan 2.1 blocks with and without feature reuse (an estimate, not a timing).
+
+    Per block and token count n: q/k/v/o and cross-attention q/o GEMMs ``2 n d^2`` each, FFN
+    ``4 n d f``, self-attention ``4 n^2 d x density``, cross-attention ``4 n L d``; cross k/v on
+    the context do not depend on n and are left out of both.
+    """
+    n = math.prod(grid)
+    n_red = n - pooled_token_share * n * (1 - 1 / cell_size)
+
+    def block(tokens):
+        gemm = 6 * 2 * tokens * dim * dim + 4 * tokens * dim * ffn_dim
+        attn = 4 * tokens * tokens * dim * density + 4 * tokens * context * dim
+        return gemm, attn
+
+    g_full, a_full = block(n)
+    g_red, a_red = block(n_red)
+    full = steps * layers * (g_full + a_full)
+    reduced = full - reduced_steps * reduced_layers * ((g_full + a_full) - (g_red + a_red))
+    return dict(N=n, N_reduced=round(n_red), gemm_share_saved_per_block=1 - g_red / g_full,
+                attention_share_saved_per_block=1 - a_red / a_full,
+                block_flops_full=g_full + a_full, block_flops_reduced=g_red + a_red,
+                generation_flops_saved=1 - reduced / full, ideal_speedup=full / reduced)
+
+
+# --------------------------------------------------------------------------------------------
+# One call for the node
+# --------------------------------------------------------------------------------------------
+
+CELL_CHOICES = {"1x2x2": (1, 2, 2), "2x2x2": (2, 2, 2), "1x4x4": (1, 4, 4)}
+
+
+def apply_feature_reuse(model_patcher, latent_samples: torch.Tensor, start_frame: Optional[torch.Tensor],
+                        strength: float, settings: FeatureReuseSettings = FeatureReuseSettings(),
+                        margin: int = 1, key: str = "chorus_fr"):
+    """Region map from the start frame, then the patched clone; returns ``(patched, region_map, image)``.
+
+    ``strength`` 0 returns the model unchanged (same object) and an empty map.
+    :raises ValueError: when the latent is not a video latent or there is no start frame.
+    """
+    if latent_samples.ndim != 5:
+        raise ValueError(f"Chorus feature reuse needs a video latent [B, 16, T, H, W]; got {tuple(latent_samples.shape)}. "
+                         "Connect the latent from WanImageToVideo.")
+    grid = token_grid(latent_samples.shape)
+    if strength > 0 and start_frame is None:
+        raise ValueError("Chorus feature reuse picks regions from the start frame: connect positive from "
+                         "WanImageToVideo (it carries the start image) or a start_latent")
+    if strength <= 0:
+        region_map = torch.zeros(cell_grid(grid, settings.cell), dtype=torch.bool)
+        return model_patcher, region_map, region_map_image(region_map, grid, settings.cell, start_frame)
+    region_map = select_regions(start_frame, grid, strength, settings.cell, margin=margin, rim=settings.rim)
+    patched = install_feature_reuse(model_patcher, region_map, grid, settings, key=key)
+    return patched, region_map, region_map_image(region_map, grid, settings.cell, start_frame)

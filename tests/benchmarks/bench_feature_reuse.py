@@ -1,0 +1,201 @@
+"""Feature reuse on the testbed: quality cost (PSNR, SSIM, seam measure) vs the dense run, and
+an analytic FLOPs estimate at Wan2.1-14B shapes.
+
+Run: .venv/bin/python tests/benchmarks/bench_feature_reuse.py [--steps 8]
+Writes tests/benchmarks/results/feature_reuse_testbed.{json,md}.
+
+Model: the trained testbed checkpoint ``tests/testbed/chorus_testbed_wan21_i2v.safetensors``
+when it exists, else the random tiny Wan2.1-I2V (4 layers, width 256; ``model`` says which).
+Requests: procedural I2V (static background, moving sprite), latent 5 x 32 x 32 = 1,280 tokens,
+euler / simple, cfg 5, same seed for every mode. Quality is final latents vs the dense run.
+Rows with ``selection: random`` pick the same number of cells at random (the criterion's
+evidence: smoothest-first vs chance at equal token savings). ``hit`` rows run a static
+block-sparse map (same frame + first frame + neighbouring frames) standing in for a bank hit.
+The ``flops_estimate`` rows are arithmetic, not timings: no GPU was available for this feature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "tests"):
+    sys.path.insert(0, str(path))
+
+import torch  # noqa: E402
+
+RESULTS = ROOT / "tests" / "benchmarks" / "results"
+TESTBED = ROOT / "tests" / "testbed" / "chorus_testbed_wan21_i2v.safetensors"
+NAME = "feature_reuse_testbed"
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                  if line.startswith("model name")), platform.processor())
+    return f"{model}, {os.cpu_count()} cores (CPU only)"
+
+
+def load_model(tmp: Path):
+    import comfy.sd
+
+    from chorus_core.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
+
+    if TESTBED.exists():
+        return comfy.sd.load_diffusion_model(str(TESTBED)), "testbed (trained)"
+    path = save_tiny_wan_i2v(tmp / "tiny4.safetensors", TinyWanConfig(num_layers=4))
+    return comfy.sd.load_diffusion_model(str(path)), "tiny random Wan2.1-I2V (4 layers, dim 256; testbed checkpoint absent)"
+
+
+def hit_provider(grid, block=128):
+    from chorus_core.mask_provider import StaticBlockMapProvider
+
+    t, h, w = grid
+    n = t * h * w
+    nb = math.ceil(n / block)
+    frame = (torch.arange(nb) * block + block // 2).clamp(max=n - 1) // (h * w)
+    keep = ((frame[:, None] - frame[None]).abs() <= 1) | (frame[None] == 0)
+    return StaticBlockMapProvider.for_all_steps({layer: keep[None, None].expand(1, 2, nb, nb)
+                                                 for layer in range(64)}, (block, block)), float(keep.float().mean())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--template", default="pan")
+    args = parser.parse_args()
+
+    from chorus_core.comfyui_locator import locate_comfyui, prepare_in_process
+
+    prepare_in_process(locate_comfyui(allow_clone=False), cpu=True)
+    import tempfile
+
+    from i2v_inputs import sample_request
+
+    from chorus_core import feature_reuse as fr
+    from chorus_core.quality import psnr, ssim
+    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.workload import I2VRequest, generate_request
+
+    tmp = Path(tempfile.mkdtemp())
+    patcher, model_name = load_model(tmp)
+    layers = len(patcher.model.diffusion_model.blocks)
+    request = I2VRequest(template=args.template, height=32, width=32)
+    start = generate_request(request).first_frame[None]
+    steps, seed = args.steps, 0
+    started = time.perf_counter()
+    dense = sample_request(patcher, seed, steps, 5.0, request)
+    dense_s = time.perf_counter() - started
+    grid = fr.token_grid(dense.shape)
+    shape = f"testbed-{math.prod(grid)}"
+    rows = [dict(shape=shape, N=math.prod(grid), mode="dense", model=model_name, psnr_db=float("inf"), ssim=1.0,
+                 generation_s=round(dense_s, 2))]
+    provider, hit_density = hit_provider(grid)
+    hit_out = sample_request(install_sparse_attention(patcher, provider), seed, steps, 5.0, request)
+    rows.append(dict(shape=shape, N=math.prod(grid), mode="hit", model=model_name, density=round(hit_density, 3),
+                     mask_kind="static", psnr_db=round(psnr(dense, hit_out).item(), 2),
+                     ssim=round(ssim(dense, hit_out).item(), 5)))
+
+    def case(strength, selection="smoothest", hit=False, **changes):
+        settings = fr.FeatureReuseSettings(**changes)
+        region_map = fr.select_regions(start, grid, strength, settings.cell, rim=settings.rim)
+        if selection == "random":
+            count = int(region_map.sum())
+            g = torch.Generator().manual_seed(7)
+            flat = torch.zeros(region_map.numel(), dtype=torch.bool)
+            flat[torch.randperm(region_map.numel(), generator=g)[:count]] = True
+            region_map = flat.view_as(region_map)
+        model = fr.install_feature_reuse(patcher, region_map, grid, settings)
+        if hit:
+            model = install_sparse_attention(model, provider)
+        t0 = time.perf_counter()
+        out = sample_request(model, seed, steps, 5.0, request)
+        stats = fr.get_feature_reuse_state(model).stats
+        layout = fr.TokenLayout(region_map, grid, settings.cell)
+        seams = fr.seam_measure(dense, out, region_map, settings.cell)
+        row = dict(shape=shape, N=math.prod(grid), mode="hit+feature_reuse" if hit else "feature_reuse",
+                   model=model_name, strength=strength, selection=selection,
+                   cell="x".join(map(str, settings.cell)), rim=settings.rim, blend=settings.blend,
+                   start_percent=settings.start_percent, size_bias=settings.size_bias,
+                   pooled_token_share=round(layout.pooled_token_share, 3), N_reduced=layout.n_reduced,
+                   reduced_block_calls=stats.reduced_calls, block_calls=stats.reduced_calls + stats.full_calls,
+                   psnr_db=round(psnr(dense, out).item(), 2), ssim=round(ssim(dense, out).item(), 5),
+                   seam_ratio=round(seams["seam_ratio"], 4), cell_seam_ratio=round(seams["cell_seam_ratio"], 4),
+                   seam_excess=round(seams["seam_excess"], 3), generation_s=round(time.perf_counter() - t0, 2))
+        if hit:
+            row["density"] = round(hit_density, 3)
+        print(row, flush=True)
+        rows.append(row)
+        return layout
+
+    layouts = {strength: case(strength) for strength in (0.25, 0.5, 0.75)}
+    default = layouts[0.5]
+    case(0.5, rim=0)
+    case(0.5, rim=0, selection="random")
+    case(0.5, rim=0, blend=False)
+    case(0.5, rim=0, size_bias=False)
+    case(0.5, rim=0, start_percent=0.0)
+    case(0.5, rim=0, cell=(2, 2, 2))
+    case(0.5, rim=0, hit=True)
+
+    # analytic estimate at Wan2.1-14B shapes (40 layers, dim 5120, ffn 13824), 40 steps, default steps/layers
+    s = fr.FeatureReuseSettings()
+    reduced_steps = sum(s.runs_step(i, 40) for i in range(40))
+    for name, grid14 in (("480p", (21, 30, 52)), ("720p", (21, 45, 80))):
+        for share in (default.pooled_token_share, 0.5):
+            for density in (1.0, 0.15):
+                est = fr.flops_estimate(grid14, share, 4, reduced_steps=reduced_steps, reduced_layers=38,
+                                        density=density)
+                rows.append(dict(shape=name, N=est["N"], kind="flops_estimate", estimate=True, density=density,
+                                 pooled_token_share=round(share, 3), cell="1x2x2", N_reduced=est["N_reduced"],
+                                 reduced_steps=reduced_steps, reduced_layers=38,
+                                 attention_share_saved_per_block=round(est["attention_share_saved_per_block"], 3),
+                                 gemm_share_saved_per_block=round(est["gemm_share_saved_per_block"], 3),
+                                 generation_flops_saved=round(est["generation_flops_saved"], 3),
+                                 ideal_speedup_whole_generation=round(est["ideal_speedup"], 3)))
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    command = "python tests/benchmarks/bench_feature_reuse.py" + (f" --steps {steps}" if steps != 8 else "")
+    doc = dict(benchmark="bench_feature_reuse", date=datetime.datetime.now().isoformat(timespec="seconds"),
+               machine=machine(), command=command, git_commit=commit, steps=steps, seed=seed, cfg=5.0,
+               template=args.template, model=model_name, layers=layers, rows=rows)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{NAME}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    quality_cols = ["mode", "strength", "selection", "cell", "rim", "blend", "size_bias", "start_percent",
+                    "pooled_token_share", "N_reduced", "psnr_db", "ssim", "seam_ratio", "cell_seam_ratio", "seam_excess"]
+    est_cols = ["shape", "N", "density", "pooled_token_share", "N_reduced", "attention_share_saved_per_block",
+                "gemm_share_saved_per_block", "generation_flops_saved", "ideal_speedup_whole_generation"]
+    fmt = lambda v: "" if v is None else str(v)  # noqa: E731
+    lines = [f"# bench_feature_reuse: {NAME}", "",
+             f"{doc['date']}, {doc['machine']}, commit {commit[:10]}", "", f"`{command}`", "",
+             f"Model: {model_name}. Request: template {args.template}, latent 5 x 32 x 32 ({math.prod(grid)} tokens), "
+             f"{steps} euler steps, cfg 5, seed {seed}. Quality: final latents vs the dense run. "
+             "Defaults: cell 1x2x2, start_percent 0.3, all blocks but the first and last, rim 1, blend, size bias. "
+             "seam_ratio: squared gradient across region borders / dense (1 = unchanged); seam_excess: gradient "
+             "error at region borders / inside the reduced regions (1 = border no worse than the region).", "",
+             "## Quality (measured)", "", "| " + " | ".join(quality_cols) + " |", "|" + "---|" * len(quality_cols)]
+    for row in rows:
+        if "kind" not in row:
+            lines.append("| " + " | ".join(fmt(row.get(c)) for c in quality_cols) + " |")
+    lines += ["", "## FLOPs at Wan2.1-14B shapes (ESTIMATE, arithmetic only, not a measurement)", "",
+              f"40 steps, steps {s.start_percent:.0%}..{s.end_percent:.0%} reduced ({reduced_steps}), 38 of 40 "
+              "blocks; attention at the given density on kept and reduced tokens alike.", "",
+              "| " + " | ".join(est_cols) + " |", "|" + "---|" * len(est_cols)]
+    for row in rows:
+        if row.get("kind") == "flops_estimate":
+            lines.append("| " + " | ".join(fmt(row.get(c)) for c in est_cols) + " |")
+    (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
