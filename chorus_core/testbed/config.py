@@ -35,7 +35,7 @@ class TestbedConfig:
 
     # model (ComfyUI WanModel, I2V; heads = dim // 128)
     dim: int = 256
-    ffn_dim: int = 1024
+    ffn_dim: int = 896            # 4 layers x 896 keeps the fp16 file under 16 MiB
     num_layers: int = 4
     model_seed: int = 0
 
@@ -71,7 +71,7 @@ class TestbedConfig:
     eval_layouts: tuple = (0, 1)   # target / similar requests use these (seen) layouts
     population_layouts: tuple = (2, 3)
     eval_subject_base: int = 100   # held-out subjects: targets 100+, similar sources 200+, population 300+
-    densities: tuple = (0.03, 0.05, 0.08, 0.12, 0.2, 0.3, 0.5)
+    densities: tuple = (0.02, 0.03, 0.05, 0.08, 0.12, 0.2, 0.3, 0.5)
     table_density: float = 0.12
     warmup_dense_steps: int = 1    # dense steps before sparse ones in the main grid
     warmup_sweep: tuple = (0, 1, 2, 3)

@@ -100,7 +100,7 @@ def predict_velocity(model, x_t: torch.Tensor, sigma: torch.Tensor, batch: Batch
                  transformer_options=transformer_options if transformer_options is not None else {})
 
 
-def flow_loss(model, batch: Batch, shift: float, generator=None) -> torch.Tensor:
+def flow_loss(model, batch: Batch, shift: float, generator=None, transformer_options=None) -> torch.Tensor:
     """Wan's flow-matching loss: x_t = (1 - t) x0 + t noise, target noise - x0."""
     b = len(batch)
     u = torch.rand(b, generator=generator, device="cpu").to(batch.x0.device)
@@ -108,13 +108,46 @@ def flow_loss(model, batch: Batch, shift: float, generator=None) -> torch.Tensor
     noise = torch.randn(batch.x0.shape, generator=generator, device="cpu").to(batch.x0.device)
     tt = t.view(b, 1, 1, 1, 1)
     x_t = (1 - tt) * batch.x0 + tt * noise
-    pred = predict_velocity(model, x_t, t, batch)
+    pred = predict_velocity(model, x_t, t, batch, transformer_options)
     return torch.nn.functional.mse_loss(pred.float(), (noise - batch.x0).float())
 
 
 def sigma_schedule(steps: int, shift: float) -> torch.Tensor:
     """Sigmas of a simple schedule as ComfyUI's 'simple' scheduler gives for flow models: shifted linear."""
     return torch.cat([shifted(torch.linspace(1, 0, steps + 1)[:-1], shift), torch.zeros(1)])
+
+
+class SDPAAttention:
+    """An ``optimized_attention_override`` for training: plain SDPA on contiguous ``[B, H, N, D]``
+    tensors, restricted to the given backends (names of ``torch.nn.attention.SDPBackend``).
+
+    On CUDA ComfyUI puts cuDNN attention first in SDPA's priority list; in the first testbed
+    run on an H200 (torch 2.11) training through it did not learn at all (loss flat for 1,900
+    steps) while the same code learned on the CPU, so training picks its attention backend by a
+    gradient check (``train.gradient_check``).
+    """
+
+    def __init__(self, backends=("FLASH_ATTENTION", "EFFICIENT_ATTENTION")):
+        self.backends = tuple(backends)
+
+    def __call__(self, func, *args, **kwargs):
+        q, k, v = args[:3]
+        heads = kwargs.get("heads", args[3] if len(args) > 3 else None)
+        if (kwargs.get("mask") is not None or kwargs.get("skip_reshape") or kwargs.get("skip_output_reshape")
+                or q.dim() != 3 or heads is None):
+            return func(*args, **kwargs)
+        b, _, hd = q.shape
+        d = hd // heads
+        dt = v.dtype if q.is_cuda else q.dtype
+        qh, kh, vh = (x.to(dt).reshape(b, -1, heads, d).transpose(1, 2).contiguous() for x in (q, k, v))
+        if q.is_cuda and self.backends:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([getattr(SDPBackend, name) for name in self.backends]):
+                o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)
+        return o.transpose(1, 2).reshape(b, -1, heads * d)
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,7 +169,7 @@ class AttentionHook:
         self.observe: Optional[Callable] = None
         self.block_map_for: Optional[Callable] = None
         self.calls = 0
-        self.kept = []  # densities actually run, for checking
+        self.dense_override: Optional[Callable] = None  # an override for the dense calls (None: ComfyUI's)
 
     def options(self) -> dict:
         self.calls = 0
@@ -145,15 +178,16 @@ class AttentionHook:
     def __call__(self, func, *args, **kwargs):
         q, k, v = args[:3]
         heads = kwargs.get("heads", args[3] if len(args) > 3 else None)
+        dense = (lambda: self.dense_override(func, *args, **kwargs)) if self.dense_override else (lambda: func(*args, **kwargs))
         if kwargs.get("skip_reshape") or q.dim() != 3 or q.shape[1] != k.shape[1]:
-            return func(*args, **kwargs)  # cross-attention (or a layout we do not handle): dense
+            return dense()  # cross-attention (or a layout we do not handle): dense
         layer = self.calls % self.num_layers
         self.calls += 1
         if self.observe is not None:
             self.observe(layer, q, k, v, heads)
         block_map = self.block_map_for(layer, q, k, heads) if self.block_map_for is not None else None
         if block_map is None:
-            return func(*args, **kwargs)
+            return dense()
         bs = import_sibling("kernels.block_sparse")
         n = q.shape[1]
         if q.is_cuda:  # under autocast q, k (after RoPE) can be fp32 while v is bf16: one dtype for the kernel

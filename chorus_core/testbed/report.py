@@ -46,7 +46,7 @@ from ..population_prior import population_prior
 from ..quality import mass_recall, psnr, sparse_output_error, ssim
 from ..workload import TEMPLATES, I2VRequest, generate_request
 from .config import TestbedConfig, make_config, size_name, tokens_of
-from .models import AttentionHook, block_grid_coords, make_batch, predict_velocity, sample, sigma_schedule
+from .models import SDPAAttention, AttentionHook, block_grid_coords, make_batch, predict_velocity, sample, sigma_schedule
 
 KINDS = ("oracle", "reused_similar", "reused_dissimilar", "online", "population", "static")
 
@@ -186,6 +186,12 @@ class Report:
         self.bucket_of = {s: b for b, steps in enumerate(config.step_buckets) for s in steps}
         self.deadline = time.time() + config.report_budget_s
         self.skipped = []
+        self.dense_override = None  # set when ComfyUI's own attention failed the training gradient check
+
+    def hook(self) -> AttentionHook:
+        h = AttentionHook(self.L, self.bs)
+        h.dense_override = self.dense_override
+        return h
 
     def time_left(self) -> float:
         return self.deadline - time.time()
@@ -194,7 +200,7 @@ class Report:
     def dense_run(self, request, index, keep_scores=False, qkv_steps=()):
         batch = make_batch([request]).to(self.device)
         rec = Recorder(self.config.sample_steps, self.L, self.bs, keep_scores, qkv_steps)
-        hook = AttentionHook(self.L, self.bs)
+        hook = self.hook()
         hook.observe = rec
 
         def on_step(i):
@@ -216,7 +222,7 @@ class Report:
         base = run["batch"]
         batch = base.select(torch.zeros(e_count, dtype=torch.long, device=base.x0.device))
         noise = noise_for(run["request"], run["index"], self.config.seed_report, self.device).expand(e_count, -1, -1, -1, -1)
-        hook = AttentionHook(self.L, self.bs)
+        hook = self.hook()
         state = {"step": 0}
         nb = None
 
@@ -283,8 +289,10 @@ def md_table(rows: list, columns: list) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def run_report(model, config: TestbedConfig, device: str, log=print) -> dict:
+def run_report(model, config: TestbedConfig, device: str, log=print, dense_attention: str = "comfyui") -> dict:
     rep = Report(model, config, device, log)
+    if dense_attention != "comfyui":
+        rep.dense_override = SDPAAttention()
     size = tuple(config.long_size)
     n_tok = tokens_of(size)
     shape = size_name(size)
@@ -577,7 +585,7 @@ def length_rows(rep: Report, size) -> list:
         masses, scores = [], []
         for sigma in config.length_sigmas:
             rec = Recorder(1, rep.L, rep.bs, with_scores)
-            hook = AttentionHook(rep.L, rep.bs)
+            hook = rep.hook()
             hook.observe = rec
             x_t = (1 - sigma) * batch.x0 + sigma * noise
             with torch.no_grad(), torch.autocast(rep.device if rep.device != "cpu" else "cpu", dtype=torch.bfloat16,
@@ -771,10 +779,11 @@ def write_outputs(results: dict, config: TestbedConfig, out: Path, device: str, 
                      "heads": config.num_heads, "block_size": config.block_size},
            "sampler": f"Euler flow sampler, {config.sample_steps} steps, shift {config.sample_shift}, cfg 1, "
                       "bf16 autocast; attention swapped by a direct optimized_attention_override",
-           "matches": results["sections"].get("matches"),
+           "matches": results["sections"].get("matches"), "dense_attention": results.get("dense_attention", "comfyui"),
            "rows": results["rows"]}
     if train_info:
-        doc["training"] = {k: train_info[k] for k in ("steps", "train_seconds", "machine") if k in train_info}
+        doc["training"] = {k: train_info[k] for k in ("steps", "train_seconds", "machine", "training_attention")
+                           if k in train_info}
         log = train_info.get("log") or []
         longs = [h["loss"] for h in log if h["size"] == "long"]
         if longs:
@@ -893,8 +902,12 @@ def main(argv=None) -> int:
 
     config = make_config(args.preset, args.set)
     model = load_checkpoint(args.checkpoint, config, args.device)
-    results = run_report(model, config, args.device)
     train_info = json.loads(args.train_info.read_text()) if args.train_info and args.train_info.exists() else None
+    cos = ((train_info or {}).get("training_attention") or {}).get("cosines", {}).get("comfyui_default_bf16", 1.0)
+    dense_attention = "comfyui" if cos >= 0.9 else "sdpa_flash_efficient"
+    print(f"dense attention in the report: {dense_attention} (ComfyUI default gradient cosine {cos})")
+    results = run_report(model, config, args.device, dense_attention=dense_attention)
+    results["dense_attention"] = dense_attention
     doc = write_outputs(results, config, args.out, args.device,
                         "python -m chorus_core.testbed.report " + " ".join(argv or sys.argv[1:]), train_info)
     print(json.dumps(doc["summary"], indent=1, default=str))

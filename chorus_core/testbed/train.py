@@ -22,7 +22,7 @@ import torch
 
 from ..workload import I2VRequest
 from .config import TestbedConfig, make_config, size_name, tokens_of
-from .models import build_model, flow_loss, make_batch
+from .models import SDPAAttention, build_model, flow_loss, make_batch
 
 CHECKPOINT_NAME = "chorus_testbed_wan21_i2v.safetensors"
 
@@ -41,6 +41,41 @@ def lr_at(config: TestbedConfig, step: int) -> float:
         return config.lr * (step + 1) / config.warmup_steps
     progress = min(1.0, (step - config.warmup_steps) / max(1, total - config.warmup_steps))
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _grads(model, batch, config, options, autocast, device):
+    model.zero_grad(set_to_none=True)
+    gen = torch.Generator().manual_seed(config.seed + 99)
+    with torch.autocast(device_type="cuda" if device != "cpu" else "cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = flow_loss(model, batch, config.shift, gen, options)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+def gradient_check(model, batch, config, device, log=print) -> dict:
+    """Cosine of each candidate attention path's gradient with an fp32 math-attention reference.
+
+    Returns ``{"choice": name, "options": transformer_options, "cosines": {...}}``; the first
+    candidate (in preference order) with cosine >= 0.9 is chosen, else the reference path.
+    """
+    autocast = config.autocast_bf16 and device != "cpu"
+    reference = {"optimized_attention_override": SDPAAttention(("MATH",))}
+    _, ref = _grads(model, batch, config, reference, False, device)
+    candidates = {"sdpa_flash_efficient_bf16": {"optimized_attention_override": SDPAAttention()},
+                  "comfyui_default_bf16": {}}
+    cosines, choice = {}, None
+    for name, options in candidates.items():
+        loss, g = _grads(model, batch, config, options, autocast, device)
+        cosines[name] = float(torch.nn.functional.cosine_similarity(g, ref, dim=0))
+        log(f"gradient check: {name} cosine {cosines[name]:.4f} (loss {loss:.4f})")
+        if choice is None and cosines[name] >= 0.9:
+            choice = name
+    if choice is None:
+        log("gradient check: no fast path agrees with the reference; training in fp32 math attention")
+        return {"choice": "math_fp32", "options": reference, "autocast": False, "cosines": cosines}
+    return {"choice": choice, "options": candidates[choice], "autocast": autocast, "cosines": cosines}
 
 
 def train(config: TestbedConfig, device: str = "cpu", log=print, model=None) -> dict:
@@ -64,9 +99,12 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None) -> 
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.99))
     history = []
+    check_pool = pools.get("long", pools["short"])
+    check = gradient_check(model, check_pool.select(torch.arange(min(2, len(check_pool)), device=check_pool.x0.device)),
+                           config, device, log)
+    options, autocast = check["options"], check["autocast"]
     start = time.time()
     step = 0
-    autocast = config.autocast_bf16 and device != "cpu"
     while step < config.max_steps and time.time() - start < config.time_budget_s:
         which = "long" if ("long" in pools and rng.random() < config.long_share) else "short"
         pool = pools[which]
@@ -76,10 +114,11 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None) -> 
         for group in opt.param_groups:
             group["lr"] = lr_at(config, step)
         with torch.autocast(device_type="cuda" if device != "cpu" else "cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = flow_loss(model, batch, config.shift, gen)
+            loss = flow_loss(model, batch, config.shift, gen, options)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        opt.step()
         step += 1
         if step % config.log_every == 0 or step == 1:
             value = float(loss.detach())
@@ -91,7 +130,8 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None) -> 
     if device != "cpu":
         torch.cuda.synchronize()
     model.eval()
-    return {"model": model, "log": history, "steps": step, "seconds": time.time() - start, "data_seconds": data_s}
+    return {"model": model, "log": history, "steps": step, "seconds": time.time() - start, "data_seconds": data_s,
+            "attention": {"choice": check["choice"], "cosines": check["cosines"], "autocast_bf16": autocast}}
 
 
 def save_checkpoint(model, path: Path, config: TestbedConfig, dtype=torch.float16) -> Path:
@@ -152,7 +192,7 @@ def write_outputs(result: dict, config: TestbedConfig, out: Path, device: str, c
     save_checkpoint(result["model"], out / CHECKPOINT_NAME, config)
     machine = torch.cuda.get_device_name() if device != "cpu" else "cpu"
     info = {"config": asdict(config), "steps": result["steps"], "train_seconds": round(result["seconds"], 1),
-            "data_seconds": round(result["data_seconds"], 1), "machine": machine, "command": command,
+            "data_seconds": round(result["data_seconds"], 1), "training_attention": result.get("attention"), "machine": machine, "command": command,
             "sizes": {"short": {"latent": list(config.short_size), "tokens": tokens_of(config.short_size),
                                 "name": size_name(config.short_size)},
                       "long": {"latent": list(config.long_size), "tokens": tokens_of(config.long_size),
