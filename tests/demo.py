@@ -1,6 +1,7 @@
 """The README's main command (``make demo``): Chorus in a headless ComfyUI, end to end.
 
-Starts ComfyUI (``--cpu``) with the pack and the built-in tiny Wan2.1-I2V model in a
+Starts ComfyUI (``--cpu``) with the pack and the built-in testbed Wan2.1-I2V model (trained,
+tests/testbed/) in a
 scratch base directory, then drives it through the HTTP API: a first request (a miss that
 records masks into a fresh bank), a similar one (a hit that reuses them) and a dissimilar
 one (a miss). Prints what the pack reported for each. Nothing is downloaded.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -20,7 +22,7 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 
 from chorus_core.comfyui_locator import ComfyUINotFound, locate_comfyui  # noqa: E402
 from chorus_core.comfyui_process import ComfyServer, prepare_base_directory  # noqa: E402
-from workflows import TINY_MODEL_NAME, chorus_i2v_prompt  # noqa: E402
+from workflows import TESTBED_MODEL_NAME, chorus_i2v_prompt  # noqa: E402
 
 REQUESTS = [
     ("first request (pan, subject 0, layout 0)", dict(template="pan", subject=0, layout=0, seed=1)),
@@ -29,13 +31,10 @@ REQUESTS = [
 ]
 
 
-def build_tiny_model(comfyui: Path, target: Path) -> None:
-    import subprocess
-
-    code = ("from chorus_core.comfyui_locator import prepare_in_process; "
-            f"prepare_in_process({str(comfyui)!r}); from chorus_core.tiny_wan import save_tiny_wan_i2v; "
-            f"save_tiny_wan_i2v({str(target)!r})")
-    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+def install_testbed_model(models_dir: Path) -> None:
+    """The embedded default: the trained testbed checkpoint (tests/testbed/, 16 MB, no download)."""
+    target = models_dir / "diffusion_models" / TESTBED_MODEL_NAME
+    shutil.copyfile(REPO_ROOT / "tests" / "testbed" / TESTBED_MODEL_NAME, target)
 
 
 def print_report(title: str, record: dict, seconds: float) -> None:
@@ -44,7 +43,9 @@ def print_report(title: str, record: dict, seconds: float) -> None:
     for node_output in record.get("outputs", {}).values():
         for report in node_output.get("chorus_report", []):
             layers = " ".join(f"L{l['layer']}:{l['sparse_share']:.0%}" for l in report["layers"])
-            print(f"   mode={report['mode']} entry={report.get('entry_id')} similarity={report.get('similarity')}")
+            similarity = report.get("similarity")
+            similarity = "-" if similarity is None else f"{similarity:.3f}"
+            print(f"   mode={report['mode']} entry={report.get('entry_id')} similarity={similarity}")
             print(f"   density={report.get('density')} per-layer sparse share: {layers}")
             print(f"   timings: {json.dumps(report.get('timings', {}))}")
             if report.get("recorded_entry_id"):
@@ -55,8 +56,7 @@ def print_report(title: str, record: dict, seconds: float) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--keep", action="store_true", help="keep the scratch base directory and print its path")
-    args = parser.parse_args(argv)
+    parser.parse_args(argv)
     try:
         comfyui = locate_comfyui()
     except ComfyUINotFound as exc:
@@ -64,18 +64,21 @@ def main(argv=None) -> int:
         return 2
     scratch = Path(tempfile.mkdtemp(prefix="chorus-demo-"))
     base = prepare_base_directory(scratch)
-    build_tiny_model(comfyui, base / "models" / "diffusion_models" / TINY_MODEL_NAME)
+    install_testbed_model(base / "models")
     print(f"ComfyUI {comfyui}\nbase directory {base}")
     with ComfyServer(base, comfyui=comfyui) as server:
         print(f"server on {server.url} (log: {server.log_path})")
         for title, request in REQUESTS:
             started = time.monotonic()
-            record = server.run_prompt(chorus_i2v_prompt(bank="demo_bank", **request), timeout=600)
+            record = server.run_prompt(chorus_i2v_prompt(bank="demo_bank", model=TESTBED_MODEL_NAME, steps=8, **request),
+                                       timeout=600)
             print_report(title, record, time.monotonic() - started)
             if record.get("status", {}).get("status_str") != "success":
                 print(server.log_tail(), file=sys.stderr)
                 return 1
-    print(f"\nbank: {base / 'models' / 'chorus_banks' / 'demo_bank'}" if args.keep else "")
+    bank = base / "models" / "chorus_banks" / "demo_bank"
+    print(f"\nThe scratch folder stays for you to look at: bank {bank}, server log {base / 'comfyui.log'}")
+    print(f"Inspect the bank: {sys.executable} -m chorus_core.bank stats {bank}")
     return 0
 
 

@@ -1,12 +1,14 @@
 """API-format workflows used by the end-to-end tests and the demo."""
 
-TINY_MODEL_NAME = "chorus_tiny_wan21_i2v.safetensors"
+TINY_MODEL_NAME = "chorus_tiny_wan21_i2v.safetensors"  # random weights, built by the fixtures
+TESTBED_MODEL_NAME = "chorus_testbed_wan21_i2v.safetensors"  # trained, committed in tests/testbed/
 
 
-def tiny_i2v_prompt(template="pan", subject=0, layout=0, seed=0, steps=4, cfg=5.0, prefix="chorus_e2e"):
+def tiny_i2v_prompt(template="pan", subject=0, layout=0, seed=0, steps=4, cfg=5.0, prefix="chorus_e2e",
+                    model=TINY_MODEL_NAME):
     """UNETLoader(tiny Wan2.1-I2V) -> Chorus Testbed Request -> KSampler -> SaveLatent."""
     return {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": TINY_MODEL_NAME, "weight_dtype": "default"}},
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": model, "weight_dtype": "default"}},
         "2": {"class_type": "ChorusTestbedRequest", "inputs": {
             "template": template, "subject": subject, "layout": layout,
             "latent_frames": 5, "latent_height": 16, "latent_width": 16}},
@@ -20,9 +22,9 @@ def tiny_i2v_prompt(template="pan", subject=0, layout=0, seed=0, steps=4, cfg=5.
 
 def chorus_i2v_prompt(bank="e2e_bank", template="pan", subject=0, layout=0, seed=0, steps=4, cfg=5.0,
                       threshold=0.9, block_size=32, record_on_miss=True, miss_mode="online",
-                      dense_warmup_steps=1, prefix="chorus_e2e"):
+                      dense_warmup_steps=1, prefix="chorus_e2e", model=TINY_MODEL_NAME):
     """The tiny I2V graph with Chorus: bank loader + similarity match + sparse sampler."""
-    prompt = tiny_i2v_prompt(template, subject, layout, seed, steps, cfg, prefix)
+    prompt = tiny_i2v_prompt(template, subject, layout, seed, steps, cfg, prefix, model)
     prompt["5"] = {"class_type": "ChorusMaskBankLoader", "inputs": {
         "bank": "(create new bank)", "new_bank_name": bank, "read_only": False}}
     prompt["6"] = {"class_type": "ChorusSimilarityMatch", "inputs": {
