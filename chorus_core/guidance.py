@@ -18,13 +18,18 @@ clone of a ComfyUI ModelPatcher (never on the model passed in):
   length differs from the query length: Wan I2V's 257 CLIP-image tokens and its text tokens) is
   multiplied by ``1 + strength`` before the block's output projection. Works at any cfg.
 
+Default: ``cross_attention`` at strength 0.1 (tests/benchmarks/results/guidance_testbed.md: on the
+testbed it recovered most of the content correlation lost to reuse, and ``cfg_boost`` made every
+measure worse there; that testbed never trained an unconditional branch, so CFG changes act on an
+out-of-distribution uncond prediction).
+
 The step window is ``[start, end)`` as fractions of the run's schedule: step ``i`` of ``n`` is
 in it when ``start <= i / n < end``. Per-run state (current step, counters) lives in a keyed
 ``OUTER_SAMPLE`` wrapper and is dropped in ``finally``; ``get_guidance_stats(patched)`` reads the
 current or last run's counters.
 
 Condition-adherence measures for the procedural workload (``chorus_core.workload``) are here
-too: first-frame error, foreground-map correlation with the template's video, centroid path.
+too: first-frame error, motion correlation with the template's video, content correlation.
 """
 
 from __future__ import annotations
@@ -46,9 +51,8 @@ __all__ = [
     "install_guidance",
     "get_guidance_stats",
     "first_frame_error",
-    "foreground_maps",
     "template_adherence",
-    "centroid_path_error",
+    "content_adherence",
 ]
 
 log = logging.getLogger("chorus")
@@ -117,8 +121,8 @@ def _is_cross_attention(args, kwargs) -> bool:
 class GuidanceSettings:
     """What to install: ``method`` (one of METHODS), ``strength`` (0 = off), window ``[start, end)``."""
 
-    method: str = "cfg_boost"
-    strength: float = 0.5
+    method: str = "cross_attention"
+    strength: float = 0.1
     start: float = 0.1
     end: float = 1.0
 
@@ -305,37 +309,25 @@ def first_frame_error(latent: torch.Tensor, first_frame: torch.Tensor) -> torch.
     return (gen - ref).square().mean(1).sqrt() / ref.square().mean().sqrt()
 
 
-def foreground_maps(video: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
-    """Where the subject is, per frame: channel-RMS of ``video - background``.
+def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pearson correlation over the last dim: ``[B, M]``, ``[1 or B, M]`` -> ``[B]`` (float64)."""
+    a, b = a.double(), b.double()
+    a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
+    return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-12)
 
-    ``video [..., C, T, H, W]``, ``background [C, H, W]`` -> ``[..., T, H, W]``.
+
+def template_adherence(latent: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Template following: correlation of the generated motion with the template's, ``[B]``.
+
+    Motion is each frame minus the first, ``x[:, t] - x[:, 0]`` for t = 1..T-1 (all channels), so a
+    video that copies its first frame and never moves scores about 0 whatever it looks like.
+    ``latent [B, C, T, H, W]``, ``target [C, T, H, W]`` (the request's own rendered video).
     """
-    return (video.double() - background.double()[:, None]).square().mean(-4).sqrt()
+    motion = (latent[:, :, 1:] - latent[:, :, :1]).flatten(1)
+    reference = (target[:, 1:] - target[:, :1]).flatten()[None]
+    return _pearson(motion, reference)
 
 
-def template_adherence(latent: torch.Tensor, target: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
-    """Template following: Pearson correlation of the generated and the template video's foreground
-    maps over frames 1..T-1 (frame 0 is given). ``[B, C, T, H, W]``, ``[C, T, H, W]``, ``[C, H, W]`` -> ``[B]``."""
-    gen = foreground_maps(latent, background)[:, 1:].flatten(1)
-    ref = foreground_maps(target, background)[1:].flatten()[None]
-    gen, ref = gen - gen.mean(1, keepdim=True), ref - ref.mean(1, keepdim=True)
-    return (gen * ref).sum(1) / (gen.norm(dim=1) * ref.norm(dim=1)).clamp_min(1e-12)
-
-
-def _centroids(maps: torch.Tensor) -> torch.Tensor:
-    """Weighted centroid (y, x) per frame of foreground maps ``[..., T, H, W]`` -> ``[..., T, 2]``."""
-    h, w = maps.shape[-2:]
-    ys = torch.arange(h, dtype=maps.dtype, device=maps.device)
-    xs = torch.arange(w, dtype=maps.dtype, device=maps.device)
-    weights = maps - maps.flatten(-2).median(-1).values[..., None, None]  # background level out
-    weights = weights.clamp_min(0)
-    total = weights.sum((-1, -2)).clamp_min(1e-12)
-    return torch.stack([(weights.sum(-1) * ys).sum(-1) / total, (weights.sum(-2) * xs).sum(-1) / total], -1)
-
-
-def centroid_path_error(latent: torch.Tensor, target: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
-    """Mean distance (latent pixels) between the generated and the template video's subject
-    centroids over frames 1..T-1 -> ``[B]``."""
-    gen = _centroids(foreground_maps(latent, background))[:, 1:]
-    ref = _centroids(foreground_maps(target, background))[None, 1:]
-    return (gen - ref).norm(dim=-1).mean(-1)
+def content_adherence(latent: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Correlation of the generated frames 1..T-1 with the request's rendered video: ``[B]``."""
+    return _pearson(latent[:, :, 1:].flatten(1), target[:, 1:].flatten()[None])

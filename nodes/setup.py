@@ -8,7 +8,7 @@ import logging
 # Feature modules, each exporting NODES (a list of io.ComfyNode classes). Optional
 # dependencies are imported inside the nodes that need them, so a missing one fails that
 # node with a message instead of hiding the whole pack.
-FEATURE_MODULES: list[str] = ["bank_nodes", "sampler_nodes", "feature_reuse_nodes", "testbed"]
+FEATURE_MODULES: list[str] = ["bank_nodes", "sampler_nodes", "feature_reuse_nodes", "guidance_nodes", "testbed"]
 
 
 def node_list() -> list:

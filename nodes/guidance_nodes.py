@@ -1,0 +1,57 @@
+"""Chorus Guidance Enhance: reinforce the image/text conditioning in the steps that reuse masks."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from . import CATEGORY
+
+METHOD_OPTIONS = ["cfg_boost", "cross_attention"]  # chorus_core.guidance.METHODS (checked in tests)
+DEFAULT_METHOD, DEFAULT_STRENGTH = "cross_attention", 0.1  # tests/benchmarks/results/guidance_testbed.md
+
+
+class ChorusGuidanceEnhance(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="ChorusGuidanceEnhance",
+            display_name="Chorus Guidance Enhance",
+            category=CATEGORY,
+            description="Counters the drift of conditioning that reused sparse masks cause, with no extra model pass. "
+                        "Returns a patched copy of the model (the input is not changed); put it before the Chorus "
+                        "Sparse Wan Sampler or any ComfyUI sampler. Acts only in the step window.",
+            inputs=[
+                io.Model.Input("model", tooltip="A Wan 2.1 model (cfg_boost works with any model)."),
+                io.Combo.Input("method", options=METHOD_OPTIONS, default=DEFAULT_METHOD,
+                               tooltip="cross_attention (default): scale every cross-attention output (CLIP image and "
+                                       "text) by 1 + strength; works at any cfg, including 1. cfg_boost: scale the CFG "
+                                       "guidance term (cond - uncond) by 1 + strength; needs cfg > 1: at cfg 1 ComfyUI "
+                                       "runs no uncond pass, so it does nothing (logged once per run)."),
+                io.Float.Input("strength", default=DEFAULT_STRENGTH, min=0.0, max=10.0, step=0.01,
+                               tooltip="0 = off (the model samples exactly as without this node). Keep it small: "
+                                       "0.1 recovered most of the content lost to reuse on the testbed; more cost "
+                                       "agreement with dense attention."),
+                io.Float.Input("start", default=0.1, min=0.0, max=1.0, step=0.01,
+                               tooltip="First step of the window, as a fraction of the schedule (step i of n is in "
+                                       "the window when start <= i/n < end). 0.1 skips the first of 10 steps, the "
+                                       "dense warm-up step of the Chorus sampler."),
+                io.Float.Input("end", default=1.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="End of the window (exclusive), as a fraction of the schedule."),
+            ],
+            outputs=[io.Model.Output(display_name="MODEL")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, start, end):
+        if start > end:
+            return f"start ({start}) must not be after end ({end}): both are fractions of the schedule, 0 to 1."
+        return True
+
+    @classmethod
+    def execute(cls, model, method, strength, start, end) -> io.NodeOutput:
+        from ..chorus_core.guidance import GuidanceSettings, install_guidance
+
+        return io.NodeOutput(install_guidance(model, GuidanceSettings(method, strength, start, end)))
+
+
+NODES = [ChorusGuidanceEnhance]
