@@ -65,7 +65,21 @@ def wan21_i2v_chorus(resolution: str) -> dict:
     }
 
 
+def wan21_i2v_chorus_extras(resolution: str) -> dict:
+    """The same graph with the optional nodes: Guidance Enhance and Feature Reuse before the sampler."""
+    prompt = wan21_i2v_chorus(resolution)
+    prompt["17"] = {"class_type": "ChorusGuidanceEnhance", "inputs": {
+        "model": ["1", 0], "method": "cross_attention", "strength": 0.1, "start": 0.1, "end": 1.0}}
+    prompt["18"] = {"class_type": "ChorusFeatureReuse", "inputs": {
+        "model": ["17", 0], "positive": ["9", 0], "latent": ["9", 2], "strength": 0.25, "cell": "1x2x2",
+        "start_percent": 0.3, "end_percent": 1.0, "rim": 1, "blend": True}}
+    prompt["19"] = {"class_type": "PreviewImage", "inputs": {"images": ["18", 1]}}
+    prompt["12"]["inputs"]["model"] = ["18", 0]
+    return prompt
+
+
 WORKFLOWS = {f"chorus_wan21_i2v_{r}": (lambda r=r: wan21_i2v_chorus(r)) for r in ("480p", "720p")}
+WORKFLOWS["chorus_wan21_i2v_480p_guidance_feature_reuse"] = lambda: wan21_i2v_chorus_extras("480p")
 
 
 def _inputs_in_order(spec: dict) -> list[tuple[str, list]]:

@@ -79,3 +79,18 @@ def test_bank_routes_take_no_paths(comfy_server):
     with pytest.raises(urllib.error.HTTPError) as err:
         comfy_server.get_json("/chorus/api/banks/..%2F..%2Fetc/stats")
     assert err.value.code == 404
+
+
+def test_optional_nodes_chain_in_front_of_the_sampler(comfy_server):
+    """Guidance Enhance -> Feature Reuse -> Sparse Wan Sampler, in API mode, with the region map."""
+    prompt = chorus_i2v_prompt(bank="e2e_optional_nodes", steps=STEPS)
+    prompt["7"] = {"class_type": "ChorusGuidanceEnhance", "inputs": {
+        "model": ["1", 0], "method": "cross_attention", "strength": 0.1, "start": 0.1, "end": 1.0}}
+    prompt["8"] = {"class_type": "ChorusFeatureReuse", "inputs": {
+        "model": ["7", 0], "positive": ["2", 0], "latent": ["2", 2], "strength": 0.5, "cell": "1x2x2",
+        "start_percent": 0.3, "end_percent": 1.0, "rim": 0, "blend": True, "start_latent": ["2", 4]}}
+    prompt["9"] = {"class_type": "PreviewImage", "inputs": {"images": ["8", 1]}}
+    prompt["3"]["inputs"]["model"] = ["8", 0]
+    record, _ = run_collecting_events(comfy_server, prompt)
+    assert chorus_report(record)["mode"] == "miss"
+    assert len(record["outputs"]["9"]["images"]) == 5  # one region map per latent frame
