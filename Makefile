@@ -17,15 +17,14 @@ $(STAMP): requirements.txt tests/requirements.txt Makefile
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m chorus_core.comfyui_locator --write-requirements $(VENV)/comfyui-requirements.txt
 	$(VPY) -m pip install -q -r $(VENV)/comfyui-requirements.txt -r requirements.txt -r tests/requirements.txt
-	$(MAKE) --no-print-directory browser
 	touch $(STAMP)
 
-# Debian's Chromium and its driver, for the browser test of the web extension.
+# Debian's Chromium and its driver, for the browser test of the web extension (needs root to install).
 browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 
-test: setup
+test: setup browser
 	$(VPY) -m pytest tests
 
 demo: setup

@@ -474,7 +474,7 @@ class _Run:
     def sparse_mask(self, sparse_run, layer, options, call, layout: TokenLayout):
         """The sparse patch's map for this layer and step carried to the reduced layout, or None (dense)."""
         provider = getattr(sparse_run, "provider", None)
-        if provider is None or _records(provider):
+        if provider is None or _recorder_of(provider) is not None:
             return None
         step = sparse_run.step_of(options)
         if step is None:
@@ -500,14 +500,23 @@ class _Run:
         self._sigmas = None
 
 
-def _records(provider) -> bool:
-    """True when a provider (or one it wraps) records masks: a run that records stays full-resolution."""
+def _recording_now(sparse_run, options) -> bool:
+    """True when the sparse run records masks at this step: those steps stay at full resolution,
+    so the bank only ever stores masks of the full token layout."""
+    recorder = _recorder_of(getattr(sparse_run, "provider", None))
+    if recorder is None:
+        return False
+    step = sparse_run.step_of(options)
+    return step is not None and recorder.bucket(step) is not None
+
+
+def _recorder_of(provider):
     seen = 0
     while provider is not None and seen < 16:
         if getattr(provider, "recorder", None) is not None:
-            return True
+            return provider.recorder
         provider, seen = getattr(provider, "inner", None), seen + 1
-    return False
+    return None
 
 
 def _match_batch(block_map: torch.Tensor, chunks: int, batch: int) -> torch.Tensor:
@@ -609,7 +618,8 @@ def _make_block_patch(key: str, index: int, previous: Optional[Callable], sparse
         if run is None:
             return call_next(args, extra)
         layer = options.get("block_index", index)
-        layout = run.layout_for(layer, args, options)
+        sparse_run = options.get(sparse_run_key)
+        layout = None if _recording_now(sparse_run, options) else run.layout_for(layer, args, options)
         if layout is None:
             run.stats.full_calls += 1
             return call_next(args, extra)

@@ -221,9 +221,15 @@ class MaskRecorder:
             )
         maps, recalls = [], []
         for s in range(self.num_buckets):
-            mean = torch.stack([self._sums[s, l] / self._counts[s, l] for l in range(self.num_layers)])
-            block_map = select_blocks(mean, **self.select_kwargs)  # [L, H, nq, nk]
-            maps.append(block_map)
-            recalls.append(mass_recall(mean, block_map, self.seq_len, self.block_size))
+            # One layer at a time, freeing its sum: at 720p all 40 layers' selection temporaries
+            # would take several GB at once.
+            layer_maps, layer_recalls = [], []
+            for l in range(self.num_layers):
+                mean = self._sums.pop((s, l)) / self._counts[s, l]  # [H, nq, nk]
+                block_map = select_blocks(mean, **self.select_kwargs)
+                layer_maps.append(block_map)
+                layer_recalls.append(mass_recall(mean, block_map, self.seq_len, self.block_size))
+            maps.append(torch.stack(layer_maps))
+            recalls.append(torch.stack(layer_recalls))
         recall = torch.stack(recalls)
         return RecordedMasks(torch.stack(maps), recall, float(recall.mean()), self.seq_len, self.block_size)

@@ -13,13 +13,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .bank import (BankEntryCorrupt, BankError, LatentLayout, MaskBank, MatchResult, Schedule,
-                   Signature, build_signature, fingerprint_model)
+from .bank import LatentLayout, MaskBank, MatchResult, Schedule, Signature, build_signature, fingerprint_model
 from .bank.signature import resolve_weights
 from .mask_provider import DenseProvider, DenseWarmupProvider
 from .masks import MaskRecorder
 from .online_predictor import predict_block_map
-from .sparse_patch import get_run_stats, get_sparse_state, install_sparse_attention
+from .sparse_patch import check_supported_model, get_run_stats, get_sparse_state, install_sparse_attention
 
 log = logging.getLogger("chorus")
 MISS_MODES = ("online", "dense")
@@ -100,6 +99,7 @@ def fingerprint_patcher(model_patcher):
 def build_match_request(model_patcher, clip_vision_output, positive, latent: dict, start_latent: dict | None,
                         threshold: float, weights: dict, block_size: int) -> MatchRequest:
     """Signature, fingerprint and layout of one request, from ComfyUI's objects."""
+    check_supported_model(model_patcher)  # refuse other variants here too, never file masks under them
     signature = build_signature(clip_vision=clip_vision_output, text=positive[0][0] if positive else None,
                                 start_latent=start_latent_from(positive, start_latent))
     return MatchRequest(signature=signature, fingerprint=fingerprint_patcher(model_patcher),
@@ -186,13 +186,19 @@ class RecordingProvider:
     def __init__(self, inner, recorder: MaskRecorder):
         self.inner, self.recorder = inner, recorder
         self.block_size = tuple(inner.block_size)
+        self.error: str | None = None  # set when recording failed; nothing is stored then
 
     def step_bucket(self, step: int):
         step_bucket = getattr(self.inner, "step_bucket", None)
         return step if step_bucket is None else step_bucket(step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
-        self.recorder.record(layer, step, q, k, None if skip_reshape else heads)
+        if self.error is None:
+            try:
+                self.recorder.record(layer, step, q, k, None if skip_reshape else heads)
+            except Exception as exc:  # recording is a by-product: it must not stop the generation
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.warning("Chorus: recording stopped: %s", self.error)
         observer = getattr(self.inner, "observe", None)
         if observer is not None:
             observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
@@ -228,7 +234,9 @@ class ReuseRun:
         self.model_patcher, self.match, self.options, self.sampling = model_patcher, match, options, sampling
         self.block_size = match.request.layout.block_size[0] if match else block_size
         self.report = RunReport(mode="miss", steps=sampling.steps)
-        self.recorder: MaskRecorder | None = None
+        self.schedule = Schedule(steps=sampling.steps, sampler=sampling.sampler, scheduler=sampling.scheduler,
+                                 shift=_model_shift(model_patcher))
+        self.recording: RecordingProvider | None = None
         self.patched = None
 
     def prepare(self, on_step=None):
@@ -237,8 +245,8 @@ class ReuseRun:
         provider = self._hit_provider() or self._miss_provider()
         provider = DenseWarmupProvider(provider, self.options.dense_warmup_steps, self.options.dense_layers)
         if self.report.mode == "miss" and self._can_record():
-            self.recorder = self._make_recorder()
-            provider = RecordingProvider(provider, self.recorder)
+            self.recording = RecordingProvider(provider, self._make_recorder())
+            provider = self.recording
         self.patched = install_sparse_attention(self.model_patcher, provider)
         if on_step is not None:
             get_sparse_state(self.patched).on_step(lambda step, run: on_step(self.progress(step, run)))
@@ -259,9 +267,9 @@ class ReuseRun:
         started = time.perf_counter()
         try:
             entry = self.match.bank.load_masks(result.entry_id)
-        except BankEntryCorrupt as exc:
+        except Exception as exc:  # corrupt, pruned meanwhile, locked database: a miss, never a failure
             self.report.warnings.append(f"bank entry {result.entry_id} skipped: {exc}")
-            log.warning("Chorus: %s; falling back to a miss", exc)
+            log.warning("Chorus: bank entry %s skipped (%s); running as a miss", result.entry_id, exc)
             return None
         self.report.timings["load_ms"] = round((time.perf_counter() - started) * 1e3, 2)
         self.report.mode, self.report.entry_id = "hit", result.entry_id
@@ -278,8 +286,6 @@ class ReuseRun:
 
     def _make_recorder(self) -> MaskRecorder:
         o = self.options
-        self.schedule = Schedule(steps=self.sampling.steps, sampler=self.sampling.sampler,
-                                 scheduler=self.sampling.scheduler, shift=_model_shift(self.model_patcher))
         return MaskRecorder(num_layers=len(self.model_patcher.model.diffusion_model.blocks),
                             step_buckets=recorded_steps(self.schedule.step_buckets), block_size=self.block_size,
                             top_p=o.top_p, min_density=o.min_density, max_density=o.max_density,
@@ -298,20 +304,24 @@ class ReuseRun:
         if stats is not None:
             self.report.layers, self.report.density = _layer_rows(stats), _mean_density(stats)
             self.report.timings["sampling_s"] = round(stats.seconds or 0.0, 3)
-        if self.recorder is not None:
+            self.report.warnings.extend(stats.warnings)
+        if self.recording is not None:
             self._record()
         return self.report
 
     def _record(self) -> None:
+        if self.recording.error is not None:
+            self.report.warnings.append(f"masks not recorded: {self.recording.error}")
+            return
         started = time.perf_counter()
         try:
-            recorded = self.recorder.finish()
+            recorded = self.recording.recorder.finish()
             request = self.match.request
             self.report.recorded_entry_id = self.match.bank.add_entry(
                 fingerprint=request.fingerprint, layout=request.layout, schedule=self.schedule,
                 masks=recorded.block_maps.cpu(), signature=request.signature, density=recorded.density,
                 recall=recorded.mean_recall, tags=list(self.options.tags))
-        except (BankError, ValueError, OSError) as exc:  # the generation itself succeeded: keep it
+        except Exception as exc:  # the generation itself succeeded: keep it whatever the bank says
             self.report.warnings.append(f"masks not recorded: {exc}")
             log.warning("Chorus: masks from this run were not recorded: %s", exc)
         self.report.timings["record_ms"] = round((time.perf_counter() - started) * 1e3, 2)

@@ -156,6 +156,7 @@ class RunStats:
     scheduled_steps: int = 0  # len(sample_sigmas) - 1
     seconds: float = 0.0
     finished: bool = False  # sampling returned normally
+    warnings: list[str] = field(default_factory=list)  # why some calls fell back to dense
 
     @property
     def total_steps(self) -> int:
@@ -178,6 +179,7 @@ class RunStats:
             "sparse_calls": self.sparse_calls,
             "dense_calls": self.dense_calls,
             "layers": {layer: s.as_dict() for layer, s in sorted(self.layers.items())},
+            "warnings": list(self.warnings),
         }
 
 
@@ -222,6 +224,8 @@ class _Run:
         self._sigmas: Optional[torch.Tensor] = None  # the model call the current step was read from
         self._step: Optional[StepStats] = None
         self._step_started = 0.0
+        self._disabled = False  # set when masks cannot be had: the rest of the run is dense
+        self._triton: Optional[bool] = None
 
     # ---- steps
 
@@ -289,10 +293,14 @@ class _Run:
         """Block-sparse self-attention, or None when this call runs dense."""
         step = self.step_of(transformer_options)
         mask = None
-        if step is not None:
+        if step is not None and not self._disabled and self._kernel_usable(call):
             cond_or_uncond = transformer_options.get("cond_or_uncond") or [0]
-            self.observe(layer, step, cond_or_uncond, call)
-            mask = self.mask_for(layer, step, cond_or_uncond, call.heads, call.seq_len, call.batch, call.q.device)
+            try:
+                self.observe(layer, step, cond_or_uncond, call)
+                mask = self.mask_for(layer, step, cond_or_uncond, call.heads, call.seq_len, call.batch, call.q.device)
+            except Exception as exc:  # a bad mask source must cost speed, never the generation
+                self._disable(f"masks unavailable at layer {layer}, step {step} ({type(exc).__name__}: {exc}); "
+                              "the rest of this run is dense")
         self.record(layer, None if mask is None else mask.density)
         if mask is None:
             return None
@@ -300,6 +308,24 @@ class _Run:
             call.q, call.k, call.v, mask, call.heads,
             skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape,
         )
+
+    def _kernel_usable(self, call: "_AttentionCall") -> bool:
+        """On a GPU without Triton the torch reference would be slower than dense: stay dense."""
+        if not call.q.is_cuda:
+            return True
+        if self._triton is None:  # looked up once per run, not per call
+            self._triton = _block_sparse().triton_available()
+        if self._triton:
+            return True
+        self._disable("Triton is not available on this CUDA machine, so block-sparse attention would be "
+                      "slower than dense; this run is dense. Install triton (Linux) or triton-windows.")
+        return False
+
+    def _disable(self, reason: str) -> None:
+        self._disabled = True
+        if reason not in self.stats.warnings:
+            self.stats.warnings.append(reason)
+            logging.warning("Chorus: %s", reason)
 
     def observe(self, layer, step, cond_or_uncond, call: "_AttentionCall") -> None:
         """Show q and k to a provider that wants them (online prediction, recording) before it is asked."""

@@ -90,10 +90,16 @@ class ChorusMaskBankLoader(io.ComfyNode):
     def fingerprint_inputs(cls, bank, new_bank_name, read_only):
         from ..chorus_core.bank import MaskBank
 
+        from ..chorus_core.bank import BankError
+
         path = bank_path(_bank_name(bank, new_bank_name))
         if not os.path.isfile(os.path.join(path, "bank.sqlite")):
             return f"{path}:new"
-        return f"{path}:{MaskBank.open(path, read_only=True, create=False).content_token()}"
+        try:
+            with MaskBank.open(path, read_only=True, create=False) as opened:
+                return f"{path}:{opened.content_token()}"
+        except BankError:
+            return float("nan")  # never equal to itself: execute() runs and reports the error
 
     @classmethod
     def execute(cls, bank, new_bank_name, read_only) -> io.NodeOutput:
@@ -132,6 +138,12 @@ class ChorusSimilarityMatch(io.ComfyNode):
             ],
             outputs=[MatchType.Output(display_name="match"), io.String.Output(display_name="summary")],
         )
+
+    @classmethod
+    def validate_inputs(cls, block_size, **kwargs):
+        if block_size & (block_size - 1):
+            return f"block_size must be a power of two (16, 32, 64, 128 or 256) for the GPU kernels; got {block_size}."
+        return True
 
     @classmethod
     def execute(cls, mask_bank, model, clip_vision_output, positive, latent, threshold, clip_weight, text_weight,

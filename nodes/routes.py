@@ -16,11 +16,14 @@ _registered = False
 
 
 def _open_named(name: str):
-    from ..chorus_core.bank import MaskBank
+    from ..chorus_core.bank import BankError, MaskBank
 
     if name not in existing_banks():
         raise web.HTTPNotFound(text=f"no bank named {name!r}; GET /chorus/api/banks lists them")
-    return MaskBank.open(bank_path(name), read_only=True, create=False)
+    try:
+        return MaskBank.open(bank_path(name), read_only=True, create=False)
+    except BankError as exc:  # e.g. a damaged or newer database: say why, not a bare 500
+        raise web.HTTPConflict(text=str(exc)) from exc
 
 
 async def list_banks(request: web.Request) -> web.Response:

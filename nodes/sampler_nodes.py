@@ -55,15 +55,24 @@ class ChorusSparseWanSampler(io.ComfyNode):
                 io.String.Input("dense_layers", default="", tooltip="Comma-separated block indices that always run dense, e.g. '0, 39'."),
                 io.Combo.Input("miss_mode", options=["online", "dense"], default="online", tooltip="On a miss: predict masks from pooled q/k each step, or run dense."),
                 io.Float.Input("top_p", default=0.9, min=0.5, max=1.0, step=0.01, tooltip="Attention mass each query block keeps (online prediction and recording)."),
-                io.Float.Input("min_density", default=0.05, min=0.0, max=1.0, step=0.01, tooltip="Least share of key blocks kept per query block."),
+                io.Float.Input("min_density", default=0.05, min=0.01, max=1.0, step=0.01, tooltip="Least share of key blocks kept per query block."),
                 io.Float.Input("max_density", default=0.5, min=0.01, max=1.0, step=0.01, tooltip="Most share of key blocks kept per query block."),
                 io.Boolean.Input("record_on_miss", default=True, tooltip="Add this run's masks to the bank after a successful miss."),
                 io.String.Input("tag", default="", tooltip="Tag stored with a recorded entry, e.g. the effect template's name."),
             ],
             outputs=[io.Latent.Output(display_name="LATENT")],
             hidden=[io.Hidden.unique_id],
-            is_output_node=False,
         )
+
+    @classmethod
+    def validate_inputs(cls, min_density, max_density, dense_layers, **kwargs):
+        if min_density > max_density:
+            return f"min_density ({min_density}) must not exceed max_density ({max_density})."
+        try:
+            _parse_layers(dense_layers)
+        except ValueError as exc:
+            return str(exc)
+        return True
 
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,

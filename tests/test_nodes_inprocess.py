@@ -101,3 +101,35 @@ def test_read_only_bank_matches_but_never_records(pack, tiny_wan_patcher):
 def test_dense_layers_widget_rejects_garbage(pack):
     with pytest.raises(ValueError, match="comma-separated block indices"):
         pack[1]._parse_layers("first, last")
+
+
+def test_a_bank_that_cannot_store_the_recording_keeps_the_generation(pack, tiny_wan_patcher):
+    import shutil
+
+    bank_nodes, sampler_nodes, testbed, _ = pack
+    positive, negative, latent, clip, start = request_outputs(testbed)
+    (bank,) = bank_nodes.ChorusMaskBankLoader.execute(bank_nodes.NEW_BANK, "unwritable", False).args
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, clip, positive, latent, 0.9, 0.5, 0.3,
+                                                        0.2, 32, start_latent=start).args
+    shutil.rmtree(bank.root / "blobs", ignore_errors=True)
+    (bank.root / "blobs").write_text("not a folder")  # the disk goes bad while the run samples
+    output = sampler_nodes.ChorusSparseWanSampler.execute(
+        tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "online", 0.9, 0.1,
+        0.6, True, "", match=match)
+    report = output.ui["chorus_report"][0]
+    assert report["mode"] == "miss" and report["recorded_entry_id"] is None
+    assert any(w.startswith("masks not recorded") for w in report["warnings"]), report["warnings"]
+    assert torch.isfinite(output.args[0]["samples"]).all()
+
+
+def test_similarity_match_refuses_a_non_power_of_two_block_size(pack):
+    message = pack[0].ChorusSimilarityMatch.validate_inputs(block_size=48)
+    assert "power of two" in message
+    assert pack[0].ChorusSimilarityMatch.validate_inputs(block_size=64) is True
+
+
+def test_sampler_validates_density_bounds_and_dense_layers(pack):
+    sampler = pack[1].ChorusSparseWanSampler
+    assert "must not exceed" in sampler.validate_inputs(min_density=0.6, max_density=0.5, dense_layers="")
+    assert "comma-separated" in sampler.validate_inputs(min_density=0.1, max_density=0.5, dense_layers="x")
+    assert sampler.validate_inputs(min_density=0.1, max_density=0.5, dense_layers="0, 3") is True
