@@ -51,8 +51,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ._siblings import import_sibling
 from .mask_provider import step_bucket_of
+from .sparse_patch import _block_sparse, _match_batch  # one definition of each, shared
 
 __all__ = [
     "FeatureReuseSettings",
@@ -517,19 +517,6 @@ def _recorder_of(provider):
             return provider.recorder
         provider, seen = getattr(provider, "inner", None), seen + 1
     return None
-
-
-def _match_batch(block_map: torch.Tensor, chunks: int, batch: int) -> torch.Tensor:
-    n = block_map.shape[0]
-    if n in (1, batch):
-        return block_map
-    if n == chunks and batch % chunks == 0:
-        return block_map.repeat_interleave(batch // chunks, dim=0)
-    raise ValueError(f"block map batch {n} fits neither 1, {chunks} chunks nor batch {batch}")
-
-
-def _block_sparse():
-    return import_sibling("kernels.block_sparse")
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,5 @@
 """End to end: a real ComfyUI server loads the pack and runs a tiny Wan2.1 I2V sampling."""
 
-import re
-import sys
 
 import pytest
 

@@ -8,7 +8,7 @@ const EXTENSION = "chorus.reuse_view";
 const SAMPLER_TYPE = "ChorusSparseWanSampler";
 const VIEW_HEIGHT = 64;
 
-// Last report per node id path, kept so a redraw or a re-opened subgraph shows it again.
+// Last report per node id path, for tests and other extensions (window.chorusReuseReports).
 const reports = new Map();
 
 // Walk "12:5:3" through nested subgraphs to the node it names.

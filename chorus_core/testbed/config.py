@@ -9,7 +9,7 @@ overridden from the command line of ``train`` / ``report`` with ``--set name=val
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 # Latent grids (frames, height, width); tokens = frames * (height / 2) * (width / 2).

@@ -417,7 +417,7 @@ def measure_overheads(ctx, shape, entry_layers, bank_entries):
     """Host-side per-request costs for one shape; ms, with what each is scaled to."""
     import numpy as np
 
-    from chorus_core.bank import LatentLayout, MaskBank, Schedule, Signature, build_signature
+    from chorus_core.bank import LatentLayout, MaskBank, Schedule, build_signature
     from chorus_core.bank.signature import COMPONENTS, DIM
     from chorus_core.reuse_run import fingerprint_patcher
     from kernels.block_sparse import block_map_to_mask
