@@ -18,10 +18,12 @@ from .bank.signature import resolve_weights
 from .mask_provider import DenseProvider, DenseWarmupProvider
 from .masks import MaskRecorder
 from .online_predictor import predict_block_map
+from .population_prior import population_prior
 from .sparse_patch import check_supported_model, get_run_stats, get_sparse_state, install_sparse_attention
 
 log = logging.getLogger("chorus")
-MISS_MODES = ("online", "dense")
+MISS_MODES = ("online", "prior", "dense")
+PRIOR_ENTRIES = 8  # most recently used compatible entries that form the population prior
 PATCH_SIZE = (1, 2, 2)  # Wan 2.1 patchify: latent (T, H, W) -> tokens (T, H/2, W/2)
 
 
@@ -120,6 +122,7 @@ class RunReport:
 
     mode: str
     steps: int
+    mask_source: str = ""
     entry_id: str | None = None
     similarity: float | None = None
     components: dict = field(default_factory=dict)
@@ -160,6 +163,27 @@ class BankEntryProvider:
             raise ValueError(f"bank entry {self.entry.entry_id} has masks {tuple(block_map.shape)} for layer {layer}, "
                              f"this run needs {expected}; the bank's compatibility filter should have excluded it")
         return block_map[None].to(device)
+
+
+class PopulationPriorProvider:
+    """A miss served by the bank's population prior: per (bucket, layer), the blocks most often
+    kept by compatible entries, at their mean density. No per-step prediction on the GPU."""
+
+    def __init__(self, entries: list, steps: int, min_density: float, max_density: float):
+        self.entries = entries
+        self.block_size = tuple(entries[0].layout.block_size)
+        self.bucket_starts = scaled_bucket_starts(entries[0].schedule, steps)
+        self.min_density, self.max_density = min_density, max_density
+
+    def step_bucket(self, step: int) -> int:
+        return max(i for i, start in enumerate(self.bucket_starts) if start <= step)
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
+        bucket = self.step_bucket(step)
+        maps = [entry.block_map(min(bucket, len(entry.step_buckets) - 1), layer) for entry in self.entries]
+        density = sum(m.float().mean().item() for m in maps) / len(maps)
+        density = min(max(density, self.min_density), self.max_density)
+        return population_prior(maps, density)[None].to(device)
 
 
 class OnlinePredictionProvider:
@@ -273,13 +297,37 @@ class ReuseRun:
             return None
         self.report.timings["load_ms"] = round((time.perf_counter() - started) * 1e3, 2)
         self.report.mode, self.report.entry_id = "hit", result.entry_id
+        self.report.mask_source = f"bank entry {result.entry_id}"
         return BankEntryProvider(entry, self.sampling.steps)
 
     def _miss_provider(self):
-        if self.options.miss_mode == "dense":
-            return DenseProvider((self.block_size, self.block_size))
         o = self.options
+        if o.miss_mode == "dense":
+            self.report.mask_source = "dense"
+            return DenseProvider((self.block_size, self.block_size))
+        if o.miss_mode == "prior":
+            prior = self._prior_provider()
+            if prior is not None:
+                return prior
+        self.report.mask_source = "online prediction"
         return OnlinePredictionProvider(self.block_size, o.top_p, o.min_density, o.max_density)
+
+    def _prior_provider(self):
+        """The population prior of compatible entries, or None (then online) when the bank has none."""
+        if self.match is None:
+            return None
+        request, bank = self.match.request, self.match.bank
+        try:
+            ids = bank.compatible_entries(request.fingerprint, request.layout, limit=PRIOR_ENTRIES)
+            entries = [bank.load_masks(entry_id, record_hit=False) for entry_id in ids]
+        except Exception as exc:  # a damaged entry: predict online instead
+            self.report.warnings.append(f"population prior unavailable: {exc}")
+            return None
+        if not entries:
+            return None
+        self.report.mask_source = f"population prior of {len(entries)} entries"
+        return PopulationPriorProvider(entries, self.sampling.steps, self.options.min_density,
+                                       self.options.max_density)
 
     def _can_record(self) -> bool:
         return bool(self.match and self.options.record_on_miss and not self.match.bank.read_only)

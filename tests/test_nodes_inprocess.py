@@ -133,3 +133,32 @@ def test_sampler_validates_density_bounds_and_dense_layers(pack):
     assert "must not exceed" in sampler.validate_inputs(min_density=0.6, max_density=0.5, dense_layers="")
     assert "comma-separated" in sampler.validate_inputs(min_density=0.1, max_density=0.5, dense_layers="x")
     assert sampler.validate_inputs(min_density=0.1, max_density=0.5, dense_layers="0, 3") is True
+
+
+def test_prior_miss_mode_uses_the_banks_population_prior(pack, tiny_wan_patcher):
+    bank_nodes, sampler_nodes, testbed, _ = pack
+    _, first, _, bank = generate(pack, tiny_wan_patcher, "prior", seed=1)
+    hits_before = bank.show(first["recorded_entry_id"])["hits"]
+    positive, negative, latent, clip, start = request_outputs(testbed, "orbit", 3, 5)
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, clip, positive, latent, 0.9, 0.5, 0.3,
+                                                        0.2, 32, start_latent=start).args
+    output = sampler_nodes.ChorusSparseWanSampler.execute(
+        tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "prior", 0.9, 0.1,
+        0.6, False, "", match=match)
+    report = output.ui["chorus_report"][0]
+    assert report["mode"] == "miss"
+    assert report["mask_source"] == "population prior of 1 entries"
+    assert [layer["sparse_share"] for layer in report["layers"]] == [2 / 3, 2 / 3]
+    assert bank.show(first["recorded_entry_id"])["hits"] == hits_before  # reading a prior is not a hit
+
+
+def test_prior_miss_mode_predicts_online_when_the_bank_is_empty(pack, tiny_wan_patcher):
+    bank_nodes, sampler_nodes, testbed, _ = pack
+    positive, negative, latent, clip, start = request_outputs(testbed)
+    (bank,) = bank_nodes.ChorusMaskBankLoader.execute(bank_nodes.NEW_BANK, "empty_prior", False).args
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, clip, positive, latent, 0.9, 0.5, 0.3,
+                                                        0.2, 32, start_latent=start).args
+    output = sampler_nodes.ChorusSparseWanSampler.execute(
+        tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "prior", 0.9, 0.1,
+        0.6, False, "", match=match)
+    assert output.ui["chorus_report"][0]["mask_source"] == "online prediction"

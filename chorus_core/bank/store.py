@@ -331,10 +331,21 @@ class MaskBank:
                             "list entries with `python -m chorus_core.bank list PATH`.")
         return rows[0]
 
-    def load_masks(self, entry_id: str) -> EntryMasks:
-        """Load an entry's masks and record a hit.
+    def compatible_entries(self, fingerprint: ModelFingerprint, layout: LatentLayout, limit: int = 8) -> list[str]:
+        """Ids of healthy entries interchangeable with this model and layout, most recently used first.
+
+        :param limit: at most this many ids
+        """
+        rows = self.db.query("SELECT id FROM entries WHERE compat = ? AND status = 'ok' "
+                             "ORDER BY COALESCE(last_hit, created) DESC LIMIT ?",
+                             [compat_key(fingerprint, layout), int(limit)])
+        return [row["id"] for row in rows]
+
+    def load_masks(self, entry_id: str, record_hit: bool = True) -> EntryMasks:
+        """Load an entry's masks and, unless ``record_hit`` is False, record a hit.
 
         :param entry_id: an id from :meth:`match` or :meth:`add_entry`
+        :param record_hit: count this load as a hit (a population prior's reads are not hits)
         :raises BankEntryCorrupt: blob missing or damaged (the entry is quarantined first)
         :raises BankError: no such entry, or it is quarantined
         """
@@ -349,7 +360,7 @@ class MaskBank:
         except Exception as exc:  # safetensors raises its own error types
             self.quarantine(entry_id, f"blob unreadable: {exc}")
             raise BankEntryCorrupt(entry_id, f"blob unreadable: {exc}") from exc
-        if not self.read_only:
+        if record_hit and not self.read_only:
             with self._write(bump=False):  # hits do not change content: no new cache key
                 self.db.execute("UPDATE entries SET hits = hits + 1, last_hit = ? WHERE id = ?",
                                 [time.time(), entry_id])
