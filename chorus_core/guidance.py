@@ -271,23 +271,32 @@ def install_guidance(model_patcher, settings: GuidanceSettings, key: str = DEFAU
     order (both chain the attention override) and with other packs' post-CFG hooks.
     """
     patched = model_patcher.clone()
+    _remove_earlier_install(patched, key)  # so strength 0 also turns an upstream install off
     if settings.strength == 0:
         return patched
     holder = GuidanceState(settings, key)
-    post = patched.model_options.get("sampler_post_cfg_function", [])
-    patched.model_options["sampler_post_cfg_function"] = [f for f in post if getattr(f, "chorus_key", None) != key]
     options = patched.model_options.setdefault("transformer_options", {})
-    options[OVERRIDE_KEY] = _unwrap_own(options.get(OVERRIDE_KEY), key)
-    if options[OVERRIDE_KEY] is None:
-        del options[OVERRIDE_KEY]
     if settings.method == "cfg_boost":
         patched.set_model_sampler_post_cfg_function(_make_post_cfg(key, settings.strength))
     else:
         options[OVERRIDE_KEY] = _make_attention_override(key, settings.strength, options.get(OVERRIDE_KEY))
-    patched.remove_wrappers_with_key(OUTER_SAMPLE, key)
     patched.add_wrapper_with_key(OUTER_SAMPLE, key, _make_outer_sample_wrapper(holder))
     patched.set_attachments(key, holder)
     return patched
+
+
+def _remove_earlier_install(patched, key: str) -> None:
+    """Take out a previous install with this key (post-CFG hook, attention override, wrapper)."""
+    post = patched.model_options.get("sampler_post_cfg_function", [])
+    if post:
+        patched.model_options["sampler_post_cfg_function"] = [f for f in post if getattr(f, "chorus_key", None) != key]
+    options = patched.model_options.get("transformer_options", {})
+    if OVERRIDE_KEY in options:
+        options[OVERRIDE_KEY] = _unwrap_own(options[OVERRIDE_KEY], key)
+        if options[OVERRIDE_KEY] is None:
+            del options[OVERRIDE_KEY]
+    patched.remove_wrappers_with_key(OUTER_SAMPLE, key)
+    patched.remove_attachments(key)
 
 
 def get_guidance_stats(model_patcher, key: str = DEFAULT_KEY) -> Optional[GuidanceStats]:

