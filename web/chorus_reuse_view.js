@@ -3,6 +3,7 @@
 // run begins; each carries the executing node id (a "parent:child" path inside subgraphs).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { resolveNodePath } from "./chorus_node_paths.js";
 
 const EXTENSION = "chorus.reuse_view";
 const SAMPLER_TYPE = "ChorusSparseWanSampler";
@@ -11,16 +12,8 @@ const VIEW_HEIGHT = 64;
 // Last report per node id path, for tests and other extensions (window.chorusReuseReports).
 const reports = new Map();
 
-// Walk "12:5:3" through nested subgraphs to the node it names.
 function resolveNode(idPath) {
-  let graph = app.graph;
-  let node = null;
-  for (const part of String(idPath).split(":")) {
-    node = graph?.getNodeById?.(Number(part)) ?? graph?.getNodeById?.(part);
-    if (!node) return null;
-    graph = node.subgraph ?? graph;
-  }
-  return node;
+  return resolveNodePath(app.graph, idPath);
 }
 
 function colourFor(share) {
