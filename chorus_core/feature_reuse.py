@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from .mask_provider import step_bucket_of
-from .sparse_patch import _block_sparse, _match_batch  # one definition of each, shared
+from .sparse_patch import _block_sparse, _mark_own, _match_batch, _unwrap_own  # one definition of each, shared
 
 __all__ = [
     "FeatureReuseSettings",
@@ -580,16 +580,6 @@ def _call_key(key: str) -> str:
     return f"{key}_feature_reuse_call"
 
 
-def _mark_own(function, key: str, previous):
-    function.chorus_key = key
-    function.chorus_previous = previous
-    return function
-
-
-def _unwrap_own(function, key: str):
-    while function is not None and getattr(function, "chorus_key", None) == key:
-        function = function.chorus_previous
-    return function
 
 
 def _make_block_patch(key: str, index: int, previous: Optional[Callable], sparse_key: str) -> Callable:

@@ -40,6 +40,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .sparse_patch import _mark_own, _unwrap_own  # one definition of the chaining marks, shared
+
 __all__ = [
     "METHODS",
     "GuidanceSettings",
@@ -232,16 +234,7 @@ def _make_attention_override(key: str, strength: float, previous: Optional[Calla
         run.stats.scaled_cross_attention += 1
         return scale_cross_attention(out, strength)
 
-    chorus_guidance_attention.chorus_key = key
-    chorus_guidance_attention.chorus_previous = previous
-    return chorus_guidance_attention
-
-
-def _unwrap_own(function, key: str):
-    """What our own earlier install chained to, so installing twice replaces instead of stacking."""
-    while function is not None and getattr(function, "chorus_key", None) == key:
-        function = function.chorus_previous
-    return function
+    return _mark_own(chorus_guidance_attention, key, previous)
 
 
 def _make_outer_sample_wrapper(holder: GuidanceState) -> Callable:
