@@ -37,7 +37,8 @@ class ChorusSparseWanSampler(io.ComfyNode):
             display_name="Chorus Sparse Wan Sampler",
             category=CATEGORY,
             description="KSampler for Wan 2.1 with block-sparse self-attention. On a bank hit it reuses the matched "
-                        "request's masks; on a miss it predicts masks online (or runs dense) and, with recording on, "
+                        "request's masks; on a miss it predicts masks online (or uses the bank's population prior, or runs "
+                        "dense) and, with recording on, "
                         "adds this run's masks to the bank after the run succeeds.",
             inputs=[
                 io.Model.Input("model", tooltip="A Wan 2.1 model (I2V or T2V). Other models are refused."),
