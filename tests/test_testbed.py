@@ -146,3 +146,31 @@ def test_bucket_splits_follow_the_pack_default():
         for name, buckets in splits.items():
             assert sum(buckets, []) == list(range(steps)), name
     assert equal_buckets(10, 4) == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
+
+
+def test_dense_layers_sweep_runs_on_the_smoke_preset(comfy_runtime, tmp_path):
+    """The dense-layers sweep on its own (what ``report --only dense_layers`` runs): one row per layer
+    set, the dense share grows with the set, keeping every layer dense reproduces the dense run."""
+    from chorus_core.testbed.config import smoke_config
+    from chorus_core.testbed.models import build_model
+    from chorus_core.testbed.report import (
+        append_section,
+        dense_layers_sweep,
+        dense_share,
+    )
+
+    config = replace(smoke_config(), eval_templates=("pan",), sample_targets=1,
+                     dense_layers_sweep=((), (0,), (-1,), (0, -1)))
+    torch.manual_seed(0)
+    results = dense_layers_sweep(build_model(config).eval(), config, "cpu", log=lambda *_: None)
+    rows = results["rows"]
+    assert [r["dense_layers"] for r in rows] == [[], [0], [1], [0, 1]]  # smoke: 2 layers, -1 = 1
+    assert all(r["mask_kind"] == "reused_similar" and r["density"] == config.table_density for r in rows)
+    assert all(r["psnr_db"] is not None and r["ssim"] is not None for r in rows)
+    shares = [r["dense_call_share"] for r in rows]
+    assert shares[0] == pytest.approx(1 / 3) and shares[-1] == pytest.approx(1.0)  # 1 warm-up step of 3
+    assert shares[0] < shares[1] == shares[2] < shares[3]
+    assert rows[-1]["psnr_db"] > 60 or rows[-1]["psnr_db"] == float("inf")  # all dense = the dense run
+    assert dense_share(10, 4, 1, (0,), 0.125)["attention_cost_share"] == pytest.approx(0.325 + 0.675 * 0.125)
+    doc = append_section(results, "dense_layers", config, tmp_path, "cpu", "test")
+    assert len(doc["rows"]) == 4 and "Dense-layers sweep" in (tmp_path / "testbed_quality.md").read_text()

@@ -76,6 +76,10 @@ class TestbedConfig:
     table_density: float = 0.12
     warmup_dense_steps: int = 1    # dense steps before sparse ones in the main grid
     warmup_sweep: tuple = (0, 1, 2, 3)
+    # dense-layers sweep: reused_similar masks at dense_layers_density (0 = table_density) after
+    # warmup_dense_steps dense steps, with these layer sets kept dense (negative = from the end)
+    dense_layers_sweep: tuple = ((), (0,), (-1,), (0, -1))
+    dense_layers_density: float = 0.0
     top_p_sweep: tuple = (0.5, 0.7, 0.8, 0.9, 0.95)
     error_steps: tuple = (1, 5, 8)  # steps whose q, k, v are kept for the output-error measure
     length_sizes: tuple = (MEDIUM_SIZE, LONG_SIZE, LONGER_SIZE)

@@ -21,7 +21,8 @@ of sparse vs dense attention; PSNR/SSIM of the final latents of a sparse Euler s
 the dense run from the same noise (attention is swapped through ComfyUI's
 ``optimized_attention_override`` directly, no ModelPatcher: ``models.AttentionHook``). Plus
 recall vs density at several sequence lengths, the common/request-specific split of the
-masks, dense warm-up, top-p and signature-threshold sweeps.
+masks, dense warm-up, dense-layers (``--only dense_layers`` runs it alone), top-p and signature-threshold
+sweeps.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -45,7 +47,7 @@ from ..online_predictor import block_scores
 from ..population_prior import population_prior
 from ..quality import mass_recall, psnr, sparse_output_error, ssim
 from ..workload import TEMPLATES, I2VRequest, generate_request
-from .config import TestbedConfig, make_config, size_name, tokens_of
+from .config import TestbedConfig, config_from_dict, make_config, size_name, tokens_of
 from .models import SDPAAttention, AttentionHook, block_grid_coords, make_batch, predict_velocity, sample, sigma_schedule
 
 KINDS = ("oracle", "reused_similar", "reused_dissimilar", "online", "population", "static")
@@ -512,6 +514,13 @@ def run_report(model, config: TestbedConfig, device: str, log=print, dense_atten
         rep.skipped.append("dense warm-up sweep (time)")
     log(f"warm-up sweep done at {time.time() - t_start:.1f}s")
 
+    # ---- dense-layers sweep (reused_similar, main-grid warm-up) ------------------------------------
+    if config.dense_layers_sweep and rep.time_left() > 20:
+        results["rows"].extend(dense_layers_rows(rep, [(runs[tgt_idx[ti]], runs[sim_idx[ti]]) for ti in sampled]))
+    elif config.dense_layers_sweep:
+        rep.skipped.append("dense-layers sweep (time)")
+    log(f"dense-layers sweep done at {time.time() - t_start:.1f}s")
+
     # ---- top-p sweep (no density bounds) --------------------------------------------------------
     if config.top_p_sweep and rep.time_left() > 20:
         prow = defaultdict(list)
@@ -756,6 +765,82 @@ def bucket_study(rep: Report, runs: list, tgt_idx: list, sim_idx: list, sparse_r
     return rows
 
 
+def resolve_layers(layers, num_layers: int) -> tuple:
+    """Layer indices (negative = from the end) -> sorted distinct indices in ``range(num_layers)``."""
+    return tuple(sorted({int(l) % num_layers for l in layers}))
+
+
+def dense_share(num_steps: int, num_layers: int, warmup: int, dense_layers, sparse_density: float) -> dict:
+    """Share of attention that stays dense: of the (step, layer) calls, and of the attention cost
+    (kept blocks over all blocks, the sparse calls counting their mean map density)."""
+    calls = num_steps * num_layers
+    dense_calls = min(warmup, num_steps) * num_layers + max(0, num_steps - warmup) * len(dense_layers)
+    share = dense_calls / calls
+    return {"dense_call_share": share, "attention_cost_share": share + (1 - share) * sparse_density}
+
+
+def dense_layers_rows(rep: Report, pairs: list, density: Optional[float] = None, warmup: Optional[int] = None,
+                      sweep=None) -> list:
+    """Dense-layers sweep: per (target run, similar-source run) pair one batched sampling run with the
+    source's reused masks (top ``density`` of its bucket-mean block mass) after ``warmup`` dense steps,
+    one element per layer set of ``sweep`` (those layers dense at every step); PSNR/SSIM of the final
+    latents vs the target's dense run (same noise). Rows: one per layer set, mean over pairs."""
+    config = rep.config
+    density = density or config.dense_layers_density or config.table_density
+    warmup = config.warmup_dense_steps if warmup is None else warmup
+    sets = [resolve_layers(s, rep.L) for s in (config.dense_layers_sweep if sweep is None else sweep)]
+    sets = list(dict.fromkeys(sets))
+    S = config.sample_steps
+    req = pairs[0][0]["request"]
+    size = (req.frames, req.height, req.width)
+    n_tok, shape = tokens_of(size), size_name(size)
+    vals = defaultdict(list)
+    for target, source in pairs:
+        table = top_blocks(source["bucket_mass"], density)  # [Bk, L, H, nb, nb]
+        full = torch.ones_like(table[0, 0])
+        fns = [lambda step, layer, q, k, heads, e, d=d, full=full, table=table:
+               (full if layer in d else table[rep.bucket_of[step], layer]) for d in sets]
+        finals = rep.sparse_run(target, fns, [warmup] * len(fns))
+        ref = target["final"].float()
+        for e, d in enumerate(sets):
+            x = finals[e:e + 1].float()
+            kept = _mean([float(table[rep.bucket_of[step], layer].float().mean())
+                          for step in range(warmup, S) for layer in range(rep.L) if layer not in d])
+            vals[d].append((float(psnr(ref, x)[0]), float(ssim(ref, x)[0]), kept))
+    rows = []
+    for d in sets:
+        v = vals[d]
+        kept = _mean([x[2] for x in v])
+        rows.append({"section": "dense_layers", "mask_kind": "reused_similar", "density": density,
+                     "dense_layers": list(d), "warmup_dense_steps": warmup,
+                     "psnr_db": _mean([x[0] for x in v]), "ssim": _mean([x[1] for x in v]),
+                     "psnr_db_per_target": [round(x[0], 3) for x in v],
+                     **dense_share(S, rep.L, warmup, d, kept if kept is not None else 0.0),
+                     "shape": shape, "N": n_tok, "targets": len(pairs), "steps": S, "num_layers": rep.L})
+    return rows
+
+
+def dense_layers_sweep(model, config: TestbedConfig, device: str, log=print, dense_attention: str = "comfyui") -> dict:
+    """The dense-layers sweep on its own: dense runs of the sampled targets and their similar sources
+    (the same requests and noise as ``run_report``), then ``dense_layers_rows``."""
+    rep = Report(model, config, device, log)
+    if dense_attention != "comfyui":
+        rep.dense_override = SDPAAttention()
+    size = tuple(config.long_size)
+    t_start = time.time()
+    targets, similar, _, population = eval_requests(config, size)
+    k_s = min(config.sample_targets or len(targets), len(targets))
+    pairs = []
+    for ti in spread_picks(len(targets), k_s):
+        source = rep.dense_run(similar[ti], ti)  # run_report's indices: similar, population, targets
+        target = rep.dense_run(targets[ti], len(similar) + len(population) + ti)
+        pairs.append((target, source))
+        log(f"dense runs of target {ti} done at {time.time() - t_start:.1f}s")
+    rows = dense_layers_rows(rep, pairs)
+    log(f"dense-layers sweep done at {time.time() - t_start:.1f}s")
+    return {"rows": rows, "report_seconds": round(time.time() - t_start, 1)}
+
+
 def length_rows(rep: Report, size) -> list:
     """Recall vs density from single forwards at noised ground truth (sigmas), several kinds."""
     config = rep.config
@@ -982,6 +1067,12 @@ def cpu_name() -> str:
     return "cpu"
 
 
+def sampler_text(config: TestbedConfig, device: str) -> str:
+    return (f"Euler flow sampler, {config.sample_steps} steps, shift {config.sample_shift}, cfg 1, "
+            + ("bf16 autocast" if device != "cpu" else "float32 on CPU (sparse calls: SDPA with the block map as a token mask)")
+            + "; attention swapped by a direct optimized_attention_override")
+
+
 def write_outputs(results: dict, config: TestbedConfig, out: Path, device: str, command: str, train_info=None,
                   suffix: str = "", doc_base=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
@@ -992,9 +1083,7 @@ def write_outputs(results: dict, config: TestbedConfig, out: Path, device: str, 
            "skipped": results.get("skipped", []), "report_seconds": results.get("report_seconds"),
            "model": {"dim": config.dim, "ffn_dim": config.ffn_dim, "num_layers": config.num_layers,
                      "heads": config.num_heads, "block_size": config.block_size},
-           "sampler": f"Euler flow sampler, {config.sample_steps} steps, shift {config.sample_shift}, cfg 1, "
-                      + ("bf16 autocast" if device != "cpu" else "float32 on CPU (sparse calls: SDPA with the block map as a token mask)")
-                      + "; attention swapped by a direct optimized_attention_override",
+           "sampler": sampler_text(config, device),
            "matches": results["sections"].get("matches"), "dense_attention": results.get("dense_attention", "comfyui"),
            "rows": results["rows"]}
     if train_info:
@@ -1016,6 +1105,38 @@ def write_outputs(results: dict, config: TestbedConfig, out: Path, device: str, 
     (out / f"testbed_quality{suffix}.md").write_text(md)
     (out / f"REPORT{suffix.upper()}.md").write_text(md)
     return doc
+
+
+def append_section(results: dict, section: str, config: TestbedConfig, out: Path, device: str, command: str,
+                   suffix: str = "") -> dict:
+    """Put one sweep's rows (run on its own) into OUT/testbed_quality{suffix}.json in place of that
+    section's rows, record when / how under ``runs_on_their_own``, re-render the .md."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"testbed_quality{suffix}.json"
+    when = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    machine = torch.cuda.get_device_name() if device != "cpu" else cpu_name()
+    if path.exists():
+        doc = json.loads(path.read_text())
+    else:
+        doc = {"benchmark": "testbed_quality", "date": when, "machine": machine, "command": command,
+               "git_commit": git_commit(), "summary": {}, "rows": [],
+               "sampler": sampler_text(config, device), "config": json.loads(config.to_json())}
+    doc["rows"] = [r for r in doc["rows"] if r.get("section") != section] + results["rows"]
+    doc.setdefault("runs_on_their_own", {})[section] = {
+        "date": when, "machine": machine, "command": command, "git_commit": git_commit(),
+        "seconds": results.get("report_seconds"), "config": json.loads(config.to_json())}
+    path.write_text(json.dumps(doc, indent=1, default=float))
+    base = config_from_dict(doc["config"]) if doc.get("config") else config
+    (out / f"testbed_quality{suffix}.md").write_text(markdown(doc, base, []))
+    return doc
+
+
+def dense_layers_table(rows: list) -> str:
+    return md_table(rows, [("dense layers", lambda r: "{" + ", ".join(map(str, r["dense_layers"])) + "}"
+                            if r["dense_layers"] else "none"),
+                           ("dense share of attention calls", "dense_call_share"),
+                           ("attention cost vs dense", "attention_cost_share"),
+                           ("PSNR dB", "psnr_db"), ("SSIM", "ssim")])
 
 
 def markdown(doc: dict, config: TestbedConfig, plots: list) -> str:
@@ -1091,6 +1212,15 @@ def markdown(doc: dict, config: TestbedConfig, plots: list) -> str:
     lines.append(md_table([r for r in rows if r["section"] == "warmup"],
                           [("kind", "mask_kind"), ("dense steps", "warmup_dense_steps"), ("density", "density"),
                            ("PSNR dB", "psnr_db"), ("SSIM", "ssim")]))
+    dl_rows = [r for r in rows if r["section"] == "dense_layers"]
+    if dl_rows:
+        lines.append(f"\n## Dense-layers sweep (reused_similar, density {dl_rows[0]['density']}, "
+                     f"{dl_rows[0]['warmup_dense_steps']} dense warm-up step(s), {dl_rows[0]['targets']} targets)\n")
+        lines.append(dense_layers_table(dl_rows))
+        own = (doc.get("runs_on_their_own") or {}).get("dense_layers")
+        if own:
+            lines.append(f"\nRun on its own: `{own['command']}` on {own['machine']} ({own['date']}, "
+                         f"commit {own['git_commit'][:10]}, {own['seconds']} s).\n")
     lines.append("\n## Top-p sweep (no density bounds)\n")
     lines.append(md_table([r for r in rows if r["section"] == "top_p"],
                           [("kind", "mask_kind"), ("top-p", "top_p"), ("mean density", "density"),
@@ -1141,6 +1271,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--suffix", default="", help="output names: testbed_quality{suffix}.json, REPORT{SUFFIX}.md")
     parser.add_argument("--rerender", type=Path, help="rewrite the outputs from this testbed_quality JSON (no runs)")
+    parser.add_argument("--only", choices=("dense_layers",),
+                        help="run only this sweep; its rows replace the same section's rows of "
+                             "OUT/testbed_quality{suffix}.json (created if missing), whose .md is re-rendered")
     args = parser.parse_args(argv)
     if args.rerender:
         base = json.loads(args.rerender.read_text())
@@ -1161,6 +1294,13 @@ def main(argv=None) -> int:
     cos = ((train_info or {}).get("training_attention") or {}).get("cosines", {}).get("comfyui_default_bf16", 1.0)
     dense_attention = "comfyui" if cos >= 0.9 else "sdpa_flash_efficient"
     print(f"dense attention in the report: {dense_attention} (ComfyUI default gradient cosine {cos})")
+    if args.only:
+        command = "python -m chorus_core.testbed.report " + " ".join(argv or sys.argv[1:])
+        results = dense_layers_sweep(model, config, args.device, dense_attention=dense_attention)
+        results["rows"] = [dict(r, dense_attention=dense_attention) for r in results["rows"]]
+        append_section(results, "dense_layers", config, args.out, args.device, command, args.suffix)
+        print(dense_layers_table(results["rows"]))
+        return 0
     results = run_report(model, config, args.device, dense_attention=dense_attention)
     results["dense_attention"] = dense_attention
     doc = write_outputs(results, config, args.out, args.device,
