@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from .mask_provider import step_bucket_of
-from .sparse_patch import _block_sparse, _mark_own, _match_batch, _unwrap_own  # one definition of each, shared
+from .sparse_patch import (  # one definition of each, shared
+    _AttentionCall, _block_sparse, _mark_own, _match_batch, _unwrap_own)
 
 __all__ = [
     "FeatureReuseSettings",
@@ -523,36 +524,6 @@ def _recorder_of(provider):
 # The hooks
 # --------------------------------------------------------------------------------------------
 
-_ATTENTION_PARAMS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
-
-
-@dataclass
-class _Attention:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    heads: int
-    named: dict
-
-    @classmethod
-    def parse(cls, args, kwargs) -> Optional["_Attention"]:
-        named = dict(zip(_ATTENTION_PARAMS, args)) | kwargs
-        if not all(n in named for n in ("q", "k", "v", "heads")):
-            return None
-        return cls(named["q"], named["k"], named["v"], int(named["heads"]), named)
-
-    @property
-    def skip_reshape(self) -> bool:
-        return bool(self.named.get("skip_reshape", False))
-
-    def length(self, x) -> int:
-        return x.shape[2] if self.skip_reshape else x.shape[1]
-
-    @property
-    def batch(self) -> int:
-        return self.q.shape[0]
-
-
 @dataclass
 class _ReducedCall:
     """Handed down to a block that runs reduced: what its self-attention needs."""
@@ -564,12 +535,12 @@ class _ReducedCall:
     options: dict
     seen: bool = False
 
-    def claims(self, call: _Attention) -> bool:
+    def claims(self, call: _AttentionCall) -> bool:
         """The block's first attention with q and k over all N' tokens is its self-attention."""
-        if self.seen or not (call.length(call.q) == call.length(call.k) == self.layout.n_reduced):
+        if self.seen or not (call.seq_len == call.kv_len == self.layout.n_reduced):
             return False
         self.seen = True
-        return call.named.get("mask") is None
+        return call.mask is None
 
 
 def _run_key(key: str) -> str:
@@ -628,7 +599,7 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
         reduced = options.get(call_key)
         if reduced is None:
             return call_next(func, args, kwargs)
-        call = _Attention.parse(args, kwargs)
+        call = _AttentionCall.parse(args, kwargs)
         if call is None or not reduced.claims(call):
             return call_next(func, args, kwargs)
         run, layout = reduced.run, reduced.layout
@@ -640,7 +611,7 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
             run.stats.sparse_reduced_calls += 1
             return _block_sparse().block_sparse_attention(
                 call.q, call.k, call.v, mask, call.heads, skip_reshape=call.skip_reshape,
-                skip_output_reshape=bool(call.named.get("skip_output_reshape", False)))
+                skip_output_reshape=call.skip_output_reshape)
         if not run.state.settings.size_bias:
             return call_next(func, args, kwargs)
         named = {k: v for k, v in call.named.items()}

@@ -379,6 +379,7 @@ class _AttentionCall:
     mask: Any
     skip_reshape: bool
     skip_output_reshape: bool
+    named: dict = field(default_factory=dict, repr=False)  # every argument by name, to pass on changed
 
     @classmethod
     def parse(cls, args, kwargs) -> Optional["_AttentionCall"]:
@@ -386,7 +387,7 @@ class _AttentionCall:
         if not all(name in named for name in ("q", "k", "v", "heads")):
             return None
         return cls(named["q"], named["k"], named["v"], int(named["heads"]), named.get("mask"),
-                   bool(named.get("skip_reshape", False)), bool(named.get("skip_output_reshape", False)))
+                   bool(named.get("skip_reshape", False)), bool(named.get("skip_output_reshape", False)), named)
 
     @property
     def seq_len(self) -> int:
