@@ -90,7 +90,7 @@ class StaticBlockMapProvider:
         return cls([layer_maps], block_size)
 
     def step_bucket(self, step: int) -> int:
-        return max(i for i, start in enumerate(self.bucket_starts) if start <= step)
+        return bucket_index(self.bucket_starts, step)
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device) -> Optional[torch.Tensor]:
         block_map = self.block_maps[self.step_bucket(step)].get(layer)
@@ -141,6 +141,11 @@ class DenseWarmupProvider:
         observer = getattr(self.inner, "observe", None)
         if observer is not None and step >= self.warmup_steps and layer not in self.dense_layers:
             observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
+
+
+def bucket_index(bucket_starts: Sequence[int], step: int) -> int:
+    """Index of the last bucket whose first step is at or before ``step`` (starts ascend from 0)."""
+    return max(i for i, start in enumerate(bucket_starts) if start <= step)
 
 
 def step_bucket_of(provider, step: int) -> Hashable:

@@ -15,7 +15,7 @@ import torch
 
 from .bank import LatentLayout, MaskBank, MatchResult, Schedule, Signature, build_signature, fingerprint_model
 from .bank.signature import resolve_weights
-from .mask_provider import DenseProvider, DenseWarmupProvider
+from .mask_provider import DenseProvider, DenseWarmupProvider, bucket_index, step_bucket_of
 from .masks import MaskRecorder
 from .online_predictor import predict_block_map
 from .population_prior import population_prior
@@ -154,7 +154,7 @@ class BankEntryProvider:
         self.bucket_starts = scaled_bucket_starts(entry_masks.schedule, steps)
 
     def step_bucket(self, step: int) -> int:
-        return max(i for i, start in enumerate(self.bucket_starts) if start <= step)
+        return bucket_index(self.bucket_starts, step)
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
         block_map = self.entry.block_map(self.step_bucket(step), layer)  # [H, nq, nk]
@@ -176,7 +176,7 @@ class PopulationPriorProvider:
         self.min_density, self.max_density = min_density, max_density
 
     def step_bucket(self, step: int) -> int:
-        return max(i for i, start in enumerate(self.bucket_starts) if start <= step)
+        return bucket_index(self.bucket_starts, step)
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
         bucket = self.step_bucket(step)
@@ -213,8 +213,7 @@ class RecordingProvider:
         self.error: str | None = None  # set when recording failed; nothing is stored then
 
     def step_bucket(self, step: int):
-        step_bucket = getattr(self.inner, "step_bucket", None)
-        return step if step_bucket is None else step_bucket(step)
+        return step_bucket_of(self.inner, step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         if self.error is None:
