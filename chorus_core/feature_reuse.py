@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from .mask_provider import step_bucket_of
 from .sparse_patch import (  # one definition of each, shared
-    _AttentionCall, _block_sparse, _mark_own, _match_batch, _unwrap_own)
+    _AttentionCall, _block_sparse, _mark_own, _match_batch, _unwrap_own, schedule_step)
 
 __all__ = [
     "FeatureReuseSettings",
@@ -446,7 +446,7 @@ class _Run:
             return None
         if sigmas is not self._sigmas:
             self._sigmas = sigmas
-            self._step = int((schedule.to(sigmas.device) - sigmas.flatten()[0]).abs().argmin())
+            self._step = schedule_step(sigmas, schedule)
             self._steps = len(schedule) - 1
         return self._step
 

@@ -40,7 +40,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .sparse_patch import _mark_own, _unwrap_own  # one definition of the chaining marks, shared
+from .sparse_patch import _mark_own, _unwrap_own, schedule_step  # shared with the sparse patch
 
 __all__ = [
     "METHODS",
@@ -91,9 +91,7 @@ def step_fraction(sigma: torch.Tensor, schedule: Optional[torch.Tensor]) -> Opti
     """Position ``i / n`` of ``sigma`` in a schedule of ``n + 1`` sigmas (closest match); None without one."""
     if schedule is None or sigma is None or len(schedule) < 2:
         return None
-    s = sigma.flatten()[0].to(schedule.device, schedule.dtype)
-    index = int((schedule - s).abs().argmin())
-    return index / (len(schedule) - 1)
+    return schedule_step(sigma, schedule) / (len(schedule) - 1)
 
 
 def in_window(fraction: Optional[float], start: float, end: float) -> bool:

@@ -53,6 +53,14 @@ _KNOWN_VARIANTS = {
 }
 
 
+def schedule_step(sigmas: torch.Tensor, schedule: torch.Tensor) -> int:
+    """Index of the current sigma in the sampler's schedule (closest match; one host sync).
+
+    Shared by every Chorus hook; each calls it once per model call and caches the answer.
+    """
+    return int((schedule.to(sigmas.device) - sigmas.flatten()[0]).abs().argmin())
+
+
 def _block_sparse():
     """The kernels' block_sparse module, imported at call time (see _siblings)."""
     return import_sibling("kernels.block_sparse")
@@ -237,7 +245,7 @@ class _Run:
             return None
         if sigmas is not self._sigmas:  # a new model call: one host sync, then reused by every layer
             self._sigmas = sigmas
-            step = int((schedule.to(sigmas.device) - sigmas.flatten()[0]).abs().argmin())
+            step = schedule_step(sigmas, schedule)
             self.stats.scheduled_steps = len(schedule) - 1
             self._enter_step(step)
         return self._step.step

@@ -98,7 +98,8 @@ def text_vector(text) -> np.ndarray | None:
     """Text conditioning ``[1, L, D]`` (or ComfyUI's ``[[tensor, dict]]``)."""
     if isinstance(text, (list, tuple)):
         text = text[0][0]
-    x = _to_numpy(text).reshape(-1, _to_numpy(text).shape[-1])
+    x = _to_numpy(text)
+    x = x.reshape(-1, x.shape[-1])
     rows = x[np.abs(x).sum(axis=1) > 0]  # padding rows are exact zeros
     return _project("text", rows.mean(axis=0)) if len(rows) else None
 
