@@ -1,8 +1,11 @@
-"""Model fingerprint: shapes read from a Wan state dict plus a digest of a few weight tensors.
+"""Model fingerprint: shapes read from a Wan state dict plus a digest of every weight tensor.
 
-Two checkpoints with the same shapes (e.g. I2V 480p vs 720p fine-tunes) have different
-attention patterns, so the digest tells them apart; it samples a fixed set of elements
-(not whole tensors) so fingerprinting a 14B model takes milliseconds.
+Masks are only reused on the checkpoint they were recorded on, so the digest must tell apart
+two checkpoints of the same shape even when a fine-tune changed a single late block. It
+therefore covers every tensor (name, shape and a strided sample of its values), not a few
+fixed ones; sampling a fixed number of elements per tensor keeps a 14B model (~1,100
+tensors) in milliseconds. Values are rounded to bfloat16, so the same checkpoint loaded as
+fp32, fp16 or bf16 gives the same digest (ComfyUI picks the load dtype per device).
 """
 
 from __future__ import annotations
@@ -16,9 +19,8 @@ from .errors import BankError
 
 HEAD_DIM = 128  # Wan 2.1 in ComfyUI: num_heads = dim // 128
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-_DIGEST_KEYS = ("patch_embedding.weight", "blocks.0.self_attn.q.weight",
-                "blocks.0.self_attn.k.weight", "head.modulation")
-_SAMPLES = 4096  # elements taken from each digest tensor (first ones + an even stride)
+_SHAPE_KEYS = ("patch_embedding.weight", "blocks.0.self_attn.q.weight")
+SAMPLES_PER_TENSOR = 64  # evenly strided elements; a fine-tune changes nearly all of them
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,8 @@ class ModelFingerprint:
     :param layers: number of transformer blocks
     :param heads: attention heads per block
     :param in_dim: latent channels into the patch embedding (36 for Wan I2V)
-    :param digest: sha256 over samples of a few fixed weight tensors
+    :param digest: sha256 over every tensor's name, shape and value sample (and, from
+        :func:`chorus_core.model_identity.fingerprint_patcher`, the patch list)
     """
 
     architecture: str
@@ -48,47 +51,137 @@ class ModelFingerprint:
         return asdict(self)
 
 
-def _strip_prefix(state: dict) -> dict:
+class TensorDigest:
+    """sha256 over many tensors' names, shapes and strided value samples.
+
+    Samples are gathered per (device, dtype) and copied to the host once per group, so a
+    model on a GPU costs one synchronisation, not one per tensor. The result does not
+    depend on which device a tensor sits on (low-VRAM loading offloads some of them).
+    Tensors on ``meta`` (no data) or that cannot be read count by name and shape only.
+    """
+
+    def __init__(self):
+        self._lines: list[str] = []
+        self._groups: dict[tuple, list] = {}
+        self._group_sizes: dict[tuple, int] = {}
+        self._parts: list[tuple[tuple, int, int]] = []  # (group, start, length) in add order
+        self.sampled = 0
+        self.unreadable = 0
+
+    def add_text(self, text: str) -> None:
+        self._lines.append(text)
+
+    def has_content(self) -> bool:
+        return bool(self._lines)
+
+    def add_tensor(self, name: str, tensor) -> None:
+        try:
+            picked = _strided_sample(tensor)
+        except Exception as exc:  # an exotic tensor type: its name and shape still count
+            picked, state = None, f"unreadable {type(exc).__name__}"
+        else:
+            state = "meta" if picked is None else "sampled"
+        self._lines.append(f"{name}|{tuple(tensor.shape)}|{state}")
+        if picked is None:
+            self.unreadable += 1
+            return
+        group, count = (str(picked.device), picked.dtype), picked.numel()
+        start = self._group_sizes.get(group, 0)
+        self._groups.setdefault(group, []).append(picked)
+        self._group_sizes[group] = start + count
+        self._parts.append((group, start, count))
+        self.sampled += 1
+
+    def hexdigest(self) -> str:
+        import numpy as np
+
+        digest = hashlib.sha256("\n".join(self._lines).encode())
+        host = {group: _canonical_values(items) for group, items in self._groups.items()}
+        if self._parts:
+            values = np.concatenate([host[g][s:s + n] for g, s, n in self._parts])
+            digest.update(values.tobytes())
+        return digest.hexdigest()
+
+
+def _strided_sample(tensor):
+    """Up to SAMPLES_PER_TENSOR evenly spaced elements (a view, no copy); None on 'meta'."""
+    import torch
+
+    tensor = tensor.detach()
+    if type(tensor) is not torch.Tensor:  # e.g. a quantized-storage subclass: sample its raw data
+        tensor = tensor.as_subclass(torch.Tensor)
+    if tensor.is_meta:
+        return None
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
+    stride = max(1, flat.numel() // SAMPLES_PER_TENSOR)
+    return flat[::stride][:SAMPLES_PER_TENSOR]
+
+
+def _canonical_values(samples):
+    """One group's samples on the host as int64: bfloat16 bit patterns for floats, values otherwise.
+
+    The float conversions run in numpy: torch's own, on tensors this small, spend most of
+    their time waking its thread pool.
+    """
+    import numpy as np
+    import torch
+
+    joined = torch.cat(samples)
+    if not joined.is_floating_point():
+        return joined.to("cpu").numpy().astype(np.int64)
+    if joined.dtype == torch.bfloat16:
+        return joined.view(torch.int16).to("cpu").numpy().view(np.uint16).astype(np.int64)
+    if joined.dtype not in (torch.float32, torch.float16):  # fp8, fp64: rare, small
+        joined = joined.to(torch.float32)
+    bits = joined.to("cpu").numpy().astype(np.float32).view(np.uint32).astype(np.int64)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 & 0xFFFF  # round to nearest even, as torch does
+
+
+def strip_prefix(state: dict) -> dict:
     for prefix in _PREFIXES:
         if any(k.startswith(prefix) for k in state):
             return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     return state
 
 
-def _sample_bytes(tensor) -> bytes:
-    """Fixed sample of a tensor's values, rounded to bfloat16 so fp32/bf16 copies agree."""
-    import torch
+def weights_digest(state: dict) -> TensorDigest:
+    """A :class:`TensorDigest` over every tensor of ``state``, in name order (file and module agree)."""
+    digest = TensorDigest()
+    for name in sorted(state):
+        digest.add_tensor(name, state[name])
+    if not digest.sampled:
+        raise BankError(f"Cannot fingerprint this model: none of its {len(state)} weights can be read "
+                        "(all on 'meta' or of an unreadable type). Fingerprint it after ComfyUI has "
+                        "loaded its weights.")
+    return digest
 
-    flat = tensor.detach().reshape(-1)
-    stride = max(1, flat.numel() // _SAMPLES)
-    picked = torch.cat([flat[:_SAMPLES], flat[::stride][:_SAMPLES]])
-    picked = picked.to(device="cpu", dtype=torch.float32).to(torch.bfloat16)
-    return picked.view(torch.int16).numpy().tobytes()
 
-
-def fingerprint_model(module_or_state_dict, architecture: str = "wan2.1-i2v") -> ModelFingerprint:
-    """Fingerprint a Wan diffusion model from its module or state dict.
-
-    :param module_or_state_dict: a ``torch.nn.Module`` or a mapping of name -> tensor; keys may
-        carry a ``diffusion_model.`` or ``model.diffusion_model.`` prefix
-    :param architecture: architecture name stored with the fingerprint
-    :raises BankError: when the Wan keys are missing
-    """
-    state = module_or_state_dict
-    if hasattr(state, "state_dict"):
-        state = state.state_dict()
-    state = _strip_prefix(dict(state))
-    missing = [k for k in _DIGEST_KEYS if k not in state]
+def wan_shapes(state: dict) -> dict:
+    """dim, layers, heads and in_dim of a prefix-free Wan state dict."""
+    missing = [k for k in _SHAPE_KEYS if k not in state]
     if missing:
         raise BankError(f"Cannot fingerprint this model: keys {missing} are missing. "
                         "Pass a Wan 2.1 diffusion model (or its state dict).")
     dim = int(state["blocks.0.self_attn.q.weight"].shape[0])
-    layers = 1 + max(int(m.group(1)) for k in state
-                     if (m := re.match(r"blocks\.(\d+)\.", k)))
-    in_dim = int(state["patch_embedding.weight"].shape[1])
-    digest = hashlib.sha256()
-    for key in _DIGEST_KEYS:
-        digest.update(key.encode() + str(tuple(state[key].shape)).encode())
-        digest.update(_sample_bytes(state[key]))
-    return ModelFingerprint(architecture, dim, layers, max(1, dim // HEAD_DIM), in_dim,
-                            digest.hexdigest())
+    layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k)))
+    return {"dim": dim, "layers": layers, "heads": max(1, dim // HEAD_DIM),
+            "in_dim": int(state["patch_embedding.weight"].shape[1])}
+
+
+def fingerprint_model(module_or_state_dict, architecture: str = "wan2.1-i2v") -> ModelFingerprint:
+    """Fingerprint a Wan diffusion model from its module or state dict (weights as given).
+
+    For a ComfyUI ModelPatcher use :func:`chorus_core.model_identity.fingerprint_patcher`,
+    which reads the un-patched weights and adds the patch list.
+
+    :param module_or_state_dict: a ``torch.nn.Module`` or a mapping of name -> tensor; keys may
+        carry a ``diffusion_model.`` or ``model.diffusion_model.`` prefix
+    :param architecture: architecture name stored with the fingerprint
+    :raises BankError: when the Wan keys are missing or no weight can be read
+    """
+    state = module_or_state_dict
+    if hasattr(state, "state_dict"):
+        state = state.state_dict()
+    state = strip_prefix(dict(state))
+    shapes = wan_shapes(state)
+    return ModelFingerprint(architecture, digest=weights_digest(state).hexdigest(), **shapes)

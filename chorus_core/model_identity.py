@@ -1,0 +1,140 @@
+"""Which model a ComfyUI ModelPatcher runs: its checkpoint's weights plus its patch list.
+
+ComfyUI applies a LoRA by adding it to ``ModelPatcher.patches``; ``patch_model`` later writes
+the merged weights into the shared module in place and keeps the originals in
+``ModelPatcher.backup`` (shared between clones), while a low-VRAM load leaves the weights
+un-patched and merges them on the fly through ``weight_function``. Digesting the live
+weights would therefore change with how the model happens to be loaded. This module digests
+the weights as loaded from the checkpoint (the backup where a key is backed up) and,
+separately, the patch list by content (strengths and tensor samples, never object ids), so
+the fingerprint is the same before, during and after ``patch_model`` and in low-VRAM mode.
+
+ComfyUI 0.3.64 keeps no hash or file path of the checkpoint on the ModelPatcher, so the
+weights themselves are the identity. Only duck-typed attributes are read; ComfyUI is not
+imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import torch
+
+from .bank.fingerprint import ModelFingerprint, TensorDigest, wan_shapes, weights_digest
+
+DIFFUSION_PREFIX = "diffusion_model."  # ModelPatcher keys are relative to the BaseModel
+_MAX_DEPTH = 8  # patch data nests tuples a few levels deep; never follow a cycle
+
+
+def fingerprint_patcher(model_patcher, architecture: str = "wan2.1") -> ModelFingerprint:
+    """Fingerprint of the diffusion model inside a ComfyUI ModelPatcher, patches included.
+
+    Equal to ``fingerprint_model`` of the checkpoint's state dict when nothing is patched.
+
+    :raises BankError: when the model is not Wan-shaped or none of its weights can be read
+    """
+    weights = base_weights(model_patcher)
+    shapes = wan_shapes(weights)
+    digest = weights_digest(weights).hexdigest()
+    patches = patches_digest(model_patcher)
+    if patches is not None:
+        digest = hashlib.sha256(f"weights {digest} patches {patches}".encode()).hexdigest()
+    return ModelFingerprint(architecture, digest=digest, **shapes)
+
+
+def base_weights(model_patcher) -> dict:
+    """The diffusion model's tensors without any patch ComfyUI wrote into them in place.
+
+    A key in ``backup`` (regular patches) or ``hook_backup`` (hook patches) holds the weight as
+    it was before patching; ``backup`` wins, as ``hook_backup`` may hold an already patched one.
+    """
+    backup = getattr(model_patcher, "backup", None) or {}
+    hook_backup = getattr(model_patcher, "hook_backup", None) or {}
+    weights = {}
+    for name, tensor in model_patcher.model.diffusion_model.state_dict().items():
+        key = DIFFUSION_PREFIX + name
+        if key in backup:
+            tensor = backup[key].weight
+        elif key in hook_backup:
+            tensor = hook_backup[key][0]
+        weights[name] = tensor
+    return weights
+
+
+def patches_digest(model_patcher) -> str | None:
+    """sha256 over what the patcher changes in the weights; None when it changes nothing.
+
+    Covers ``patches`` (LoRAs, model merges: per key, each patch's strengths, offset,
+    function and data), ``hook_patches``, ``weight_wrapper_patches`` and object patches that
+    replace part of the diffusion model.
+    """
+    digest = TensorDigest()
+    _describe_patch_map(digest, "patch", getattr(model_patcher, "patches", None) or {})
+    hooks = getattr(model_patcher, "hook_patches", None) or {}
+    for hook_digest in sorted(_patch_map_digest(patch_map) for patch_map in hooks.values()):
+        digest.add_text(f"hook {hook_digest}")
+    wrappers = getattr(model_patcher, "weight_wrapper_patches", None) or {}
+    for key in sorted(wrappers):
+        digest.add_text(f"wrapper {key}: " + ", ".join(_callable_name(f) for f in wrappers[key]))
+    objects = getattr(model_patcher, "object_patches", None) or {}
+    for name in sorted(n for n in objects if n.startswith(DIFFUSION_PREFIX)):
+        digest.add_text(f"object {name}: {_type_name(objects[name])}")
+    return digest.hexdigest() if digest.has_content() else None
+
+
+def _patch_map_digest(patch_map: dict) -> str:
+    digest = TensorDigest()
+    _describe_patch_map(digest, "hook", patch_map)
+    return digest.hexdigest()
+
+
+def _describe_patch_map(digest: TensorDigest, label: str, patch_map: dict) -> None:
+    """Each entry is ComfyUI's ``(strength_patch, patch_data, strength_model, offset, function)``."""
+    for key in sorted(patch_map):
+        for index, patch in enumerate(patch_map[key]):
+            _describe(digest, f"{label} {key}[{index}]", patch, 0)
+
+
+def _describe(digest: TensorDigest, path: str, value, depth: int) -> None:
+    """Add ``value``'s content: numbers exactly, tensors sampled, code by name, never ids."""
+    if depth > _MAX_DEPTH:
+        digest.add_text(f"{path}: nested too deep")
+    elif isinstance(value, torch.Tensor):
+        digest.add_tensor(path, value)
+    elif _is_scalar(value):
+        digest.add_text(f"{path}={value!r}")
+    elif isinstance(value, (tuple, list)):  # scalars inline, one line per sequence: LoRAs have many
+        digest.add_text(f"{path}: {type(value).__name__} " + ", ".join(
+            repr(item) if _is_scalar(item) else "*" for item in value))
+        for index, item in enumerate(value):
+            if not _is_scalar(item):
+                _describe(digest, f"{path}.{index}", item, depth + 1)
+    elif isinstance(value, dict):
+        digest.add_text(f"{path}: dict[{len(value)}]")
+        for key in sorted(value, key=str):
+            _describe(digest, f"{path}.{key}", value[key], depth + 1)
+    elif isinstance(value, functools.partial):
+        _describe(digest, path, (value.func, value.args, value.keywords), depth + 1)
+    elif hasattr(value, "weights") and not callable(value):  # a comfy.weight_adapter (LoRA, LoHa, ...)
+        digest.add_text(f"{path}: {_type_name(value)} {getattr(value, 'name', '')!r}")
+        _describe(digest, f"{path}.weights", value.weights, depth + 1)
+    elif callable(value):
+        digest.add_text(f"{path}: {_callable_name(value)}")
+    else:
+        digest.add_text(f"{path}: {_type_name(value)}")
+
+
+def _is_scalar(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, bytes))
+
+
+def _callable_name(function) -> str:
+    if isinstance(function, functools.partial):
+        return f"partial({_callable_name(function.func)})"
+    name = getattr(function, "__qualname__", None)
+    return f"{getattr(function, '__module__', '')}.{name}" if name else _type_name(function)
+
+
+def _type_name(value) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"

@@ -1,0 +1,181 @@
+"""Model fingerprints on real ComfyUI ModelPatchers: checkpoints, LoRAs, patch_model, low VRAM.
+
+Every model here is a tiny Wan2.1-I2V safetensors file loaded by ComfyUI's own
+``load_diffusion_model`` and every LoRA goes through ``load_lora_for_models`` (what the
+LoraLoaderModelOnly node runs), so the patches are ComfyUI's own LoRAAdapter objects.
+"""
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from chorus_core.bank import BankError, fingerprint_model
+from chorus_core.bank.fingerprint import SAMPLES_PER_TENSOR
+from chorus_core.model_identity import base_weights, fingerprint_patcher, patches_digest
+from chorus_core.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
+
+pytestmark = pytest.mark.comfy
+
+LAYERS = 4
+LORA_KEYS = ("blocks.1.self_attn.q", "blocks.1.self_attn.k", "blocks.2.ffn.0")
+OLD_DIGEST_KEYS = ("patch_embedding.weight", "blocks.0.self_attn.q.weight",
+                   "blocks.0.self_attn.k.weight", "head.modulation")  # all the previous version read
+
+
+@pytest.fixture(scope="module")
+def checkpoints(comfy_runtime, tmp_path_factory):
+    """A 4-block tiny Wan and a "fine-tune" of it that changed block 3's FFN only."""
+    folder = tmp_path_factory.mktemp("fingerprint_models")
+    base = save_tiny_wan_i2v(folder / "base.safetensors", TinyWanConfig(num_layers=LAYERS))
+    state = load_file(str(base))
+    name = f"blocks.{LAYERS - 1}.ffn.2.weight"
+    delta = 1e-3 * torch.randn(state[name].shape, generator=torch.Generator().manual_seed(7))
+    state[name] = (state[name].float() + delta).to(state[name].dtype)
+    tuned = folder / "tuned.safetensors"
+    save_file(state, str(tuned))
+    return base, tuned
+
+
+def load(path, **model_options):
+    import comfy.sd
+
+    return comfy.sd.load_diffusion_model(str(path), model_options=model_options)
+
+
+def lora_state(seed, keys=LORA_KEYS, rank=4, model_state=None):
+    """A rank-``rank`` LoRA in the plain ``diffusion_model.<key>.lora_up/lora_down`` format."""
+    generator = torch.Generator().manual_seed(seed)
+    lora = {}
+    for key in keys:
+        out_dim, in_dim = model_state[f"{key}.weight"].shape
+        lora[f"diffusion_model.{key}.lora_up.weight"] = 0.1 * torch.randn(out_dim, rank, generator=generator)
+        lora[f"diffusion_model.{key}.lora_down.weight"] = 0.1 * torch.randn(rank, in_dim, generator=generator)
+    return lora
+
+
+def with_lora(patcher, seed, strength, keys=LORA_KEYS):
+    import comfy.sd
+
+    lora = lora_state(seed, keys, model_state=patcher.model.diffusion_model.state_dict())
+    patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, strength, 0)
+    return patched
+
+
+def test_a_fine_tune_of_one_late_block_changes_the_key(checkpoints):
+    base, tuned = checkpoints
+    base_state, tuned_state = load_file(str(base)), load_file(str(tuned))
+    assert all(torch.equal(base_state[k], tuned_state[k]) for k in OLD_DIGEST_KEYS)  # old digest collided
+    assert [k for k in base_state if not torch.equal(base_state[k], tuned_state[k])] == ["blocks.3.ffn.2.weight"]
+    base_fp, tuned_fp = fingerprint_patcher(load(base)), fingerprint_patcher(load(tuned))
+    assert base_fp.key() != tuned_fp.key()
+    assert (base_fp.layers, base_fp.heads, base_fp.dim, base_fp.in_dim) == (LAYERS, 2, 256, 36)
+    # Without patches it is the digest of the file's own tensors, whatever ComfyUI converted on load.
+    assert fingerprint_model(base_state, architecture="wan2.1") == base_fp
+    assert fingerprint_model(tuned_state, architecture="wan2.1") == tuned_fp
+
+
+def test_the_same_checkpoint_loaded_twice_or_as_bf16_gives_the_same_key(checkpoints):
+    base, _ = checkpoints
+    first, second = load(base), load(base)
+    assert first.model is not second.model
+    assert fingerprint_patcher(first).key() == fingerprint_patcher(second).key()
+    as_bf16 = load(base, dtype=torch.bfloat16)
+    assert as_bf16.model.diffusion_model.blocks[0].self_attn.q.weight.dtype == torch.bfloat16
+    assert first.model.diffusion_model.blocks[0].self_attn.q.weight.dtype == torch.float32
+    assert fingerprint_patcher(as_bf16) == fingerprint_patcher(first)
+
+
+def test_lora_identity_and_strength_set_the_key(checkpoints):
+    patcher = load(checkpoints[0])
+    bare = fingerprint_patcher(patcher).key()
+    full, half = with_lora(patcher, seed=1, strength=1.0), with_lora(patcher, seed=1, strength=0.5)
+    keys = {"none": bare, "1.0": fingerprint_patcher(full).key(), "0.5": fingerprint_patcher(half).key()}
+    assert len(set(keys.values())) == 3
+    assert sorted(full.patches) == sorted(f"diffusion_model.{k}.weight" for k in LORA_KEYS)
+    again = with_lora(load(checkpoints[0]), seed=1, strength=1.0)  # new objects, same content
+    assert fingerprint_patcher(again).key() == keys["1.0"]
+    other = with_lora(patcher, seed=2, strength=1.0)
+    assert fingerprint_patcher(other).key() not in keys.values()
+    assert patches_digest(patcher) is None and patches_digest(full) != patches_digest(half)
+
+
+def test_key_is_the_same_before_during_and_after_patch_model(checkpoints):
+    base = load(checkpoints[0])
+    lora = with_lora(base, seed=1, strength=1.0)
+    base_key, lora_key = fingerprint_patcher(base).key(), fingerprint_patcher(lora).key()
+    name = "diffusion_model.blocks.1.self_attn.q.weight"
+    original = base.model.diffusion_model.blocks[1].self_attn.q.weight.detach().clone()
+
+    lora.patch_model(device_to=torch.device("cpu"))  # full load: the LoRA is merged in place
+    live = lora.model.diffusion_model.blocks[1].self_attn.q.weight
+    assert not torch.equal(live, original) and torch.equal(lora.backup[name].weight, original)
+    assert fingerprint_patcher(lora).key() == lora_key
+    assert fingerprint_patcher(base).key() == base_key  # a clone over the same, now patched, module
+
+    lora.unpatch_model(device_to=torch.device("cpu"))
+    assert lora.backup == {} and torch.equal(lora.model.diffusion_model.blocks[1].self_attn.q.weight, original)
+    assert fingerprint_patcher(lora).key() == lora_key
+    assert fingerprint_patcher(base).key() == base_key
+
+
+def test_low_vram_load_merges_on_the_fly_and_keeps_the_key(checkpoints):
+    import comfy.model_patcher
+
+    lora = with_lora(load(checkpoints[0]), seed=1, strength=1.0)
+    lora_key = fingerprint_patcher(lora).key()
+    lora.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)  # 1 byte: everything low-VRAM
+    try:
+        q = lora.model.diffusion_model.blocks[1].self_attn.q
+        assert lora.model.model_lowvram is True and lora.backup == {}
+        assert [type(f) for f in q.weight_function] == [comfy.model_patcher.LowVramPatch]
+        assert fingerprint_patcher(lora).key() == lora_key
+    finally:
+        lora.unpatch_model(device_to=torch.device("cpu"))
+
+
+def test_weights_on_meta_are_counted_by_shape_and_never_crash(checkpoints):
+    state = load_file(str(checkpoints[0]))
+    full = fingerprint_model(state)
+    partly = {k: v.to("meta") if k.startswith("blocks.1.") else v for k, v in state.items()}
+    assert fingerprint_model(partly) == fingerprint_model(dict(partly))
+    assert fingerprint_model(partly).digest != full.digest
+    assert fingerprint_model(partly).layers == LAYERS
+
+    patcher = load(checkpoints[0])
+    patcher.model.diffusion_model.blocks[1].to("meta")  # as an offloading loader leaves a block
+    assert base_weights(patcher)["blocks.1.self_attn.q.weight"].is_meta
+    assert fingerprint_patcher(patcher).digest == fingerprint_model(partly, architecture="wan2.1").digest
+
+    every = {k: v.to("meta") for k, v in state.items()}
+    with pytest.raises(BankError) as error:
+        fingerprint_model(every)
+    assert str(error.value) == (f"Cannot fingerprint this model: none of its {len(state)} weights can be read "
+                                "(all on 'meta' or of an unreadable type). Fingerprint it after ComfyUI has "
+                                "loaded its weights.")
+
+
+def test_fingerprint_costs_well_under_100_ms_at_the_14b_tensor_count(comfy_runtime, tmp_path):
+    """Wan 2.1 14B has 40 blocks: the same 1,303 tensors as this 40-block tiny model, and the
+    sample per tensor is fixed, so the cost does not grow with the tensors' size."""
+    path = save_tiny_wan_i2v(tmp_path / "deep.safetensors", TinyWanConfig(dim=128, ffn_dim=256, num_layers=40))
+    patcher = load(path)
+    state = patcher.model.diffusion_model.state_dict()
+    assert len(state) == 1303
+    linear = [k[:-len(".weight")] for k, v in state.items() if k.endswith(".weight") and v.ndim == 2]
+    lora = with_lora(patcher, seed=3, strength=1.0, keys=linear)
+    assert len(lora.patches) == len(linear) == 488
+
+    def best_ms(model):
+        timings = []
+        for _ in range(3):
+            started = time.perf_counter()
+            fingerprint_patcher(model)
+            timings.append((time.perf_counter() - started) * 1e3)
+        return min(timings)
+
+    bare_ms, lora_ms = best_ms(patcher), best_ms(lora)
+    print(f"fingerprint of 1303 tensors: {bare_ms:.1f} ms; with a LoRA on 488 keys: {lora_ms:.1f} ms "
+          f"({SAMPLES_PER_TENSOR} samples per tensor)")
+    assert bare_ms < 100 and lora_ms < 100
