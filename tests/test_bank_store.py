@@ -182,6 +182,9 @@ V1_SQL = """CREATE TABLE entries (id TEXT PRIMARY KEY NOT NULL, created FLOAT NO
  blob_sha256 TEXT)"""
 
 
+OLD_ID = "0123456789abcdef0123456789abcdef"  # ids are uuid4().hex: 32 lowercase hex digits
+
+
 def test_v1_bank_opens_after_migration(tmp_path):
     import hashlib
 
@@ -197,7 +200,7 @@ def test_v1_bank_opens_after_migration(tmp_path):
     conn = sqlite3.connect(root / "bank.sqlite")
     conn.execute(V1_SQL)
     conn.execute("INSERT INTO entries VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", [
-        "old1", time.time(), None, 0, compat_key(FP, LAYOUT), FP.key(), 2, 8, 16, "thw", 32, 32,
+        OLD_ID, time.time(), None, 0, compat_key(FP, LAYOUT), FP.key(), 2, 8, 16, "thw", 32, 32,
         8, "uni_pc", "simple", 5.0, json.dumps(SCHEDULE.step_buckets), 0.3,
         sig.components["clip"].tobytes(), sig.components["text"].tobytes(),
         sig.components["layout"].tobytes(), f"{sha}.safetensors", len(data), sha])
@@ -206,10 +209,10 @@ def test_v1_bank_opens_after_migration(tmp_path):
     conn.close()
     bank = MaskBank.open(root)
     assert bank.stats()["schema_version"] == 2
-    row = bank.show("old1")
+    row = bank.show(OLD_ID)
     assert (row["tags"], row["status"], row["recall"]) == ([], "ok", None)
-    assert bank.match(sig, FP, LAYOUT).entry_id == "old1"
-    assert (bank.load_masks("old1").block_map(1, 1).numpy() == toy_masks(2)[1, 1]).all()
+    assert bank.match(sig, FP, LAYOUT).entry_id == OLD_ID
+    assert (bank.load_masks(OLD_ID).block_map(1, 1).numpy() == toy_masks(2)[1, 1]).all()
     assert bank.verify()["ok"] == 1
 
 

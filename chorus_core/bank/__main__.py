@@ -1,18 +1,29 @@
-"""Command line: ``python -m chorus_core.bank {init,stats,list,show,verify,prune,export,import} PATH``."""
+"""Command line: ``python -m chorus_core.bank {init,stats,list,show,verify,prune,export,import} PATH``.
+
+Exit codes: 0 done; 1 ``verify`` quarantined or repaired something; 2 the command could not
+run (the message on stderr says why and what to do). No command prints a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 import time
+import warnings
 
 from .errors import BankError
 from .store import MaskBank
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)I?B?")
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m chorus_core.bank", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m chorus_core.bank", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     def cmd(name, help_):
@@ -25,12 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     cmd("stats", "entries, bytes, hits, schema version")
     c = cmd("list", "entries, newest first")
     c.add_argument("--tag")
-    c.add_argument("--limit", type=int, default=50)
+    c.add_argument("--limit", type=_count, default=50)
     cmd("show", "one entry").add_argument("entry_id")
-    cmd("verify", "recompute every blob digest; quarantine failures")
+    cmd("verify", "recompute every blob digest; quarantine failures (exit 1 if any)")
     c = cmd("prune", "evict least recently used entries until the limits hold")
-    c.add_argument("--max-bytes", type=_size)
-    c.add_argument("--max-entries", type=int)
+    c.add_argument("--max-bytes", type=_size, help="e.g. 20G, 500M, 1048576 (positive)")
+    c.add_argument("--max-entries", type=_count, help="a positive whole number")
     c.add_argument("--dry-run", action="store_true")
     c = cmd("export", "write entries and blobs to one tar file")
     c.add_argument("file")
@@ -41,18 +52,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _size(text: str) -> int:
-    """``500M``, ``20G``, ``1048576`` -> bytes."""
-    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    text = text.strip().upper().removesuffix("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+    """``500M``, ``20G``, ``1048576`` -> bytes; zero, negative, NaN and infinite are refused."""
+    match = _SIZE.fullmatch(text.strip().upper())
+    value = float(match[1]) * _UNITS[match[2]] if match else math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive size; write e.g. 20G, 500M or 1048576 (bytes)")
+    return int(value)
+
+
+def _count(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
 
 
 def _run(args) -> object:
     read_only = args.command in ("stats", "list", "show", "export")
     with MaskBank.open(args.path, read_only=read_only, create=args.command == "init") as bank:
-        if args.command == "init":
-            return bank.stats()
-        if args.command == "stats":
+        if args.command in ("init", "stats"):
             return bank.stats()
         if args.command == "list":
             return bank.entries(tag=args.tag, limit=args.limit)
@@ -74,26 +92,45 @@ def _print_human(result) -> None:
     rows = result if isinstance(result, list) else [result]
     for row in rows:
         if isinstance(result, list):
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created"]))
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created"] or 0))
+            tags = row["tags"] if isinstance(row["tags"], list) else [str(row["tags"])]
             print(f"{row['id']}  {when}  hits={row['hits']:<4} {row['status']:<11} "
-                  f"density={row['density']:.3f} tags={','.join(row['tags'])}")
+                  f"density={row['density'] or 0:.3f} tags={','.join(tags)}")
         else:
             for key, value in row.items():
                 print(f"{key}: {value}")
 
 
+def _exit_code(command: str, result) -> int:
+    if command != "verify":
+        return 0
+    if result["problems"]:
+        for problem in result["problems"]:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    return 1 if result["quarantined"] or result["orphans_removed"] else 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        result = _run(args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = _run(args)
     except BankError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a bug: still no traceback, and say where to report it
+        print(f"error: {type(exc).__name__}: {exc}. This is a Chorus bug; please report it with "
+              "the command line you ran.", file=sys.stderr)
+        return 2
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
         _print_human(result)
-    return 1 if args.command == "verify" and result["quarantined"] else 0
+    return _exit_code(args.command, result)
 
 
 if __name__ == "__main__":

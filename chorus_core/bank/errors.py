@@ -9,17 +9,28 @@ class BankReadOnly(BankError):
     """A write was attempted on a bank opened with ``read_only=True`` or on a read-only path."""
 
 
+class BankInvalidArgument(BankError, ValueError):
+    """An argument that would make a bank command do harm or nothing (e.g. a negative limit)."""
+
+
 class BankEntryCorrupt(BankError):
-    """An entry's blob is missing, truncated or fails its digest; it has been quarantined.
+    """An entry's blob is missing, damaged or cannot serve its layout; it has been quarantined
+    (or, in a read-only bank, is skipped for the rest of the process).
 
     :param entry_id: the entry that was quarantined
+    :param reason: what is wrong with it
+    :param moved: False when the bank is read-only and nothing was moved
     """
 
-    def __init__(self, entry_id: str, reason: str):
+    def __init__(self, entry_id: str, reason: str, moved: bool = True):
         self.entry_id = entry_id
         self.reason = reason
+        self.moved = moved
+        where = ("it was moved to quarantine" if moved else
+                 "the bank is read-only, so it would be quarantined but nothing was moved; "
+                 "this process skips it from now on")
         super().__init__(
-            f"Mask bank entry {entry_id} is corrupt ({reason}); it was moved to quarantine. "
+            f"Mask bank entry {entry_id} is corrupt ({reason}); {where}. "
             "Run this request with dense attention (or an online predictor) and record it again; "
             "run `python -m chorus_core.bank verify PATH` to check the rest of the bank."
         )

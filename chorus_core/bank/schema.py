@@ -1,65 +1,83 @@
 """Database schema of the mask bank, its version (``PRAGMA user_version``) and migrations.
 
 A fresh bank is created at version 1 and migrated forward, so every migration runs on
-every new bank and stays tested.
+every new bank and stays tested. Everything here is plain SQL on a ``sqlite3`` connection,
+run inside the store's own ``BEGIN IMMEDIATE`` transaction: no statement commits on its own
+(sqlite-utils' table helpers do, which broke that transaction on sqlite-utils 3.36-3.39).
 """
 
 from __future__ import annotations
 
 import secrets
 
-import sqlite_utils
-
 SCHEMA_VERSION = 2
+TABLES = {1: {"entries"}, 2: {"entries", "meta"}}  # tables each version must have
 
-_V1_COLUMNS = {
-    "id": str, "created": float, "last_hit": float, "hits": int,
-    "compat": str, "fingerprint": str,
-    "grid_t": int, "grid_h": int, "grid_w": int, "token_order": str,
-    "block_q": int, "block_k": int,
-    "steps": int, "sampler": str, "scheduler": str, "shift": float, "step_buckets": str,
-    "density": float, "sig_clip": bytes, "sig_text": bytes, "sig_layout": bytes,
-    "blob_name": str, "blob_bytes": int, "blob_sha256": str,
-}
+_V1_ENTRIES = """CREATE TABLE [entries] (
+   [id] TEXT PRIMARY KEY NOT NULL, [created] FLOAT NOT NULL, [last_hit] FLOAT, [hits] INTEGER,
+   [compat] TEXT NOT NULL, [fingerprint] TEXT,
+   [grid_t] INTEGER, [grid_h] INTEGER, [grid_w] INTEGER, [token_order] TEXT,
+   [block_q] INTEGER, [block_k] INTEGER,
+   [steps] INTEGER, [sampler] TEXT, [scheduler] TEXT, [shift] FLOAT, [step_buckets] TEXT,
+   [density] FLOAT, [sig_clip] BLOB, [sig_text] BLOB, [sig_layout] BLOB,
+   [blob_name] TEXT, [blob_bytes] INTEGER, [blob_sha256] TEXT)"""
+
+_V2_STEPS = (
+    "ALTER TABLE [entries] ADD COLUMN [recall] FLOAT",
+    "ALTER TABLE [entries] ADD COLUMN [tags] TEXT NOT NULL DEFAULT '[]'",
+    "ALTER TABLE [entries] ADD COLUMN [status] TEXT NOT NULL DEFAULT 'ok'",
+    "ALTER TABLE [entries] ADD COLUMN [status_reason] TEXT",
+    "ALTER TABLE [entries] ADD COLUMN [codec] TEXT",
+    "CREATE TABLE [meta] ([key] TEXT PRIMARY KEY, [value] TEXT)",
+    "CREATE INDEX [idx_entries_compat] ON [entries] ([compat], [status])",
+    "CREATE INDEX [idx_entries_last_hit] ON [entries] ([last_hit])",
+)
 
 
-def _create_v1(db: sqlite_utils.Database) -> None:
-    db["entries"].create(_V1_COLUMNS, pk="id", not_null={"id", "created", "compat"})
+def _conn(db):
+    return getattr(db, "conn", db)  # a sqlite3 connection or a sqlite_utils.Database
 
 
-def _migrate_1_to_2(db: sqlite_utils.Database) -> None:
+def _create_v1(conn) -> None:
+    conn.execute(_V1_ENTRIES)
+
+
+def _migrate_1_to_2(conn) -> None:
     """v2: measured recall, user tags, quarantine status, codec; meta counters; indexes."""
-    entries = db["entries"]
-    entries.add_column("recall", float)
-    entries.add_column("tags", str, not_null_default="[]")
-    entries.add_column("status", str, not_null_default="ok")
-    entries.add_column("status_reason", str)
-    entries.add_column("codec", str)
-    db["meta"].create({"key": str, "value": str}, pk="key")
-    db["meta"].insert_all([{"key": "bank_id", "value": secrets.token_hex(8)},
-                           {"key": "generation", "value": "0"},
-                           {"key": "removals", "value": "0"}])
-    entries.create_index(["compat", "status"], index_name="idx_entries_compat")
-    entries.create_index(["last_hit"], index_name="idx_entries_last_hit")
+    for statement in _V2_STEPS:
+        conn.execute(statement)
+    conn.executemany("INSERT INTO [meta] ([key], [value]) VALUES (?, ?)",
+                     [("bank_id", secrets.token_hex(8)), ("generation", "0"), ("removals", "0")])
 
 
 MIGRATIONS = {2: _migrate_1_to_2}  # target version -> step from the version before
 
 
-def schema_version(db: sqlite_utils.Database) -> int:
-    return db.execute("PRAGMA user_version").fetchone()[0]
+def schema_version(db) -> int:
+    return _conn(db).execute("PRAGMA user_version").fetchone()[0]
 
 
-def migrate(db: sqlite_utils.Database) -> int:
+def table_names(db) -> set[str]:
+    rows = _conn(db).execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    return {r[0] for r in rows}
+
+
+def missing_tables(db, version: int) -> set[str]:
+    """Tables a bank of ``version`` must have but ``db`` lacks."""
+    return TABLES.get(version, TABLES[SCHEMA_VERSION]) - table_names(db)
+
+
+def migrate(db) -> int:
     """Bring ``db`` to :data:`SCHEMA_VERSION`; call inside a write transaction.
 
     :return: the version found before migrating (0 for an empty database)
     """
-    found = schema_version(db)
-    if found == 0 and "entries" not in db.table_names():
-        _create_v1(db)
-        db.execute("PRAGMA user_version = 1")
+    conn = _conn(db)
+    found = schema_version(conn)
+    if found == 0 and "entries" not in table_names(conn):
+        _create_v1(conn)
+        conn.execute("PRAGMA user_version = 1")
     for target in range(max(found, 1) + 1, SCHEMA_VERSION + 1):
-        MIGRATIONS[target](db)
-        db.execute(f"PRAGMA user_version = {target}")
+        MIGRATIONS[target](conn)
+        conn.execute(f"PRAGMA user_version = {target}")
     return found

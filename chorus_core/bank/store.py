@@ -1,44 +1,72 @@
-"""The mask bank: one SQLite index (WAL, sqlite-utils) plus content-addressed safetensors blobs.
+"""The mask bank: one SQLite index (WAL) plus content-addressed safetensors blobs.
 
 Layout of a bank folder::
 
     <bank>/bank.sqlite          index rows (schema in schema.py)
     <bank>/blobs/ab/abcd....safetensors   encoded masks, named by their sha256
     <bank>/quarantine/          blobs that failed verification
+    <bank>/priors/              cached population priors (not touched by this module)
 
-Safety rules: a blob is written to a temporary file, fsynced and renamed before its row is
-committed, so a row never points at a partial blob; rows are written in ``BEGIN IMMEDIATE``
-transactions with a busy timeout, so several processes can share a bank.
+Safety rules:
+
+* Only files inside ``blobs/`` and ``quarantine/`` are ever written, moved or deleted, and
+  only under names Chorus derives itself (the sha256 of the content, an entry id of 32 hex
+  digits); every path is resolved and checked to lie inside its folder first.
+* A blob is written to a temporary file, fsynced and renamed before its row is committed,
+  so a row never points at a partial blob. Writes are ``BEGIN IMMEDIATE`` transactions of
+  plain ``sqlite3`` statements with a busy timeout, so several processes can share a bank.
+* Nothing is unlinked before the transaction that stops referencing it has committed; the
+  unlink then happens under the write lock after re-checking that no row (for example one a
+  concurrent writer just added with the same masks) references the blob.
+* A blob is stat-ed before it is opened, only regular files are opened (non-blocking, no
+  symlinks), no more bytes than its row declares are read, and its safetensors header is
+  checked against the row's model, layout and schedule before any tensor is loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import hashlib
 import json
 import os
+import re
+import signal
 import sqlite3
+import stat
 import time
 import uuid
 import warnings
 from pathlib import Path
 
 import numpy as np
-import sqlite_utils
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from . import schema
+from . import schema, validation
 from .encoding import CODEC, decode_block_map, encode_masks
-from .errors import BankEntryCorrupt, BankError, BankIncompatible, BankReadOnly
+from .errors import (BankEntryCorrupt, BankError, BankIncompatible, BankInvalidArgument,
+                     BankReadOnly)
 from .fingerprint import ModelFingerprint
-from .matching import MatchResult, SignatureIndex
+from .matching import MatchResult, SignatureIndex, stack_vectors
 from .records import LatentLayout, Schedule
-from .signature import COMPONENTS, Signature
+from .signature import COMPONENTS, DIM, Signature
 
 DB_NAME = "bank.sqlite"
 BUSY_TIMEOUT_S = 60.0
 STALE_TEMP_S = 3600.0  # temp/orphan blobs younger than this may belong to a live writer
+FAULT_ENV = "CHORUS_BANK_FAULT"  # test seam: SIGKILL this process at a named point
+
+# Entries found damaged in read-only banks: {resolved bank folder: {entry id: reason}}.
+# Kept for the whole process so a bad entry is tried once, not on every request.
+_READ_ONLY_SKIPS: dict[str, dict[str, str]] = {}
+
+
+def _fault(point: str) -> None:
+    """Die here, as a power cut or OOM kill would, when ``CHORUS_BANK_FAULT`` names ``point``."""
+    if os.environ.get(FAULT_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def compat_key(fingerprint: ModelFingerprint, layout: LatentLayout) -> str:
@@ -56,23 +84,174 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _folder_writable(root: Path) -> bool:
+    """False on a read-only mount or folder (``access`` reports EROFS even to root)."""
+    return os.access(root, os.W_OK)
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISLNK, "symlink"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def read_regular_file(path, size: int) -> tuple[bytes | None, str | None]:
+    """Exactly ``size`` bytes of the regular file ``path``, or ``(None, reason)``.
+
+    Bounded work whatever sits at ``path``: it is lstat-ed first (a directory, FIFO, device
+    or symlink is refused unopened, a file of another size unread), opened non-blocking
+    without following symlinks, and at most ``size + 1`` bytes are read.
+    """
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError:
+        return None, "blob missing"
+    except OSError as exc:
+        return None, f"blob unreadable ({exc.strerror or exc})"
+    if not stat.S_ISREG(before.st_mode):
+        return None, f"blob is a {_file_kind(before.st_mode)}, not a regular file"
+    if before.st_size != size:
+        return None, f"blob truncated or resized ({before.st_size} of {size} bytes)"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return None, f"blob unreadable ({exc.strerror or exc})"
+    try:
+        now = os.fstat(fd)
+        if (now.st_ino, now.st_dev) != (before.st_ino, before.st_dev) or not stat.S_ISREG(now.st_mode):
+            return None, "blob replaced while being read"
+        chunks, left = [], size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:
+        return None, f"blob unreadable ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) != size:
+        return None, f"blob truncated or resized ({len(data)} of {size} bytes)"
+    return data, None
+
+
+class _Database:
+    """The few calls other modules make on ``bank.db`` (``query``, ``execute``, ``conn``),
+    over the store's own connection; no statement here commits by itself."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+
+    def execute(self, sql: str, params=()):
+        return self.conn.execute(sql, params)
+
+    def query(self, sql: str, params=()):
+        cursor = self.conn.execute(sql, params)
+        keys = [d[0] for d in cursor.description]
+        return (dict(zip(keys, row)) for row in cursor)
+
+    def table_names(self) -> list[str]:
+        return sorted(schema.table_names(self.conn))
+
+    def __getitem__(self, table: str):
+        import sqlite_utils  # only for callers that want sqlite-utils' table helpers
+
+        return sqlite_utils.Database(self.conn)[table]
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _database_error(root: Path, exc: sqlite3.Error) -> BankError:
+    """A sqlite3 error as a BankError that says what happened and what to do."""
+    text = str(exc)
+    if "full" in text:
+        return BankError(f"The disk holding the mask bank {root} is full ({text}); nothing was "
+                         "stored. Free some space, or prune the bank (`python -m chorus_core.bank "
+                         f"prune {root} --max-bytes 20G`), and retry.")
+    if "locked" in text or "busy" in text:
+        return BankError(f"The mask bank {root} stayed locked by another process for more than "
+                         f"{BUSY_TIMEOUT_S:.0f} s ({text}); retry when that process has finished.")
+    if "readonly" in text or "read-only" in text:
+        return BankReadOnly(f"Cannot write the bank at {root} ({text}); check that the folder "
+                            "and bank.sqlite are writable, or open with read_only=True.")
+    return BankError(f"The mask bank index {root / DB_NAME} is damaged or is not a Chorus bank "
+                     f"({text}); nothing was changed. Restore bank.sqlite from a backup, or move "
+                     "the folder away and start a new bank.")
+
+
+def _os_error(root: Path, exc: OSError, what: str) -> BankError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return BankError(f"The disk holding the mask bank {root} is full ({exc.strerror}) while "
+                         f"trying to {what}; nothing was stored. Free some space, or prune the "
+                         "bank, and retry.")
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return BankReadOnly(f"Cannot {what} in the mask bank {root} ({exc.strerror}); make the "
+                            "folder writable, or open the bank with read_only=True.")
+    return BankError(f"Cannot {what} in the mask bank {root} ({exc.strerror or exc}); check the "
+                     "folder, its permissions and free space, then retry.")
+
+
+def _guarded(method):
+    """Turn sqlite3 and OS errors escaping a public method into a BankError: callers treat
+    every BankError as "no masks from the bank" and never see a traceback."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.Error as exc:
+            raise _database_error(self.root, exc) from exc
+        except OSError as exc:
+            raise _os_error(self.root, exc, method.__name__.strip("_").replace("_", " ")) from exc
+
+    return wrapper
+
+
 class EntryMasks:
     """Decoded-on-demand masks of one entry.
 
     :param entry_id: the entry
     :param schedule: the schedule the masks were recorded under
     :param layout: the latent layout
+    :param on_corrupt: called with a reason when a layer set cannot be decoded or is
+        invalid; the bank's callback quarantines the entry and raises BankEntryCorrupt
     """
 
     def __init__(self, entry_id: str, schedule: Schedule, layout: LatentLayout,
-                 tensors: dict, meta: dict):
+                 tensors: dict, meta: dict, on_corrupt=None):
         self.entry_id, self.schedule, self.layout = entry_id, schedule, layout
-        self._tensors, self._meta = tensors, meta
+        self._tensors, self._meta, self._on_corrupt = tensors, meta, on_corrupt
         self.shape = tuple(int(x) for x in meta["shape"].split(","))  # (S, L, H, nq, nk)
 
     @property
     def step_buckets(self) -> list[tuple[int, int]]:
         return self.schedule.step_buckets
+
+    def block_map_numpy(self, bucket_index: int, layer: int) -> np.ndarray:
+        """Bool numpy ``[H, nq, nk]`` for one step bucket and layer, checked (no empty row).
+
+        :raises IndexError: bucket or layer out of range
+        :raises BankEntryCorrupt: the stored map cannot be decoded or is invalid
+        """
+        s_count, layers = self.shape[:2]
+        if not (0 <= bucket_index < s_count and 0 <= layer < layers):
+            raise IndexError(f"bucket {bucket_index} / layer {layer} out of range for an entry "
+                             f"with {s_count} buckets and {layers} layers.")
+        try:
+            maps = decode_block_map(self._tensors, self._meta, bucket_index, layer)
+            validation.check_block_map(maps, self.shape[2:])
+            return maps
+        except Exception as exc:  # ValueError (bounded decode, checks), zlib.error, IndexError
+            reason = f"bucket {bucket_index} layer {layer} unusable: {type(exc).__name__}: {exc}"
+        if self._on_corrupt is not None:
+            self._on_corrupt(reason)  # raises
+        raise BankEntryCorrupt(self.entry_id, reason, moved=False)
 
     def block_map(self, bucket_index: int, layer: int):
         """Bool torch tensor ``[H, nq, nk]`` for one step bucket and layer (about 15 ms CPU).
@@ -82,16 +261,20 @@ class EntryMasks:
         """
         import torch
 
-        return torch.from_numpy(decode_block_map(self._tensors, self._meta, bucket_index, layer))
+        return torch.from_numpy(self.block_map_numpy(bucket_index, layer))
 
 
 class MaskBank:
     """A folder of recorded block-sparse attention masks, indexed by request signature."""
 
-    def __init__(self, root: Path, db: sqlite_utils.Database, read_only: bool):
-        self.root, self.db, self.read_only = root, db, read_only
+    def __init__(self, root: Path, conn: sqlite3.Connection, read_only: bool):
+        self.root, self.conn, self.read_only = root, conn, read_only
+        self.db = _Database(conn)
         self.blobs = root / "blobs"
         self.quarantine_dir = root / "quarantine"
+        self._real_root = os.path.realpath(root)
+        self._real_blobs = os.path.realpath(self.blobs)
+        self._real_quarantine = os.path.realpath(self.quarantine_dir)
         self._index = SignatureIndex()
 
     # ---- opening -------------------------------------------------------------------------
@@ -100,24 +283,55 @@ class MaskBank:
         """Open (and by default create) the bank in folder ``path``.
 
         :param path: folder holding ``bank.sqlite`` and ``blobs/``
-        :param read_only: open without ever writing (no hit counts either)
+        :param read_only: open without ever writing (no hit counts either); a bank on a
+            read-only folder or mount opens this way
         :param create: create the folder and database when missing
-        :raises BankError: when the bank is missing, unreadable or from a newer Chorus
+        :raises BankError: when the bank is missing, damaged, not a Chorus bank, or newer
         :raises BankReadOnly: when a writable bank was asked for on a read-only location
         """
         root = Path(path).expanduser()
         db_path = root / DB_NAME
-        if not db_path.exists() and (read_only or not create):
+        exists = cls._check_db_file(db_path)
+        if not exists and (read_only or not create):
             raise BankError(f"No mask bank at {root}. Create one with "
                             f"`python -m chorus_core.bank init {root}` or open with create=True.")
         if read_only:
-            conn = cls._connect(f"file:{db_path}?mode=ro", root, uri=True)
+            conn = cls._connect(cls._read_only_uri(root, db_path), root, uri=True)
         else:
             cls._make_dirs(root)
             conn = cls._connect(str(db_path), root)
-        bank = cls(root, sqlite_utils.Database(conn), read_only)
-        bank._prepare()
+        bank = cls(root, conn, read_only)
+        try:
+            bank._check_folders()
+            bank._prepare()
+        except BaseException:
+            conn.close()
+            raise
         return bank
+
+    @staticmethod
+    def _check_db_file(db_path: Path) -> bool:
+        try:
+            info = os.stat(db_path)
+        except (FileNotFoundError, NotADirectoryError):  # the folder is made (or refused) later
+            return False
+        except OSError as exc:
+            raise BankError(f"Cannot read {db_path} ({exc.strerror}); check its permissions.") from exc
+        if not stat.S_ISREG(info.st_mode):
+            raise BankError(f"{db_path} is a {_file_kind(info.st_mode)}, not a database file; "
+                            "move it away, or restore bank.sqlite from a backup.")
+        return True
+
+    @staticmethod
+    def _read_only_uri(root: Path, db_path: Path) -> str:
+        """``mode=ro``; also ``immutable=1`` when nothing can change the file: no WAL or
+        shared-memory file exists and the folder is not writable (a read-only mount), where
+        SQLite could not create the ``-shm`` file a WAL database otherwise needs."""
+        uri = db_path.resolve().as_uri() + "?mode=ro"
+        live = any(os.path.lexists(f"{db_path}{s}") for s in ("-wal", "-shm"))
+        if not live and not _folder_writable(root):
+            uri += "&immutable=1"
+        return uri
 
     @staticmethod
     def _make_dirs(root: Path) -> None:
@@ -144,31 +358,88 @@ class MaskBank:
             raise BankError(f"Cannot open the mask bank database in {root} ({exc}). "
                             "Check the path and its permissions.") from exc
 
+    def _check_folders(self) -> None:
+        for name, real in (("blobs", self._real_blobs), ("quarantine", self._real_quarantine)):
+            if os.path.commonpath([self._real_root, real]) != self._real_root:
+                raise BankError(f"{self.root / name} leads outside the bank folder (to {real}); "
+                                "Chorus only touches files inside the bank. Replace the link "
+                                "with a real folder.")
+
+    def _blob_files(self, limit: int | None = None) -> int:
+        """How many content-addressed blob files ``blobs/`` holds (stops at ``limit``)."""
+        count = 0
+        for shard in _scandir(self.blobs):
+            if _is_shard(shard):
+                for entry in _scandir(shard.path):
+                    count += _is_blob_file(shard.name, entry)
+                    if limit is not None and count >= limit:
+                        return count
+        return count
+
+    def _index_lost(self, detail: str) -> BankError:
+        count = self._blob_files()
+        return BankError(
+            f"The index {self.root / DB_NAME} {detail}, but blobs/ holds {count} recorded "
+            "mask file(s); Chorus will not create a new index over them. Restore bank.sqlite "
+            "from a backup, or move the whole folder away and create a new bank (the blobs alone "
+            "cannot rebuild the index: they hold masks, not the signatures that find them).")
+
     def _prepare(self) -> None:
         try:
-            if self.read_only:
-                found = schema.schema_version(self.db)
-                if found != schema.SCHEMA_VERSION:
-                    raise BankError(
-                        f"The bank at {self.root} has schema version {found}, this Chorus reads "
-                        f"{schema.SCHEMA_VERSION}; open it once without read_only to migrate it.")
-                return
-            self.db.execute("PRAGMA journal_mode = WAL")
-            self.db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL is durable at commit
-            with self._write(bump=False):
-                found = schema.schema_version(self.db)
-                if found > schema.SCHEMA_VERSION:
-                    raise BankError(
-                        f"The bank at {self.root} has schema version {found}, newer than this "
-                        f"Chorus ({schema.SCHEMA_VERSION}); upgrade Chorus to use it.")
-                schema.migrate(self.db)
+            found = schema.schema_version(self.conn)
+            tables = schema.table_names(self.conn)
         except sqlite3.DatabaseError as exc:
-            raise BankError(f"The mask bank database in {self.root} cannot be used ({exc}). "
-                            "Move it away and create a new bank, or restore a backup.") from exc
+            raise self._damaged(exc) from exc
+        if found == 0 and not tables:
+            if self.read_only or self._blob_files(limit=1):
+                raise self._index_lost("is empty") if self._blob_files(limit=1) else BankError(
+                    f"{self.root / DB_NAME} is empty: not a Chorus bank yet. Create it with "
+                    f"`python -m chorus_core.bank init {self.root}`.")
+        else:
+            self._check_known(found, tables)
+        if self.read_only:
+            if found != schema.SCHEMA_VERSION:
+                raise BankError(
+                    f"The bank at {self.root} has schema version {found}, this Chorus reads "
+                    f"{schema.SCHEMA_VERSION}; open it once without read_only to migrate it.")
+            return
+        try:
+            self.conn.execute("PRAGMA journal_mode = WAL")
+            self.conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL is durable at commit
+            with self._write(bump=False):
+                found = schema.schema_version(self.conn)  # another process may have migrated
+                self._check_known(found, schema.table_names(self.conn), fresh_ok=True)
+                schema.migrate(self.conn)
+        except sqlite3.DatabaseError as exc:
+            raise self._damaged(exc) from exc
+
+    def _check_known(self, found: int, tables: set, fresh_ok: bool = False) -> None:
+        """Refuse a database that is not a Chorus bank, or one from a newer Chorus."""
+        if found == 0 and not tables and fresh_ok:
+            return
+        if found > schema.SCHEMA_VERSION:
+            raise BankError(
+                f"The bank at {self.root} has schema version {found}, newer than this "
+                f"Chorus ({schema.SCHEMA_VERSION}); upgrade Chorus to use it.")
+        missing = schema.TABLES.get(found, {"entries"}) - set(tables)
+        if found == 0 or missing:
+            what = f"lacks the {', '.join(sorted(missing))} table(s)" if missing else \
+                f"holds other tables ({', '.join(sorted(tables))[:200]})"
+            raise BankError(
+                f"{self.root / DB_NAME} is not a Chorus bank: it {what}. Nothing was changed. "
+                "Point Chorus at a bank folder (or an empty one to create a bank); if this "
+                "folder held a bank, restore bank.sqlite from a backup.")
+
+    def _damaged(self, exc: sqlite3.Error) -> BankError:
+        if self._blob_files(limit=1):
+            return self._index_lost(f"cannot be read ({exc})")
+        return BankError(f"The mask bank database {self.root / DB_NAME} cannot be used ({exc}); "
+                         "nothing was changed. Restore it from a backup, or move the folder "
+                         "away and create a new bank.")
 
     def close(self) -> None:
         """Close the database connection."""
-        self.db.close()
+        self.conn.close()
 
     def __enter__(self):
         return self
@@ -177,18 +448,26 @@ class MaskBank:
         self.close()
 
     # ---- transactions and counters -------------------------------------------------------
-    @contextlib.contextmanager
-    def _write(self, bump: bool = True, removal: bool = False):
-        """One ``BEGIN IMMEDIATE`` transaction; bumps the generation counter when asked."""
+    def _check_writable(self) -> None:
         if self.read_only:
             raise BankReadOnly(f"The bank at {self.root} was opened read-only; "
                                "open it with read_only=False to change it.")
-        conn = self.db.conn
+
+    @contextlib.contextmanager
+    def _write(self, bump: bool = True, removal: bool = False):
+        """One ``BEGIN IMMEDIATE`` transaction; bumps the generation counter when asked.
+
+        A failed statement or commit is re-raised as itself (the caller's guard turns it into
+        a BankError with SQLite's message, e.g. "database or disk is full"); the rollback is
+        only attempted while a transaction is still open, because SQLite ends it by itself
+        on some errors and a second error would hide the real one.
+        """
+        self._check_writable()
+        conn = self.conn
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
-            raise BankReadOnly(f"Cannot write the bank at {self.root} ({exc}); check that the "
-                               "folder is writable, or open with read_only=True.") from exc
+            raise _database_error(self.root, exc) from exc
         try:
             yield
             if bump:
@@ -197,61 +476,141 @@ class MaskBank:
                 self._bump("removals")
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
             raise
 
     def _bump(self, key: str) -> None:
-        self.db.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = ?", [key])
+        self.conn.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = ?", [key])
 
     def _meta(self, key: str) -> str:
-        return self.db.execute("SELECT value FROM meta WHERE key = ?", [key]).fetchone()[0]
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", [key]).fetchone()
+        if row is None:
+            raise BankError(f"The index {self.root / DB_NAME} lacks its {key!r} record: it is "
+                            "damaged. Restore bank.sqlite from a backup.")
+        return row[0]
 
+    @_guarded
     def content_token(self) -> str:
         """A string that changes whenever entries are added, removed or quarantined."""
         return f"{self._meta('bank_id')}:{self._meta('generation')}"
 
-    # ---- blobs ---------------------------------------------------------------------------
-    def blob_path(self, name: str) -> Path:
-        return self.blobs / name[:2] / name
+    # ---- paths ---------------------------------------------------------------------------
+    def _blob_path(self, sha) -> Path | None:
+        """Where the blob of digest ``sha`` lives, or None when ``sha`` is not a digest or
+        the path would leave ``blobs/`` (e.g. a shard folder replaced by a symlink)."""
+        if not validation.is_sha256(sha):
+            return None
+        path = self.blobs / sha[:2] / validation.blob_name(sha)
+        return path if validation.inside(self._real_blobs, path) else None
 
+    def blob_path(self, name: str) -> Path:
+        """Path of blob ``<sha256>.safetensors`` (names are never taken as paths)."""
+        sha = name[:-len(validation.BLOB_SUFFIX)] if isinstance(name, str) \
+            and name.endswith(validation.BLOB_SUFFIX) else None
+        path = self._blob_path(sha)
+        if path is None:
+            raise BankInvalidArgument(f"{str(name)[:100]!r} is not a blob name of this bank "
+                                      "(blobs are named <sha256>.safetensors).")
+        return path
+
+    def _quarantine_target(self, row: dict) -> Path | None:
+        label = row["id"] if validation.is_entry_id(row.get("id")) else f"row{int(row['rowid'])}"
+        sha = row["blob_sha256"] if validation.is_sha256(row.get("blob_sha256")) else "no-sha"
+        path = self.quarantine_dir / f"{label}-{uuid.uuid4().hex[:8]}-{sha}{validation.BLOB_SUFFIX}"
+        return path if validation.inside(self._real_quarantine, path) else None
+
+    # ---- blobs ---------------------------------------------------------------------------
     def _write_blob(self, data: bytes, sha: str) -> str:
         """Write ``data`` to its content address via temp file + fsync + rename."""
-        name = f"{sha}.safetensors"
-        final = self.blob_path(name)
+        final = self._blob_path(sha)
+        if final is None:
+            raise BankError(f"Refusing to write blob {sha[:80]!r}: its path would leave "
+                            f"{self.blobs}. Replace the symlinked shard folder with a real one.")
         final.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(os.lstat(final).st_mode):  # something squats the name
+                self._move_aside(final, {"id": None, "rowid": 0, "blob_sha256": sha})
         tmp = self.blobs / f".tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        return name
-
-    def _read_blob(self, row: dict) -> bytes:
-        """Blob bytes of ``row``, or raise BankEntryCorrupt after quarantining the entry."""
-        reason = self._blob_problem(row)
-        if reason is None:
-            return self.blob_path(row["blob_name"]).read_bytes()
-        self.quarantine(row["id"], reason)
-        raise BankEntryCorrupt(row["id"], reason)
-
-    def _blob_problem(self, row: dict) -> str | None:
-        path = self.blob_path(row["blob_name"])
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return "blob missing"
-        if len(data) != row["blob_bytes"]:
-            return f"blob truncated or resized ({len(data)} of {row['blob_bytes']} bytes)"
-        if hashlib.sha256(data).hexdigest() != row["blob_sha256"]:
-            return "blob sha256 mismatch"
-        return None
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(final.parent)
+        return validation.blob_name(sha)
+
+    def _ensure_blob(self, data: bytes, sha: str) -> None:
+        """Under the write lock: the blob holds ``data``, or is written again (a concurrent
+        prune may have removed it between our write and our lock)."""
+        path = self._blob_path(sha)
+        current, _ = read_regular_file(path, len(data)) if path else (None, None)
+        if current != data:
+            self._write_blob(data, sha)
+
+    def _move_aside(self, path: Path, row: dict) -> bool:
+        """Rename whatever is at ``path`` (file, directory, FIFO, symlink) into quarantine/
+        without opening it; False when it cannot be moved (it is then left in place)."""
+        target = self._quarantine_target(row)
+        if target is None:
+            return False
+        try:
+            self.quarantine_dir.mkdir(exist_ok=True)
+            os.replace(path, target)
+            return True
+        except OSError as exc:
+            warnings.warn(f"Chorus mask bank: could not move {path} to quarantine "
+                          f"({exc.strerror or exc}); it stays where it is.", stacklevel=4)
+            return False
+
+    def _problem(self, row: dict):
+        """``(None, (spec, data, meta))`` for a healthy entry, else ``(reason, None)``.
+
+        Checks, cheapest first: id, digest and records of the row; size against the row and
+        the layout; the file's type, size and digest; the safetensors header against the shape
+        the row's model, layout and schedule imply.
+        """
+        if not validation.is_entry_id(row.get("id")):
+            return "invalid entry id (not 32 lowercase hex digits)", None
+        sha = row.get("blob_sha256")
+        if not validation.is_sha256(sha):
+            return "invalid blob sha256 in its row", None
+        try:
+            spec = validation.entry_spec(row)
+        except ValueError as exc:
+            return f"row unreadable: {exc}", None
+        if row.get("compat") != compat_key(spec.fingerprint, spec.layout):
+            return "row's compatibility key does not match its model and layout", None
+        size = row.get("blob_bytes")
+        if not isinstance(size, int) or not 0 < size <= spec.max_blob_bytes:
+            return (f"row declares a blob of {size} bytes; its layout allows at most "
+                    f"{spec.max_blob_bytes}"), None
+        path = self._blob_path(sha)
+        if path is None:
+            return "blob path leaves the bank folder", None
+        data, reason = read_regular_file(path, size)
+        if reason is not None:
+            return reason, None
+        if hashlib.sha256(data).hexdigest() != sha:
+            return "blob sha256 mismatch", None
+        try:
+            meta = validation.check_header(validation.read_header(data), spec.shape)
+        except ValueError as exc:
+            return f"blob cannot serve its layout: {exc}", None
+        return None, (spec, data, meta)
 
     # ---- adding --------------------------------------------------------------------------
+    @_guarded
     def add_entry(self, fingerprint: ModelFingerprint, layout: LatentLayout, schedule: Schedule,
                   masks, signature: Signature, density: float, recall: float | None = None,
-                  tags=(), coarsen: int = 1) -> str:
+                  tags=(), coarsen: int = 1, entry_id: str | None = None) -> str:
         """Store recorded masks and return the new entry's id.
 
         :param fingerprint: model the masks were recorded on (:func:`fingerprint_model`)
@@ -263,30 +622,46 @@ class MaskBank:
         :param recall: measured attention recall of the masks, if known
         :param tags: user tags, e.g. the effect template's name
         :param coarsen: store at ``coarsen`` x coarser blocks (OR-pooled; 1 = lossless)
-        :raises BankIncompatible: when the masks' shape does not fit the other arguments
+        :param entry_id: the id to use (32 hex characters, as ``uuid.uuid4().hex`` makes); new by default
+        :raises BankIncompatible: when the masks' shape does not fit the other arguments, or a
+            query row keeps no key block
+        :raises BankError: when the disk is full or the bank cannot be written (SQLite's or
+            the OS's own message is in the text)
         """
+        self._check_writable()
+        masks = _as_bool_array(masks)
         self._check_shape(masks, fingerprint, layout, schedule)
+        try:
+            validation.check_masks(masks)
+        except ValueError as exc:
+            raise BankIncompatible(f"masks not stored: {exc}; every query block must attend to "
+                                   "at least one key block (keep the diagonal).") from None
         tensors, meta = encode_masks(masks, coarsen=coarsen)
         data = st_save(tensors, metadata=_blob_metadata(meta))
         sha = hashlib.sha256(data).hexdigest()
         name = self._write_blob(data, sha)
-        entry_id = uuid.uuid4().hex
+        _fault("add-blob-written")
+        entry_id = entry_id or uuid.uuid4().hex  # a background write names its entry up front
         row = self._row(entry_id, fingerprint, layout, schedule, signature, density, recall,
                         tags, name, len(data), sha)
         with self._write():
-            if not self.blob_path(name).exists():  # a concurrent prune removed a shared blob
-                self._write_blob(data, sha)
-            self.db["entries"].insert(row)
+            self._ensure_blob(data, sha)
+            _insert(self.conn, row)
+            _fault("add-before-commit")
         return entry_id
 
     @staticmethod
     def _check_shape(masks, fingerprint, layout, schedule) -> None:
-        want = (len(schedule.step_buckets), fingerprint.layers, fingerprint.heads, *layout.blocks)
+        want = validation.expected_shape(schedule, fingerprint, layout)
         if tuple(masks.shape) != want:
             raise BankIncompatible(
                 f"masks have shape {tuple(masks.shape)} but the fingerprint, layout and schedule "
                 f"ask for {want} (buckets, layers, heads, query blocks, key blocks); record one "
                 "block map per step bucket, layer and head.")
+        try:
+            validation.check_shape_bounds(want)
+        except ValueError as exc:
+            raise BankIncompatible(f"masks not stored: {exc}.") from None
 
     @staticmethod
     def _row(entry_id, fingerprint, layout, schedule, signature, density, recall, tags,
@@ -309,6 +684,7 @@ class MaskBank:
         }
 
     # ---- matching and loading ------------------------------------------------------------
+    @_guarded
     def match(self, signature: Signature, fingerprint: ModelFingerprint, layout: LatentLayout,
               threshold: float = 0.9, top_k: int = 1, weights=None) -> MatchResult:
         """Most similar compatible entry; a hit when its similarity >= ``threshold``.
@@ -319,117 +695,269 @@ class MaskBank:
         :param threshold: least weighted cosine similarity for a hit
         :param top_k: how many best entries to list in ``MatchResult.top``
         :param weights: per-component weights, e.g. ``{"clip": 0.5, "text": 0.3, "layout": 0.2}``
+        :raises BankError: the index is damaged or not a Chorus bank (treat as a miss)
         """
         self._index.refresh(self.db, int(self._meta("generation")), int(self._meta("removals")))
-        return self._index.match(self.db, compat_key(fingerprint, layout), signature,
-                                 threshold, max(1, top_k), weights)
+        compat, top_k = compat_key(fingerprint, layout), max(1, top_k)
+        skipped = self._skipped()
+        if not skipped:
+            return self._index.match(self.db, compat, signature, threshold, top_k, weights)
+        result = self._index.match(self.db, compat, signature, threshold,
+                                   top_k + len(skipped), weights)
+        return self._without_skipped(result, skipped, signature, threshold, top_k)
+
+    def _skipped(self) -> dict[str, str]:
+        return _READ_ONLY_SKIPS.get(self._real_root, {}) if self.read_only else {}
+
+    def _without_skipped(self, result, skipped, signature, threshold, top_k) -> MatchResult:
+        """``result`` without the entries this process found damaged in a read-only bank."""
+        top = [(i, s) for i, s in result.top if i not in skipped]
+        if not top:
+            return MatchResult(False, None, 0.0, {}, result.candidates, [])
+        best, sim = top[0]
+        comps = result.components
+        if best != result.entry_id:
+            row = next(self.db.query("SELECT sig_clip, sig_text, sig_layout FROM entries "
+                                     "WHERE id = ?", [best]))
+            vec = stack_vectors([row])[0]
+            comps = {c: float(vec[j * DIM:(j + 1) * DIM] @ signature.vector(c))
+                     for j, c in enumerate(COMPONENTS) if c in signature.components}
+        return MatchResult(sim >= threshold, best, sim, comps, result.candidates, top[:top_k])
 
     def _get_row(self, entry_id: str) -> dict:
-        rows = list(self.db.query("SELECT * FROM entries WHERE id = ?", [entry_id]))
+        if not validation.is_entry_id(entry_id):
+            raise BankInvalidArgument(
+                f"{str(entry_id)[:80]!r} is not an entry id (32 lowercase hex digits); list "
+                f"entries with `python -m chorus_core.bank list {self.root}`.")
+        rows = list(self.db.query("SELECT rowid, * FROM entries WHERE id = ?", [entry_id]))
         if not rows:
             raise BankError(f"No entry {entry_id} in the bank at {self.root}; "
                             "list entries with `python -m chorus_core.bank list PATH`.")
         return rows[0]
 
+    @_guarded
     def compatible_entries(self, fingerprint: ModelFingerprint, layout: LatentLayout, limit: int = 8) -> list[str]:
         """Ids of healthy entries interchangeable with this model and layout, most recently used first.
 
         :param limit: at most this many ids
         """
+        skipped = self._skipped()
         rows = self.db.query("SELECT id FROM entries WHERE compat = ? AND status = 'ok' "
                              "ORDER BY COALESCE(last_hit, created) DESC LIMIT ?",
-                             [compat_key(fingerprint, layout), int(limit)])
-        return [row["id"] for row in rows]
+                             [compat_key(fingerprint, layout), int(limit) + len(skipped)])
+        return [row["id"] for row in rows if row["id"] not in skipped][:int(limit)]
 
+    @_guarded
     def load_masks(self, entry_id: str, record_hit: bool = True) -> EntryMasks:
         """Load an entry's masks and, unless ``record_hit`` is False, record a hit.
 
         :param entry_id: an id from :meth:`match` or :meth:`add_entry`
         :param record_hit: count this load as a hit (a population prior's reads are not hits)
-        :raises BankEntryCorrupt: blob missing or damaged (the entry is quarantined first)
+        :raises BankEntryCorrupt: blob missing, damaged or unfit for its layout (the entry is
+            quarantined first; in a read-only bank it is skipped for the rest of the process)
         :raises BankError: no such entry, or it is quarantined
         """
+        if entry_id in self._skipped():
+            raise BankEntryCorrupt(entry_id, self._skipped()[entry_id], moved=False)
         row = self._get_row(entry_id)
         if row["status"] != "ok":
             raise BankError(f"Entry {entry_id} is quarantined ({row['status_reason']}); "
                             "run dense for this request and record it again.")
-        data = self._read_blob(row)
+        reason, loaded = self._problem(row)
+        if reason is not None:
+            self._found_corrupt(row, reason, recheck=True)
+        spec, data, meta = loaded
         try:
             tensors = st_load(data)
-            meta = _safetensors_metadata(data)
         except Exception as exc:  # safetensors raises its own error types
-            self.quarantine(entry_id, f"blob unreadable: {exc}")
-            raise BankEntryCorrupt(entry_id, f"blob unreadable: {exc}") from exc
+            self._found_corrupt(row, f"blob unreadable: {exc}", recheck=False)
         if record_hit and not self.read_only:
+            self._record_hit(entry_id)
+        return EntryMasks(entry_id, spec.schedule, spec.layout, tensors, meta,
+                          on_corrupt=functools.partial(self._found_corrupt, row, recheck=False))
+
+    def _record_hit(self, entry_id: str) -> None:
+        """Hit counters are statistics: a locked or full database must not fail the load."""
+        try:
             with self._write(bump=False):  # hits do not change content: no new cache key
-                self.db.execute("UPDATE entries SET hits = hits + 1, last_hit = ? WHERE id = ?",
-                                [time.time(), entry_id])
-        return EntryMasks(entry_id, _schedule(row), _layout(row), tensors, meta)
+                self.conn.execute("UPDATE entries SET hits = hits + 1, last_hit = ? WHERE id = ?",
+                                  [time.time(), entry_id])
+        except (sqlite3.Error, BankError) as exc:
+            warnings.warn(f"Chorus mask bank: hit of {entry_id} not counted ({exc}).", stacklevel=3)
+
+    def _found_corrupt(self, row: dict, reason: str, recheck: bool):
+        """Quarantine (or, read-only, skip) the entry of ``row`` and raise BankEntryCorrupt."""
+        outcome = self._quarantine_row(row, reason, recheck)
+        if outcome is False:
+            raise BankError(f"Entry {row['id']} could not be read ({reason}), but its blob is "
+                            "healthy again (another process rewrote it); retry the request.")
+        raise BankEntryCorrupt(row["id"], reason, moved=outcome is True)
 
     # ---- maintenance ---------------------------------------------------------------------
+    @_guarded
     def quarantine(self, entry_id: str, reason: str) -> None:
-        """Move an entry's blob to ``quarantine/`` and mark every row that uses it."""
-        row = self._get_row(entry_id)
-        warnings.warn(f"Chorus mask bank: quarantining entry {entry_id}: {reason}. "
-                      "Requests that matched it fall back to dense attention.", stacklevel=3)
-        if self.read_only:
-            return
-        with self._write(removal=True):
-            self.db.execute("UPDATE entries SET status = 'quarantined', status_reason = ? "
-                            "WHERE blob_name = ?", [reason, row["blob_name"]])
-            src = self.blob_path(row["blob_name"])
-            if src.exists():
-                os.replace(src, self.quarantine_dir / f"{entry_id}-{row['blob_name']}")
+        """Move an entry's blob to ``quarantine/`` and mark every row that uses it.
 
-    def verify(self) -> dict:
-        """Recompute every blob digest; quarantine failures; drop stale temp and orphan blobs.
-
-        :return: ``{"checked", "ok", "quarantined": [{"id", "reason"}], "orphans_removed"}``
+        In a read-only bank nothing moves: a warning says it would be quarantined and this
+        process skips the entry from now on.
         """
-        report = {"checked": 0, "ok": 0, "quarantined": [], "orphans_removed": 0}
-        for row in list(self.db.query("SELECT * FROM entries WHERE status = 'ok'")):
+        self._quarantine_row(self._get_row(entry_id), reason, recheck=False)
+
+    def _quarantine_row(self, row: dict, reason: str, recheck: bool, warn: bool = True):
+        """True: quarantined; None: read-only, skipped in this process; False: ``recheck``
+        found the blob healthy under the lock (a writer re-added the same masks meanwhile)."""
+        label = row.get("id") if validation.is_entry_id(row.get("id")) else f"(row {row['rowid']})"
+        if self.read_only:
+            _READ_ONLY_SKIPS.setdefault(self._real_root, {})[row.get("id")] = reason
+            if warn:
+                warnings.warn(f"Chorus mask bank: would quarantine entry {label}: {reason}. The "
+                              "bank is read-only, so nothing was moved; this process skips the "
+                              "entry and falls back to dense attention for it.", stacklevel=4)
+            return None
+        with self._write(bump=False):
+            current = next(self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE rowid = ?",
+                                         [row["rowid"]]), None)
+            if current is None or current["status"] != "ok":
+                return True  # deleted or quarantined meanwhile: nothing left to do
+            if recheck and self._problem(current)[0] is None:
+                return False
+            sha = current["blob_sha256"]
+            if validation.is_sha256(sha):  # every row sharing the blob shares its damage
+                self.conn.execute("UPDATE entries SET status = 'quarantined', status_reason = ? "
+                                  "WHERE blob_sha256 = ? AND status = 'ok'", [reason, sha])
+            else:
+                self.conn.execute("UPDATE entries SET status = 'quarantined', status_reason = ? "
+                                  "WHERE rowid = ?", [reason, row["rowid"]])
+            self._bump("generation")
+            self._bump("removals")
+            src = self._blob_path(sha)
+            if src is not None and os.path.lexists(src):
+                self._move_aside(src, current)
+            _fault("quarantine-moved")
+        if warn:
+            warnings.warn(f"Chorus mask bank: quarantining entry {label}: {reason}. "
+                          "Requests that matched it fall back to dense attention.", stacklevel=4)
+        return True
+
+    @_guarded
+    def verify(self) -> dict:
+        """Recompute every blob digest and check every header; quarantine failures; drop
+        stale temp and orphan blobs when the index can be trusted.
+
+        :return: ``{"checked", "ok", "quarantined": [{"id", "reason"}], "orphans_removed",
+            "problems": [text], "read_only"}``; ``problems`` lists what could not be done
+            (then nothing was removed)
+        """
+        report = {"checked": 0, "ok": 0, "quarantined": [], "orphans_removed": 0,
+                  "problems": [], "read_only": self.read_only}
+        check = [r[0] for r in self.conn.execute("PRAGMA quick_check").fetchall()]
+        if check != ["ok"]:
+            report["problems"].append(
+                f"the index fails SQLite's quick_check ({'; '.join(check)[:300]}); orphan blobs "
+                "were not removed. Restore bank.sqlite from a backup.")
+        rows = list(self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE status = 'ok'"))
+        for row in rows:
             report["checked"] += 1
-            reason = self._blob_problem(row)
-            if reason is None:
+            reason = self._problem(row)[0]
+            if reason is not None and self._quarantine_row(row, reason, recheck=True,
+                                                           warn=False) is not False:
+                report["quarantined"].append({"id": row["id"], "reason": reason})
+            else:
                 report["ok"] += 1
-                continue
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the report carries it
-                self.quarantine(row["id"], reason)
-            report["quarantined"].append({"id": row["id"], "reason": reason})
-        if not self.read_only:
-            report["orphans_removed"] = self._remove_orphans()
+        if not self.read_only and not report["problems"]:
+            report["orphans_removed"] = self._remove_orphans(report["problems"])
         return report
 
-    def _remove_orphans(self) -> int:
-        """Blobs no row names, left by writers killed before their commit (if old enough)."""
-        known = {r["blob_name"] for r in self.db.query("SELECT blob_name FROM entries")}
+    def _remove_orphans(self, problems: list) -> int:
+        """Blobs no row names, left by writers killed before their commit (if old enough).
+
+        Refused when the index looks wrong (no rows but blobs present, or most blobs unknown):
+        removing "orphans" of a lost or foreign index would delete the user's masks.
+        """
+        known = {r[0] for r in self.conn.execute("SELECT DISTINCT blob_sha256 FROM entries")}
+        rows = self.conn.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
         cutoff = time.time() - STALE_TEMP_S
+        blobs, candidates = 0, []
+        for shard in _scandir(self.blobs):
+            if shard.name.startswith(".tmp-") and shard.is_file(follow_symlinks=False):
+                if shard.stat(follow_symlinks=False).st_mtime < cutoff:
+                    candidates.append((Path(shard.path), None))
+            elif _is_shard(shard):
+                for entry in _scandir(shard.path):
+                    if _is_blob_file(shard.name, entry):
+                        blobs += 1
+                        sha = entry.name[:64]
+                        if sha not in known and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                            candidates.append((Path(entry.path), sha))
+        unknown = sum(1 for _, sha in candidates if sha)
+        if blobs and rows == 0:
+            problems.append(f"the index has no entries but blobs/ holds {blobs} blob(s): the index "
+                            "looks lost, so no orphan was removed. Restore bank.sqlite from a backup.")
+            return 0
+        if unknown > 16 and unknown * 2 > blobs:
+            problems.append(f"{unknown} of {blobs} blobs are not in the index: it looks like an old "
+                            "or another bank's bank.sqlite, so no orphan was removed. Restore the "
+                            "right index from a backup.")
+            return 0
         removed = 0
-        for path in self.blobs.rglob("*"):
-            orphan = path.name.startswith(".tmp-") or (path.suffix == ".safetensors"
-                                                       and path.name not in known)
-            if path.is_file() and orphan and path.stat().st_mtime < cutoff:
-                path.unlink(missing_ok=True)
-                removed += 1
+        with self._write(bump=False):  # re-check under the lock: a writer may reference it now
+            for path, sha in candidates:
+                if sha and self.conn.execute("SELECT 1 FROM entries WHERE blob_sha256 = ?",
+                                             [sha]).fetchone():
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    info = os.lstat(path)
+                    if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
+                        os.unlink(path)
+                        removed += 1
         return removed
 
+    @_guarded
     def delete(self, entry_ids) -> int:
-        """Delete entries and the blobs no other entry uses; returns how many rows went."""
-        ids = list(entry_ids)
+        """Delete entries and the blobs no other entry uses; returns how many rows went.
+
+        The rows go in one committed transaction first; their blobs are unlinked afterwards,
+        under the write lock, only if still no row references them. A crash in between
+        leaves orphan blobs (``verify`` removes them), never rows without blobs.
+        """
+        ids = [str(i) for i in entry_ids]
         if not ids:
             return 0
         with self._write(removal=True):
-            marks = ",".join("?" * len(ids))
-            names = [r["blob_name"] for r in self.db.query(
-                f"SELECT DISTINCT blob_name FROM entries WHERE id IN ({marks})", ids)]
-            count = self.db.execute(f"DELETE FROM entries WHERE id IN ({marks})", ids).rowcount
-            for name in names:  # unlink under the write lock: add_entry re-checks its blob
-                if not self.db.execute("SELECT 1 FROM entries WHERE blob_name = ?",
-                                       [name]).fetchone():
-                    self.blob_path(name).unlink(missing_ok=True)
+            count, shas = self._delete_rows(ids)
+            _fault("delete-before-commit")
+        _fault("delete-after-commit")
+        self._unlink_unreferenced(shas)
         return count
 
+    def _delete_rows(self, ids: list[str]) -> tuple[int, list[str]]:
+        shas, count = set(), 0
+        for start in range(0, len(ids), 500):  # stay under SQLite's variable limit
+            chunk = ids[start:start + 500]
+            marks = ",".join("?" * len(chunk))
+            shas.update(r[0] for r in self.conn.execute(
+                f"SELECT DISTINCT blob_sha256 FROM entries WHERE id IN ({marks})", chunk))
+            count += self.conn.execute(f"DELETE FROM entries WHERE id IN ({marks})", chunk).rowcount
+        return count, sorted(s for s in shas if validation.is_sha256(s))
+
+    def _unlink_unreferenced(self, shas: list[str]) -> None:
+        try:
+            with self._write(bump=False):
+                for sha in shas:
+                    if self.conn.execute("SELECT 1 FROM entries WHERE blob_sha256 = ?",
+                                         [sha]).fetchone():
+                        continue  # shared, or re-added by a concurrent writer
+                    path = self._blob_path(sha)
+                    with contextlib.suppress(FileNotFoundError):
+                        if path is not None and stat.S_ISREG(os.lstat(path).st_mode):
+                            os.unlink(path)
+                    _fault("delete-mid-unlink")
+        except (sqlite3.Error, OSError, BankError) as exc:  # rows are gone already: say so
+            warnings.warn(f"Chorus mask bank: entries deleted, but their blobs were not removed "
+                          f"({exc}); `python -m chorus_core.bank verify {self.root}` removes "
+                          "them later.", stacklevel=4)
+
+    @_guarded
     def eviction_order(self) -> list[dict]:
         """Rows in the order :meth:`prune` removes them: quarantined first, then least
         recently used (creation time counts as a use), fewer hits first on ties."""
@@ -437,42 +965,56 @@ class MaskBank:
             "SELECT id, blob_bytes, hits, COALESCE(last_hit, created) AS last_use FROM entries "
             "ORDER BY status = 'ok', last_use, hits, created"))
 
+    @_guarded
     def prune(self, max_bytes: int | None = None, max_entries: int | None = None,
               dry_run: bool = False) -> list[str]:
         """Evict entries until the bank fits ``max_bytes`` and ``max_entries``.
 
-        :param max_bytes: most blob bytes to keep (None: no limit)
-        :param max_entries: most entries to keep (None: no limit)
+        :param max_bytes: most blob bytes to keep, a positive whole number (None: no limit)
+        :param max_entries: most entries to keep, a positive whole number (None: no limit)
         :param dry_run: only return what would be removed
         :return: ids removed (or to remove), in eviction order
+        :raises BankInvalidArgument: a limit that is negative, zero, NaN, infinite or not whole
         """
-        rows = self.eviction_order()
-        total, count = sum(r["blob_bytes"] for r in rows), len(rows)
-        doomed = []
-        for row in rows:
-            over_bytes = max_bytes is not None and total > max_bytes
-            over_count = max_entries is not None and count > max_entries
-            if not (over_bytes or over_count):
-                break
-            doomed.append(row["id"])
-            total, count = total - row["blob_bytes"], count - 1
         if not dry_run:
-            self.delete(doomed)
+            self._check_writable()
+        max_bytes = _check_limit("max_bytes", max_bytes)
+        max_entries = _check_limit("max_entries", max_entries)
+        if dry_run:
+            return _doomed(self.eviction_order(), max_bytes, max_entries)
+        with self._write(bump=False):  # choose and delete in one transaction
+            doomed = _doomed(self.eviction_order(), max_bytes, max_entries)
+            shas = self._delete_rows(doomed)[1] if doomed else []
+            if doomed:
+                self._bump("generation")
+                self._bump("removals")
+            _fault("prune-before-commit")
+        _fault("prune-after-commit")
+        self._unlink_unreferenced(shas)
         return doomed
 
     # ---- reading -------------------------------------------------------------------------
+    @_guarded
     def stats(self) -> dict:
         """Counts and sizes: ``entries``, ``quarantined``, ``bytes``, ``hits``, ``schema_version``."""
-        ok = self.db.execute("SELECT COUNT(*), COALESCE(SUM(blob_bytes), 0), "
-                             "COALESCE(SUM(hits), 0) FROM entries WHERE status = 'ok'").fetchone()
-        bad = self.db.execute("SELECT COUNT(*) FROM entries WHERE status != 'ok'").fetchone()[0]
+        ok = self.conn.execute("SELECT COUNT(*), COALESCE(SUM(blob_bytes), 0), "
+                               "COALESCE(SUM(hits), 0) FROM entries WHERE status = 'ok'").fetchone()
+        bad = self.conn.execute("SELECT COUNT(*) FROM entries WHERE status != 'ok'").fetchone()[0]
         return {"path": str(self.root), "entries": ok[0], "bytes": ok[1], "hits": ok[2],
-                "quarantined": bad, "schema_version": schema.schema_version(self.db),
+                "quarantined": bad, "schema_version": schema.schema_version(self.conn),
                 "content_token": self.content_token()}
 
+    @_guarded
     def entries(self, tag: str | None = None, limit: int | None = None,
                 order: str = "created DESC") -> list[dict]:
-        """Entry rows (without signature vectors), optionally only those carrying ``tag``."""
+        """Entry rows (without signature vectors), optionally only those carrying ``tag``.
+
+        :param order: ``<column> [ASC|DESC]`` over created, last_hit, hits, density, recall,
+            blob_bytes
+        """
+        if not _ORDER.fullmatch(order):
+            raise BankInvalidArgument(f"order {order[:60]!r} must be one of created, last_hit, "
+                                      "hits, density, recall, blob_bytes, optionally ASC/DESC.")
         sql = f"SELECT {_SUMMARY} FROM entries"
         params = []
         if tag is not None:
@@ -485,34 +1027,89 @@ class MaskBank:
         """The ``n`` most recently added entries, newest first."""
         return self.entries(limit=n)
 
+    @_guarded
     def show(self, entry_id: str) -> dict:
         """One entry as a dict, without signature vectors."""
         row = self._get_row(entry_id)
-        return _decode_row({k: v for k, v in row.items() if not k.startswith("sig_")})
+        return _decode_row({k: v for k, v in row.items() if not k.startswith("sig_") and k != "rowid"})
 
 
 _SUMMARY = ("id, created, last_hit, hits, status, status_reason, tags, density, recall, "
             "steps, sampler, scheduler, shift, step_buckets, grid_t, grid_h, grid_w, "
             "token_order, block_q, block_k, fingerprint, compat, codec, blob_name, blob_bytes, "
             "blob_sha256")
+_ORDER = re.compile(r"(created|last_hit|hits|density|recall|blob_bytes)( (ASC|DESC))?", re.I)
+
+
+def _scandir(path):
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def _is_shard(entry) -> bool:
+    return (len(entry.name) == 2 and all(c in "0123456789abcdef" for c in entry.name)
+            and entry.is_dir(follow_symlinks=False))
+
+
+def _is_blob_file(shard: str, entry) -> bool:
+    name = entry.name
+    return (name.endswith(validation.BLOB_SUFFIX) and name[:2] == shard
+            and validation.is_sha256(name[:-len(validation.BLOB_SUFFIX)])
+            and entry.is_file(follow_symlinks=False))
+
+
+def _insert(conn: sqlite3.Connection, row: dict) -> None:
+    cols = ", ".join(f"[{c}]" for c in row)
+    conn.execute(f"INSERT INTO entries ({cols}) VALUES ({', '.join('?' * len(row))})",
+                 list(row.values()))
+
+
+def _as_bool_array(masks) -> np.ndarray:
+    if hasattr(masks, "detach"):  # torch tensor, without importing torch here
+        masks = masks.detach().cpu().numpy()
+    masks = np.asarray(masks)
+    return masks if masks.dtype == bool else masks != 0
+
+
+def _check_limit(name: str, value):
+    """A prune limit: None, or a positive whole number; anything else would delete all."""
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if ok and isinstance(value, (float, np.floating)):
+        ok = bool(np.isfinite(value)) and float(value).is_integer()
+    if not ok or value <= 0:
+        flag = "--" + name.replace("_", "-")
+        raise BankInvalidArgument(
+            f"prune: {name} must be a positive whole number, got {value!r}; e.g. {flag} 20G "
+            f"or {flag} 5000. A zero, negative, NaN or infinite limit is refused because it would "
+            "delete every entry or none; to empty a bank, delete its folder.")
+    return int(value)
+
+
+def _doomed(rows: list[dict], max_bytes, max_entries) -> list[str]:
+    total, count = sum(r["blob_bytes"] or 0 for r in rows), len(rows)
+    doomed = []
+    for row in rows:
+        over_bytes = max_bytes is not None and total > max_bytes
+        over_count = max_entries is not None and count > max_entries
+        if not (over_bytes or over_count):
+            break
+        doomed.append(row["id"])
+        total, count = total - (row["blob_bytes"] or 0), count - 1
+    return doomed
 
 
 def _decode_row(row: dict) -> dict:
     row = dict(row)
     for key in ("tags", "step_buckets", "fingerprint"):
         if isinstance(row.get(key), str):
-            row[key] = json.loads(row[key])
+            with contextlib.suppress(json.JSONDecodeError):  # a damaged row still lists
+                row[key] = json.loads(row[key])
     return row
-
-
-def _schedule(row: dict) -> Schedule:
-    return Schedule(steps=row["steps"], sampler=row["sampler"], scheduler=row["scheduler"],
-                    shift=row["shift"], step_buckets=json.loads(row["step_buckets"]))
-
-
-def _layout(row: dict) -> LatentLayout:
-    return LatentLayout(grid=(row["grid_t"], row["grid_h"], row["grid_w"]),
-                        token_order=row["token_order"], block_size=(row["block_q"], row["block_k"]))
 
 
 def _blob_metadata(meta: dict) -> dict:
@@ -521,15 +1118,10 @@ def _blob_metadata(meta: dict) -> dict:
     return {"chorus": json.dumps(meta, sort_keys=True)}
 
 
-def _safetensors_metadata(data: bytes) -> dict:
-    size = int.from_bytes(data[:8], "little")
-    return json.loads(json.loads(data[8:8 + size])["__metadata__"]["chorus"])
-
-
 def _export(self, out_path, tag=None, ids=None) -> int:
     """Write entries (all, one ``tag``'s, or ``ids``) and their blobs to one tar file.
 
-    :param out_path: tar file to write
+    :param out_path: tar file to write (its folder must exist)
     :param tag: only entries carrying this tag
     :param ids: only these entry ids
     :return: number of entries exported
@@ -540,7 +1132,7 @@ def _export(self, out_path, tag=None, ids=None) -> int:
 
 
 def _import(self, in_path) -> dict:
-    """Add the entries of an export file that this bank lacks.
+    """Add the entries of an export file that this bank lacks, all or nothing.
 
     :param in_path: a tar written by :meth:`MaskBank.export`
     :return: ``{"added": n, "skipped": n}``
@@ -550,5 +1142,5 @@ def _import(self, in_path) -> dict:
     return import_entries(self, in_path)
 
 
-MaskBank.export = _export
-MaskBank.import_file = _import
+MaskBank.export = _guarded(_export)
+MaskBank.import_file = _guarded(_import)

@@ -1,75 +1,316 @@
-"""Export and import a set of entries between banks as one tar file (rows JSON + blobs)."""
+"""Export and import a set of entries between banks as one tar file (rows JSON + blobs).
+
+An export file is untrusted input. Import never extracts anything: it reads two kinds of
+member by exact name (``entries.json`` and ``blobs/<sha256>.safetensors`` for digests the
+rows declare), only regular members, each size-checked before it is read. Every row is
+rebuilt from a whitelist of columns (its compatibility key recomputed, hits reset), every
+blob is checked (digest, header, every layer set decoded, no empty query row), and all
+rows go in one transaction: a bad file adds nothing.
+"""
 
 from __future__ import annotations
 
 import base64
+import binascii
+import contextlib
 import hashlib
 import io
 import json
+import os
+import stat
 import tarfile
+import time
+import uuid
 from pathlib import Path
 
-from .errors import BankError
+from safetensors.numpy import load as st_load
+
+from . import validation
+from .encoding import CODEC, decode_block_map
+from .errors import BankError, BankInvalidArgument
+from .store import _fault, _insert, compat_key, read_regular_file
 
 FORMAT = "chorus-bank-export-v1"
 ROWS_NAME = "entries.json"
+MAX_ROWS_BYTES = 512 * 2 ** 20  # entries.json of ~100,000 entries
+MAX_MEMBERS = 1_000_000
+EXPORT_COLUMNS = (
+    "id", "created", "fingerprint", "grid_t", "grid_h", "grid_w", "token_order",
+    "block_q", "block_k", "steps", "sampler", "scheduler", "shift", "step_buckets",
+    "density", "recall", "tags", "codec", "blob_sha256", "blob_bytes",
+    *validation.SIGNATURE_COLUMNS,
+)
 
 
 def _row_to_json(row: dict) -> dict:
-    return {k: (base64.b64encode(v).decode() if isinstance(v, bytes) else v)
-            for k, v in row.items() if k != "rowid"}
+    return {k: (base64.b64encode(row[k]).decode() if isinstance(row[k], bytes) else row[k])
+            for k in EXPORT_COLUMNS}
 
 
-def _row_from_json(row: dict) -> dict:
-    return {k: (base64.b64decode(v) if k.startswith("sig_") and v else v) for k, v in row.items()}
-
-
+# ---- export -----------------------------------------------------------------------------
 def export_entries(bank, out_path, tag: str | None = None, ids=None) -> int:
-    """Write the chosen ok entries (all, by ``tag`` or by ``ids``) and their blobs to a tar.
+    """Write the chosen healthy entries (all, by ``tag`` or by ``ids``) and their blobs to a
+    tar. The file appears complete or not at all (written aside, then renamed). An entry
+    whose blob fails its checks is left out and quarantined (read-only: reported).
 
     :return: number of entries written
     """
+    out = Path(out_path).expanduser()
+    _check_export_target(out)
     wanted = [r["id"] for r in bank.entries(tag=tag) if r["status"] == "ok"]
     if ids is not None:
-        wanted = [i for i in wanted if i in set(ids)]
-    rows = [bank._get_row(i) for i in wanted]
-    with tarfile.open(out_path, "w") as tar:
-        for name in sorted({r["blob_name"] for r in rows}):
-            tar.add(bank.blob_path(name), arcname=f"blobs/{name}")
-        payload = json.dumps({"format": FORMAT, "rows": [_row_to_json(r) for r in rows]}).encode()
-        info = tarfile.TarInfo(ROWS_NAME)
-        info.size = len(payload)
-        tar.addfile(info, io.BytesIO(payload))
+        chosen = set(ids)
+        for entry_id in chosen:
+            if not validation.is_entry_id(entry_id):
+                raise BankInvalidArgument(f"{str(entry_id)[:80]!r} is not an entry id (32 hex "
+                                          "digits); list them with `python -m chorus_core.bank list PATH`.")
+        wanted = [i for i in wanted if i in chosen]
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex}"
+    try:
+        count = _write_tar(bank, tmp, wanted)
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise BankError(f"Cannot write the export file {out} ({exc.strerror or exc}); check the "
+                        "folder's permissions and free space.") from exc
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return count
+
+
+def _check_export_target(out: Path) -> None:
+    if not out.parent.is_dir():
+        raise BankError(f"Cannot export to {out}: the folder {out.parent} does not exist. "
+                        "Create it first, or pick a file in an existing folder.")
+    if os.path.lexists(out) and not stat.S_ISREG(os.lstat(out).st_mode):
+        raise BankError(f"Cannot export to {out}: it exists and is not a regular file. "
+                        "Pick a file name (e.g. pan.tar).")
+
+
+def _write_tar(bank, tmp: Path, wanted: list[str]) -> int:
+    rows, written = [], set()
+    with tarfile.open(tmp, "w") as tar:
+        for entry_id in wanted:
+            row = bank._get_row(entry_id)
+            reason, loaded = bank._problem(row)
+            if reason is not None:
+                bank._quarantine_row(row, reason, recheck=True)
+                continue
+            data = loaded[1]
+            if row["blob_sha256"] not in written:
+                _add_member(tar, f"blobs/{validation.blob_name(row['blob_sha256'])}", data)
+                written.add(row["blob_sha256"])
+            rows.append(_row_to_json(row))
+        payload = json.dumps({"format": FORMAT, "rows": rows}).encode()
+        _add_member(tar, ROWS_NAME, payload)
     return len(rows)
 
 
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
+# ---- import -----------------------------------------------------------------------------
+class _ExportFile:
+    """Read-only view of an export tar: regular members by exact name, bounded reads."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            info = os.stat(path)
+        except OSError as exc:
+            raise BankError(f"Cannot read export file {path} ({exc.strerror}); check the "
+                            "path.") from exc
+        if not stat.S_ISREG(info.st_mode):
+            raise BankError(f"Export file {path} is a {_kind(info.st_mode)}, not a file; "
+                            "pass a tar made by `python -m chorus_core.bank export BANK FILE`.")
+        try:
+            self.tar = tarfile.open(path, "r:")  # plain tar only: no decompression work
+            self.members = self._index()
+        except (OSError, EOFError, tarfile.TarError) as exc:
+            raise self._bad(f"not an uncompressed tar ({exc})") from exc
+
+    def _index(self) -> dict:
+        members = {}
+        for count, info in enumerate(self.tar, start=1):
+            if count > MAX_MEMBERS:
+                raise self._bad(f"more than {MAX_MEMBERS} members")
+            if info.name in members:
+                raise self._bad(f"two members are named {info.name[:100]!r}")
+            members[info.name] = info
+        self.tar.members = []  # the index above is all we keep
+        return members
+
+    def _bad(self, why: str) -> BankError:
+        return BankError(f"{self.path} is not a valid Chorus bank export: {why}. Nothing was "
+                         "imported. Export it again with `python -m chorus_core.bank export BANK FILE`.")
+
+    def read(self, name: str, size: int | None, limit: int) -> bytes:
+        """Bytes of regular member ``name``; ``size`` (when given) must match its header."""
+        info = self.members.get(name)
+        if info is None:
+            raise self._bad(f"member {name} is missing")
+        if not info.isreg():
+            raise self._bad(f"member {name} is a link or special file, not a regular file")
+        if info.size > limit or (size is not None and info.size != size):
+            raise self._bad(f"member {name} declares {info.size} bytes, expected "
+                            f"{size if size is not None else f'at most {limit}'}")
+        try:
+            data = self.tar.extractfile(info).read(info.size)
+        except (OSError, EOFError, tarfile.TarError) as exc:
+            raise self._bad(f"member {name} is unreadable ({exc})") from exc
+        if len(data) != info.size:
+            raise self._bad(f"member {name} is truncated ({len(data)} of {info.size} bytes)")
+        return data
+
+    def close(self) -> None:
+        self.tar.close()
+
+
+def _kind(mode: int) -> str:
+    return "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
+
+
+def _signature(value, key) -> bytes | None:
+    if value is None:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True) if isinstance(value, str) else None
+    except (binascii.Error, ValueError):
+        raw = None
+    if raw is None:
+        raise ValueError(f"{key} is not base64 text")
+    return validation.signature_bytes(raw, key)
+
+
+def rebuild_row(raw) -> tuple[dict, validation.EntrySpec]:
+    """A row fit for insertion, built only from checked whitelisted values of ``raw``."""
+    if not isinstance(raw, dict):
+        raise ValueError("row is not a JSON object")
+    if not validation.is_entry_id(raw.get("id")):
+        raise ValueError(f"id {str(raw.get('id'))[:80]!r} is not 32 lowercase hex digits")
+    spec = validation.entry_spec(raw)
+    sha = raw.get("blob_sha256")
+    if not validation.is_sha256(sha):
+        raise ValueError(f"blob_sha256 {str(sha)[:80]!r} is not 64 lowercase hex digits")
+    size = raw.get("blob_bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= spec.max_blob_bytes:
+        raise ValueError(f"blob_bytes {str(size)[:40]!r} is not within 1..{spec.max_blob_bytes} "
+                         "(the most its layout allows)")
+    if raw.get("codec") != CODEC:
+        raise ValueError(f"codec {str(raw.get('codec'))[:40]!r} is not {CODEC}")
+    created = validation.finite(raw.get("created", time.time()), "created", 0.0)
+    layout, schedule = spec.layout, spec.schedule
+    row = {
+        "id": raw["id"], "created": min(created, time.time()), "last_hit": None, "hits": 0,
+        "compat": compat_key(spec.fingerprint, layout), "fingerprint": spec.fingerprint.key(),
+        "grid_t": layout.grid[0], "grid_h": layout.grid[1], "grid_w": layout.grid[2],
+        "token_order": layout.token_order,
+        "block_q": layout.block_size[0], "block_k": layout.block_size[1],
+        "steps": schedule.steps, "sampler": schedule.sampler, "scheduler": schedule.scheduler,
+        "shift": schedule.shift, "step_buckets": json.dumps(schedule.step_buckets),
+        "density": validation.finite(raw.get("density"), "density", 0.0, 1.0),
+        "recall": validation.finite(raw.get("recall"), "recall", 0.0, 1.0, optional=True),
+        "tags": validation.tags_json(raw.get("tags")), "status": "ok", "status_reason": None,
+        "codec": CODEC, "blob_name": validation.blob_name(sha), "blob_bytes": size,
+        "blob_sha256": sha,
+        **{k: _signature(raw.get(k), k) for k in validation.SIGNATURE_COLUMNS},
+    }
+    return row, spec
+
+
+def check_blob(data: bytes, sha: str, spec: validation.EntrySpec) -> None:
+    """Digest, header and every decoded layer set of a blob, against its row's records."""
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise ValueError("fails its sha256")
+    meta = validation.check_header(validation.read_header(data), spec.shape)
+    try:
+        tensors = st_load(data)
+    except Exception as exc:  # safetensors' own error types
+        raise ValueError(f"is not a readable safetensors file ({exc})") from None
+    s_count, layers = spec.shape[:2]
+    for bucket in range(s_count):
+        for layer in range(layers):
+            try:
+                maps = decode_block_map(tensors, meta, bucket, layer)
+            except Exception as exc:  # bounded decode's ValueError, zlib.error, IndexError
+                raise ValueError(f"bucket {bucket} layer {layer} does not decode "
+                                 f"({type(exc).__name__}: {exc})") from None
+            try:
+                validation.check_block_map(maps, spec.shape[2:])
+            except ValueError as exc:
+                raise ValueError(f"bucket {bucket} layer {layer}: {exc}") from None
+
+
+def _load_rows(export: _ExportFile) -> list[tuple[dict, validation.EntrySpec]]:
+    try:
+        doc = json.loads(export.read(ROWS_NAME, None, MAX_ROWS_BYTES))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise export._bad(f"{ROWS_NAME} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise export._bad(f"format is {str(found)[:60]!r}, not {FORMAT!r}")
+    if not isinstance(doc.get("rows"), list):
+        raise export._bad(f"{ROWS_NAME} has no list of rows")
+    rows, seen = [], set()
+    for i, raw in enumerate(doc["rows"]):
+        try:
+            row, spec = rebuild_row(raw)
+        except ValueError as exc:
+            label = raw.get("id") if isinstance(raw, dict) else None
+            raise export._bad(f"row {i} ({str(label)[:80]!r}): {exc}") from None
+        if row["id"] in seen:
+            raise export._bad(f"entry {row['id']} appears twice")
+        seen.add(row["id"])
+        rows.append((row, spec))
+    return rows
+
+
 def import_entries(bank, in_path) -> dict:
-    """Add the entries of an export file that the bank lacks; blobs are checked first.
+    """Add the entries of an export file that the bank lacks, in one transaction.
 
     :return: ``{"added": n, "skipped": n}`` (skipped: id already present)
+    :raises BankError: the file is not a valid export, or any row or blob in it fails its
+        checks (then nothing is added)
     """
-    path = Path(in_path)
+    bank._check_writable()
+    export = _ExportFile(Path(in_path).expanduser())
     try:
-        tar = tarfile.open(path, "r")
-    except (OSError, tarfile.TarError) as exc:
-        raise BankError(f"Cannot read export file {path} ({exc}); "
-                        "make it with `python -m chorus_core.bank export BANK FILE`.") from exc
-    with tar:
-        doc = json.loads(tar.extractfile(ROWS_NAME).read())
-        if doc.get("format") != FORMAT:
-            raise BankError(f"{path} is not a Chorus bank export ({doc.get('format')!r}).")
-        added = skipped = 0
-        for row in map(_row_from_json, doc["rows"]):
-            if bank.db.execute("SELECT 1 FROM entries WHERE id = ?", [row["id"]]).fetchone():
+        rows = _load_rows(export)
+        sizes = {}
+        for row, spec in rows:  # check every blob before anything is written
+            sha = row["blob_sha256"]
+            if sizes.setdefault(sha, row["blob_bytes"]) != row["blob_bytes"]:
+                raise export._bad(f"rows give blob {sha} two different sizes")
+            data = export.read(f"blobs/{row['blob_name']}", row["blob_bytes"], spec.max_blob_bytes)
+            try:
+                check_blob(data, sha, spec)
+            except ValueError as exc:
+                raise export._bad(f"the blob of entry {row['id']} {exc}") from None
+            bank._write_blob(data, sha)  # content-addressed: harmless if the import fails
+        return _insert_rows(bank, export, rows)
+    finally:
+        export.close()
+
+
+def _insert_rows(bank, export: _ExportFile, rows) -> dict:
+    added = skipped = 0
+    with bank._write(bump=False):
+        for row, _ in rows:
+            if bank.conn.execute("SELECT 1 FROM entries WHERE id = ?", [row["id"]]).fetchone():
                 skipped += 1
                 continue
-            data = tar.extractfile(f"blobs/{row['blob_name']}").read()
-            if hashlib.sha256(data).hexdigest() != row["blob_sha256"]:
-                raise BankError(f"Blob of entry {row['id']} in {path} fails its sha256; "
-                                "export it again from a bank that verifies.")
-            bank._write_blob(data, row["blob_sha256"])
-            row.update(hits=0, last_hit=None)
-            with bank._write():
-                bank.db["entries"].insert(row)
+            path = bank._blob_path(row["blob_sha256"])
+            data, _ = read_regular_file(path, row["blob_bytes"])
+            if data is None or hashlib.sha256(data).hexdigest() != row["blob_sha256"]:
+                # removed or damaged since we wrote it: write it again, under the lock
+                bank._write_blob(export.read(f"blobs/{row['blob_name']}", row["blob_bytes"],
+                                             row["blob_bytes"]), row["blob_sha256"])
+            _insert(bank.conn, row)
             added += 1
+        _fault("import-before-commit")
+        if added:
+            bank._bump("generation")
     return {"added": added, "skipped": skipped}

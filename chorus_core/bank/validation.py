@@ -1,0 +1,315 @@
+"""Checks that keep bad rows, blobs and export files from doing harm: ids, names, sizes,
+safetensors headers, block maps, and the rebuilding of a row from untrusted values.
+
+Everything here is pure (no file or database access) so each check is cheap and testable.
+A failed check raises ``ValueError`` with the reason; the store turns it into quarantine or
+a :class:`~chorus_core.bank.errors.BankError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .encoding import CODEC
+from .fingerprint import ModelFingerprint
+from .records import LatentLayout, Schedule
+from .signature import COMPONENTS, DIM
+
+ENTRY_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex, as add_entry makes them
+SHA256 = re.compile(r"[0-9a-f]{64}")
+BLOB_SUFFIX = ".safetensors"
+
+# Bounds of a shape Chorus will store or decode. Wan 2.1 720p x 81 frames is 3 buckets x
+# 40 layers x 40 heads x 591 x 591 blocks (14 M elements per layer set); these leave room
+# for longer or larger videos while refusing shapes that ask for tens of GiB.
+MAX_BUCKETS = 64
+MAX_LAYERS = 256
+MAX_HEADS = 256
+MAX_LAYER_ELEMENTS = 2 ** 28  # one decoded [H, nq, nk] bool map: at most 256 MiB
+MAX_HEADER_BYTES = 16 * 2 ** 20
+_TENSOR_NAME = re.compile(r"b(\d+)\.l(\d+)\.([cdex])")
+
+
+def is_entry_id(value) -> bool:
+    return isinstance(value, str) and ENTRY_ID.fullmatch(value) is not None
+
+
+def is_sha256(value) -> bool:
+    return isinstance(value, str) and SHA256.fullmatch(value) is not None
+
+
+def blob_name(sha: str) -> str:
+    """The only blob name Chorus uses: derived from the content digest, never from a row."""
+    if not is_sha256(sha):
+        raise ValueError(f"blob sha256 {sha!r} is not 64 lowercase hex digits")
+    return sha + BLOB_SUFFIX
+
+
+def inside(folder_real: str, path) -> bool:
+    """Whether ``path`` lies inside ``folder_real`` (an already resolved folder) once its
+    parent folders are resolved; the last component is not followed, so a symlink placed
+    in the bank counts as inside and can be moved without touching its target."""
+    path = os.fspath(path)
+    parent = os.path.realpath(os.path.dirname(path))
+    full = os.path.join(parent, os.path.basename(path))
+    return os.path.commonpath([folder_real, full]) == folder_real and full != folder_real
+
+
+# ---- shapes and sizes -------------------------------------------------------------------
+def check_shape_bounds(shape) -> None:
+    """Refuse shapes no sane entry has, before anything is allocated for them."""
+    s_count, layers, heads, nq, nk = shape
+    if min(shape) < 1:
+        raise ValueError(f"mask shape {tuple(shape)} has an empty dimension")
+    if s_count > MAX_BUCKETS or layers > MAX_LAYERS or heads > MAX_HEADS \
+            or heads * nq * nk > MAX_LAYER_ELEMENTS:
+        raise ValueError(
+            f"mask shape {tuple(shape)} is larger than Chorus stores (at most {MAX_BUCKETS} "
+            f"buckets, {MAX_LAYERS} layers, {MAX_HEADS} heads and {MAX_LAYER_ELEMENTS} "
+            "blocks per layer)")
+
+
+def max_blob_bytes(shape) -> int:
+    """Largest blob a valid entry of ``shape`` can have: 4x its raw bit size plus headers.
+
+    The codec stores kept-block indices; a mask of any density costs at most ~2.5 bits per
+    block after zlib (measured on random masks of 1-99 % density), so 32 bits per 8 blocks
+    is a generous ceiling that still refuses a 2 GB file in place of a 1 MB entry.
+    """
+    s_count, layers, heads, nq, nk = (int(x) for x in shape)
+    raw = -(-(s_count * layers * heads * nq * nk) // 8)
+    return 4 * raw + 512 * s_count * layers + 2 ** 20
+
+
+def expected_shape(schedule: Schedule, fingerprint: ModelFingerprint, layout: LatentLayout) -> tuple:
+    """(buckets, layers, heads, nq, nk) that an entry with these records must have."""
+    return (len(schedule.step_buckets), fingerprint.layers, fingerprint.heads, *layout.blocks)
+
+
+# ---- masks ------------------------------------------------------------------------------
+def check_block_map(maps: np.ndarray, shape) -> None:
+    """A decoded ``[H, nq, nk]`` map: right shape, bool, and every query row keeps a block
+    (an empty row has no key to attend to and makes the kernel's softmax undefined)."""
+    if tuple(maps.shape) != tuple(shape):
+        raise ValueError(f"decoded block map has shape {tuple(maps.shape)}, "
+                         f"the entry declares {tuple(shape)}")
+    if maps.dtype != bool:
+        raise ValueError(f"decoded block map has dtype {maps.dtype}, expected bool")
+    empty = ~maps.any(axis=-1)
+    if empty.any():
+        head, row = (int(x) for x in np.argwhere(empty)[0])
+        raise ValueError(f"block map has {int(empty.sum())} empty query rows "
+                         f"(first: head {head}, query block {row})")
+
+
+def check_masks(masks: np.ndarray) -> None:
+    """Masks handed to ``add_entry``: bool ``[S, L, H, nq, nk]`` with no empty query row."""
+    empty = ~masks.any(axis=-1)
+    if empty.any():
+        s, layer, head, row = (int(x) for x in np.argwhere(empty)[0])
+        raise ValueError(f"{int(empty.sum())} query rows keep no key block (first: bucket {s}, "
+                         f"layer {layer}, head {head}, query block {row})")
+
+
+# ---- safetensors header -----------------------------------------------------------------
+def read_header(data: bytes) -> dict:
+    """The JSON header of a safetensors file, without loading any tensor."""
+    if len(data) < 8:
+        raise ValueError(f"blob of {len(data)} bytes is too short for a safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if size > min(MAX_HEADER_BYTES, len(data) - 8):
+        raise ValueError(f"safetensors header declares {size} bytes, the blob has {len(data)}")
+    try:
+        header = json.loads(data[8:8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a JSON object")
+    header["__data_bytes__"] = len(data) - 8 - size
+    return header
+
+
+def check_header(header: dict, shape) -> dict:
+    """Check a blob's header against the shape its row declares; return the Chorus metadata.
+
+    Only uint8 1-D tensors with the codec's names, spans that tile the data exactly, and
+    metadata whose codec, shape, coarsening and stored grid match ``shape``.
+    """
+    header = dict(header)
+    data_bytes = header.pop("__data_bytes__")
+    meta = _chorus_meta(header.pop("__metadata__", None), shape)
+    spans, names = [], {}
+    for name, info in header.items():
+        match = _TENSOR_NAME.fullmatch(name)
+        if match is None:
+            raise ValueError(f"unexpected tensor {name[:80]!r} in the blob")
+        if not isinstance(info, dict) or info.get("dtype") != "U8":
+            raise ValueError(f"tensor {name} is not uint8")
+        dims, offsets = info.get("shape"), info.get("data_offsets")
+        if not (_int_list(dims, 1) and _int_list(offsets, 2)) or offsets[1] - offsets[0] != dims[0]:
+            raise ValueError(f"tensor {name} has a malformed shape or span")
+        spans.append(tuple(offsets))
+        names.setdefault((int(match[1]), int(match[2])), set()).add(match[3])
+    _check_spans(sorted(spans), data_bytes)
+    _check_parts(names, shape)
+    return meta
+
+
+def _int_list(value, length) -> bool:
+    return (isinstance(value, list) and len(value) == length
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value))
+
+
+def _chorus_meta(raw, shape) -> dict:
+    try:
+        meta = json.loads(raw["chorus"])
+    except (TypeError, KeyError, json.JSONDecodeError):
+        raise ValueError("blob metadata has no Chorus record") from None
+    if not isinstance(meta, dict) or meta.get("codec") != CODEC:
+        raise ValueError(f"blob codec {meta.get('codec') if isinstance(meta, dict) else None!r} "
+                         f"is not {CODEC}")
+    declared = ",".join(map(str, shape))
+    if meta.get("shape") != declared:
+        raise ValueError(f"blob declares mask shape {str(meta.get('shape'))[:80]!r}, "
+                         f"its row's model, layout and schedule say {declared!r}")
+    nq, nk = shape[3], shape[4]
+    coarsen = meta.get("coarsen")
+    if not (isinstance(coarsen, str) and coarsen.isdigit() and 1 <= int(coarsen) <= max(nq, nk)):
+        raise ValueError(f"blob declares coarsening {str(coarsen)[:20]!r}")
+    c = int(coarsen)
+    if meta.get("stored_blocks") != f"{-(-nq // c)},{-(-nk // c)}":
+        raise ValueError(f"blob declares stored blocks {str(meta.get('stored_blocks'))[:40]!r}, "
+                         f"coarsening {c} of {nq}x{nk} gives {-(-nq // c)},{-(-nk // c)}")
+    return {k: meta[k] for k in ("codec", "shape", "stored_blocks", "coarsen")}
+
+
+def _check_spans(spans, data_bytes: int) -> None:
+    end = 0
+    for start, stop in spans:
+        if start != end:
+            raise ValueError("tensor spans overlap or leave gaps")
+        end = stop
+    if end != data_bytes:
+        raise ValueError(f"tensors cover {end} bytes, the blob holds {data_bytes}")
+
+
+def _check_parts(names: dict, shape) -> None:
+    s_count, layers = shape[0], shape[1]
+    for (s, layer), parts in names.items():
+        if s >= s_count or layer >= layers:
+            raise ValueError(f"tensor for bucket {s} / layer {layer} is outside shape {tuple(shape)}")
+    for layer in range(layers):
+        if names.get((0, layer)) != set("cde"):
+            raise ValueError(f"bucket 0 of layer {layer} lacks its c/d/e parts")
+        for s in range(1, s_count):
+            if names.get((s, layer)) not in ({"x"}, set("cde")):
+                raise ValueError(f"bucket {s} of layer {layer} has parts "
+                                 f"{sorted(names.get((s, layer), ()))}, expected x or c/d/e")
+
+
+# ---- rows -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EntrySpec:
+    """What a row says its entry is; every value checked."""
+
+    fingerprint: ModelFingerprint
+    layout: LatentLayout
+    schedule: Schedule
+    shape: tuple
+
+    @property
+    def max_blob_bytes(self) -> int:
+        return max_blob_bytes(self.shape)
+
+
+def _positive_int(row, key, limit=2 ** 31) -> int:
+    value = row.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit:
+        raise ValueError(f"{key} must be a positive integer, got {str(value)[:40]!r}")
+    return value
+
+
+def _text(row, key, limit=64) -> str:
+    value = row.get(key)
+    if not isinstance(value, str) or len(value) > limit:
+        raise ValueError(f"{key} must be text of at most {limit} characters")
+    return value
+
+
+def finite(value, key, low=-math.inf, high=math.inf, optional=False):
+    if value is None and optional:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) \
+            or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"{key} must be a finite number in [{low}, {high}], got {str(value)[:40]!r}")
+    return float(value)
+
+
+def parse_fingerprint(text) -> ModelFingerprint:
+    try:
+        fields = json.loads(text)
+        fp = ModelFingerprint(architecture=_text(fields, "architecture"),
+                              dim=_positive_int(fields, "dim"),
+                              layers=_positive_int(fields, "layers", MAX_LAYERS),
+                              heads=_positive_int(fields, "heads", MAX_HEADS),
+                              in_dim=_positive_int(fields, "in_dim"),
+                              digest=_text(fields, "digest", 128))
+    except (TypeError, AttributeError, json.JSONDecodeError):
+        raise ValueError("fingerprint is not a JSON model fingerprint") from None
+    return fp
+
+
+def entry_spec(row: dict) -> EntrySpec:
+    """Rebuild and check the records of a row (from the index or from an export file)."""
+    fp = parse_fingerprint(row.get("fingerprint"))
+    layout = LatentLayout(grid=(_positive_int(row, "grid_t", 4096), _positive_int(row, "grid_h", 4096),
+                                _positive_int(row, "grid_w", 4096)),
+                          token_order=_text(row, "token_order", 16),
+                          block_size=(_positive_int(row, "block_q", 4096),
+                                      _positive_int(row, "block_k", 4096)))
+    try:
+        buckets = json.loads(row.get("step_buckets"))
+        if not (isinstance(buckets, list) and 0 < len(buckets) <= MAX_BUCKETS
+                and all(_int_list(b, 2) for b in buckets)):
+            raise ValueError
+        schedule = Schedule(steps=_positive_int(row, "steps", 10_000), sampler=_text(row, "sampler"),
+                            scheduler=_text(row, "scheduler"),
+                            shift=finite(row.get("shift"), "shift"), step_buckets=buckets)
+    except (TypeError, json.JSONDecodeError, ValueError) as exc:
+        raise ValueError(f"step buckets unreadable ({exc or 'not a list of [start, end]'})") from None
+    except Exception as exc:  # BankIncompatible from Schedule: not contiguous
+        raise ValueError(str(exc)) from None
+    shape = expected_shape(schedule, fp, layout)
+    check_shape_bounds(shape)
+    return EntrySpec(fp, layout, schedule, shape)
+
+
+def signature_bytes(value, key) -> bytes | None:
+    """A signature component as stored: None or DIM float32 values, all finite."""
+    if value is None:
+        return None
+    if not isinstance(value, bytes) or len(value) != DIM * 4:
+        raise ValueError(f"{key} must be {DIM} float32 values")
+    if not np.isfinite(np.frombuffer(value, np.float32)).all():
+        raise ValueError(f"{key} holds NaN or infinite values")
+    return value
+
+
+def tags_json(value) -> str:
+    try:
+        tags = json.loads(value) if value is not None else []
+    except (TypeError, json.JSONDecodeError):
+        raise ValueError("tags must be a JSON list of text") from None
+    if not (isinstance(tags, list) and len(tags) <= 64
+            and all(isinstance(t, str) and len(t) <= 200 for t in tags)):
+        raise ValueError("tags must be a list of at most 64 texts of at most 200 characters")
+    return json.dumps(sorted(set(tags)))
+
+
+SIGNATURE_COLUMNS = tuple(f"sig_{c}" for c in COMPONENTS)
