@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Optional, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -39,6 +40,17 @@ class MaskProvider(Protocol):
 
     # Optional: ``observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)`` is called with
     # each self-attention call's q and k just before ``block_map`` (online prediction, recording).
+    # Optional: ``prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)``
+    # returns a ready :class:`PreparedMask` (a bank entry built before sampling); the patch then
+    # never converts a block map (see :func:`serve_prepared_mask`).
+
+
+@dataclass(frozen=True)
+class PreparedMask:
+    """A kernel-ready mask and its density, known on the host, so using it costs no host sync."""
+
+    mask: Any  # kernels.block_sparse.BlockSparseMask
+    density: float
 
 
 class DenseProvider:
@@ -136,6 +148,11 @@ class DenseWarmupProvider:
             return None
         return self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
 
+    def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device) -> Optional[PreparedMask]:
+        if step < self.warmup_steps or layer in self.dense_layers:
+            return None
+        return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
+
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         # Only where the inner provider will be asked: online prediction costs time.
         observer = getattr(self.inner, "observe", None)
@@ -152,3 +169,37 @@ def step_bucket_of(provider, step: int) -> Hashable:
     """The provider's bucket for ``step``; a provider without ``step_bucket`` buckets per step."""
     step_bucket = getattr(provider, "step_bucket", None)
     return step if step_bucket is None else step_bucket(step)
+
+
+def serve_prepared_mask(provider, layer, step, cond_or_uncond, num_heads, seq_len, batch, device) -> Optional[PreparedMask]:
+    """The provider's mask for one call, ready for the kernel; None runs the call dense.
+
+    A provider with ``prepared_mask`` answers directly; otherwise its block map is converted here
+    (one host sync for the live-block count and one for the density, once per step bucket).
+    """
+    prepared = getattr(provider, "prepared_mask", None)
+    if prepared is not None:
+        return prepared(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
+    block_map = provider.block_map(layer, step, list(cond_or_uncond), num_heads, seq_len, device)
+    if block_map is None:
+        return None
+    from ._siblings import import_sibling
+
+    block_sparse = import_sibling("kernels.block_sparse")
+    block_map = match_batch(block_map, len(cond_or_uncond), batch).to(device)
+    block_q, block_k = provider.block_size
+    mask = block_sparse.block_map_to_mask(block_map, block_q, block_k, seq_len)
+    return PreparedMask(mask, mask.density)
+
+
+def match_batch(block_map: torch.Tensor, chunks: int, batch: int) -> torch.Tensor:
+    """Map batch 1 (broadcast), one per element, or one per batch chunk (repeated over the chunk)."""
+    n = block_map.shape[0]
+    if n in (1, batch):
+        return block_map
+    if n == chunks and batch % chunks == 0:
+        return block_map.repeat_interleave(batch // chunks, dim=0)
+    raise ValueError(
+        f"provider returned a block map for batch {n}; this call has batch {batch} in {chunks} "
+        f"chunk(s) (cond_or_uncond), so the map's batch must be 1, {chunks} or {batch}"
+    )

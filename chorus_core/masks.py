@@ -26,6 +26,8 @@ __all__ = [
     "check_block_map",
     "MaskRecorder",
     "RecordedMasks",
+    "pack_bits",
+    "unpack_bits",
 ]
 
 
@@ -125,34 +127,54 @@ def check_block_map(block_map: torch.Tensor, nq: Optional[int] = None, nk: Optio
 # --------------------------------------------------------------------------------------------
 
 
+def pack_bits(block_map: torch.Tensor) -> torch.Tensor:
+    """bool ``[..., nk]`` -> uint8 ``[..., ceil(nk / 8)]``, most significant bit first (``np.packbits`` order)."""
+    nk = block_map.shape[-1]
+    padded = torch.nn.functional.pad(block_map.to(torch.uint8), (0, (-nk) % 8))
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=block_map.device)
+    return (padded.unflatten(-1, (-1, 8)) * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, nk: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
+    bits = (packed[..., None] >> shifts) & 1
+    return bits.flatten(-2)[..., :nk].bool()
+
+
 @dataclass
 class RecordedMasks:
-    """What ``MaskRecorder.finish`` returns."""
+    """What ``MaskRecorder.finish`` returns: packed block maps on the host, and their recall."""
 
-    block_maps: torch.Tensor  # bool [S, L, H, nq, nk]
+    packed: torch.Tensor  # uint8 [S, L, H, nq, ceil(nk / 8)] (see pack_bits)
+    nk: int
     recall: torch.Tensor  # float [S, L, H]: selected masks' recall against the recorded mass
     mean_recall: float
+    density: float  # share of blocks kept over all buckets, layers and heads
     seq_len: int
     block_size: int
 
     @property
-    def density(self) -> float:
-        return float(self.block_maps.float().mean())
+    def block_maps(self) -> torch.Tensor:
+        """bool ``[S, L, H, nq, nk]`` (unpacked on demand: 1.7 GB at 720p-14B, so only where needed)."""
+        return unpack_bits(self.packed, self.nk)
 
 
 class MaskRecorder:
-    """Accumulates block attention mass per (step bucket, layer) during a run; selects masks at the end.
+    """Accumulates block attention mass per (step bucket, layer) during a run and selects masks on the fly.
 
     Call ``record(layer, step, q, k)`` from the self-attention override; steps outside every
     bucket cost nothing. The mass of a bucket is the mean over its recorded steps and over the
-    batch (cond and uncond share one mask). ``finish()`` turns each mean into a block map with
-    ``select_blocks``.
+    batch (cond and uncond share one mask). When a layer's last recorded step of a bucket has
+    been seen, its mean is turned into a block map with ``select_blocks`` at once, on the
+    device of ``q``, and kept as packed bits; so only the accumulators of the bucket being
+    recorded exist at any time (float16 on a GPU: 1.1 GB for 40 layers at 720p-14B) and
+    ``finish()`` has almost nothing left to do.
 
     :param step_buckets: step indices per bucket, e.g. ``[[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]``.
     :param query_stride: estimate block mass from every ``query_stride``-th query (see
         ``kernels.block_mass.block_mass``); 1/stride of the recording cost.
-    :param store_device: where accumulators live (default: the device of the first ``q``); at
-        720p one (bucket, layer) is ``H * 591 * 591`` floats (56 MB for 40 heads).
+    :param accumulate_dtype: dtype of the running sums (default: float16 on CUDA, float32 elsewhere).
     """
 
     def __init__(
@@ -166,7 +188,7 @@ class MaskRecorder:
         keep_diagonal: bool = True,
         sink_blocks: Optional[Sequence[int]] = None,
         query_stride: int = 1,
-        store_device=None,
+        accumulate_dtype: Optional[torch.dtype] = None,
     ):
         self.num_layers, self.block_size, self.query_stride = num_layers, block_size, query_stride
         self.select_kwargs = dict(
@@ -179,11 +201,13 @@ class MaskRecorder:
                 if step in self.bucket_of_step:
                     raise ValueError(f"step {step} is in more than one bucket")
                 self.bucket_of_step[int(step)] = s
+        self.last_step = [max(steps) if len(steps) else None for steps in step_buckets]
         self.num_buckets = len(step_buckets)
-        self.store_device = store_device
+        self.accumulate_dtype = accumulate_dtype
         self.seq_len: Optional[int] = None
-        self._sums: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> float32 [H, nq, nk]
+        self._sums: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> [H, nq, nk], in flight
         self._counts: dict[tuple[int, int], int] = {}
+        self._done: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # packed, recall, kept
 
     def bucket(self, step: int) -> Optional[int]:
         """The bucket that records ``step``, or None when the step is not recorded."""
@@ -197,39 +221,49 @@ class MaskRecorder:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
         block_mass = import_sibling("kernels.block_mass")
-        mass = block_mass.block_mass(q, k, heads, self.block_size, query_stride=self.query_stride).mean(0)  # [H, nq, nk]
         n = block_mass.to_bhnd(q, heads).shape[2]
         if self.seq_len is None:
             self.seq_len = n
         elif n != self.seq_len:
             raise ValueError(f"recorded N={self.seq_len} before, got N={n}: one recorder per latent grid")
-        mass = mass.to(self.store_device) if self.store_device is not None else mass
         key = (s, layer)
+        if key in self._done:
+            return  # a sampler that evaluates a step twice (e.g. heun): the bucket is already selected
+        mass = block_mass.block_mass(q, k, heads, self.block_size, query_stride=self.query_stride).mean(0)  # [H, nq, nk]
+        dtype = self.accumulate_dtype or (torch.float16 if mass.is_cuda else torch.float32)
         if key in self._sums:
-            self._sums[key] += mass
+            self._sums[key] += mass.to(dtype)
         else:
-            self._sums[key] = mass.clone()
+            self._sums[key] = mass.to(dtype)
         self._counts[key] = self._counts.get(key, 0) + 1
+        if step == self.last_step[s]:
+            self._select(key)
+
+    def _select(self, key: tuple[int, int]) -> None:
+        """Turn a finished accumulator into packed bits and free it."""
+        mean = self._sums.pop(key).float() / self._counts[key]  # [H, nq, nk]
+        block_map = select_blocks(mean, **self.select_kwargs)
+        recall = mass_recall(mean, block_map, self.seq_len, self.block_size)
+        self._done[key] = (pack_bits(block_map), recall, block_map.sum(dtype=torch.int64))
 
     def finish(self) -> RecordedMasks:
-        """Select the masks: bool ``[S, L, H, nq, nk]`` plus their recall against the recorded mass."""
-        missing = [(s, l) for s in range(self.num_buckets) for l in range(self.num_layers) if (s, l) not in self._sums]
+        """The selected masks (packed, on the host) plus their recall against the recorded mass."""
+        for key in list(self._sums):
+            self._select(key)  # buckets whose last recorded step never came (fewer steps run)
+        missing = [(s, l) for s in range(self.num_buckets) for l in range(self.num_layers) if (s, l) not in self._done]
         if missing:
             raise ValueError(
                 f"no mass recorded for {len(missing)} (bucket, layer) pairs, first {missing[0]}: "
                 "record at least one step of every bucket on every layer"
             )
-        maps, recalls = [], []
-        for s in range(self.num_buckets):
-            # One layer at a time, freeing its sum: at 720p all 40 layers' selection temporaries
-            # would take several GB at once.
-            layer_maps, layer_recalls = [], []
-            for l in range(self.num_layers):
-                mean = self._sums.pop((s, l)) / self._counts[s, l]  # [H, nq, nk]
-                block_map = select_blocks(mean, **self.select_kwargs)
-                layer_maps.append(block_map)
-                layer_recalls.append(mass_recall(mean, block_map, self.seq_len, self.block_size))
-            maps.append(torch.stack(layer_maps))
-            recalls.append(torch.stack(layer_recalls))
-        recall = torch.stack(recalls)
-        return RecordedMasks(torch.stack(maps), recall, float(recall.mean()), self.seq_len, self.block_size)
+        keys = [(s, l) for s in range(self.num_buckets) for l in range(self.num_layers)]
+        packed = torch.stack([self._done[k][0] for k in keys])
+        recall = torch.stack([self._done[k][1] for k in keys]).float()
+        kept = torch.stack([self._done[k][2] for k in keys]).sum()
+        self._done.clear()
+        heads, nq = packed.shape[1:3]
+        nk = math.ceil(self.seq_len / self.block_size)
+        density = float(kept) / (len(keys) * heads * nq * nk)  # the one host sync of finish()
+        return RecordedMasks(packed.unflatten(0, (self.num_buckets, self.num_layers)).cpu(), nk,
+                             recall.unflatten(0, (self.num_buckets, self.num_layers)).cpu(),
+                             float(recall.mean()), density, self.seq_len, self.block_size)

@@ -13,17 +13,21 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .bank import LatentLayout, MaskBank, MatchResult, Schedule, Signature, build_signature, fingerprint_model
+from typing import Optional
+
+from . import bank_writer
+from .bank import LatentLayout, MaskBank, MatchResult, Schedule, Signature, build_signature, compat_key, fingerprint_model
+from .bank.encoding import PackedBlockMaps
 from .bank.signature import resolve_weights
-from .mask_provider import DenseProvider, DenseWarmupProvider, bucket_index, step_bucket_of
+from .entry_prefetch import EntryPrefetch
+from .mask_provider import DenseProvider, DenseWarmupProvider, bucket_index, serve_prepared_mask, step_bucket_of
 from .masks import MaskRecorder
 from .online_predictor import predict_block_map
-from .population_prior import population_prior
+from .prior_store import PRIOR_ENTRIES, load_prior
 from .sparse_patch import check_supported_model, get_run_stats, get_sparse_state, install_sparse_attention
 
 log = logging.getLogger("chorus")
 MISS_MODES = ("online", "prior", "dense")
-PRIOR_ENTRIES = 8  # most recently used compatible entries that form the population prior
 PATCH_SIZE = (1, 2, 2)  # Wan 2.1 patchify: latent (T, H, W) -> tokens (T, H/2, W/2)
 
 
@@ -110,7 +114,10 @@ def build_match_request(model_patcher, clip_vision_output, positive, latent: dic
 
 
 def match_request(bank: MaskBank, request: MatchRequest) -> ReuseMatch:
+    """Look the request up; a similar entry still being written is waited for, then hit."""
     started = time.perf_counter()
+    bank_writer.wait_for_similar(bank.root, compat_key(request.fingerprint, request.layout), request.signature,
+                                 request.threshold, request.weights)
     result = bank.match(request.signature, request.fingerprint, request.layout, threshold=request.threshold,
                         top_k=1, weights=request.weights)
     return ReuseMatch(bank=bank, request=request, result=result, match_ms=(time.perf_counter() - started) * 1e3)
@@ -129,7 +136,8 @@ class RunReport:
     density: float | None = None
     layers: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
-    recorded_entry_id: str | None = None
+    recorded_entry_id: str | None = None  # known at once; the entry is written in the background
+    recording: str | None = None  # "queued" when this run's masks were handed to the bank writer
     warnings: list = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -146,44 +154,68 @@ def scaled_bucket_starts(schedule: Schedule, steps: int) -> list[int]:
 
 
 class BankEntryProvider:
-    """Serves a bank entry's masks; each (bucket, layer) is decoded when the patch first asks."""
+    """Serves a bank entry (or a population prior) prefetched by :class:`EntryPrefetch`.
 
-    def __init__(self, entry_masks, steps: int):
-        self.entry = entry_masks
-        self.block_size = tuple(entry_masks.layout.block_size)
-        self.bucket_starts = scaled_bucket_starts(entry_masks.schedule, steps)
+    The kernel-ready masks of a step bucket are built once, at its first sparse call; a hit
+    adds no host sync, conversion or validation per attention call. When the entry turns out
+    unusable (corrupt, pruned meanwhile), every later call goes to ``fallback`` (a miss source).
+    """
 
-    def step_bucket(self, step: int) -> int:
-        return bucket_index(self.bucket_starts, step)
+    def __init__(self, prefetch: EntryPrefetch, steps: int, block_size: tuple[int, int], fallback=None):
+        self.prefetch, self.steps, self.fallback = prefetch, steps, fallback
+        self.block_size = tuple(block_size)
+        self.failure: Optional[str] = None  # why the entry could not serve, once known
+        self._bucket_starts: Optional[list[int]] = None
+
+    def _source(self):
+        """self while the entry serves, the fallback once it has failed (checked once: then cached)."""
+        if self.failure is None and self._bucket_starts is None:
+            try:  # the entry's schedule: known once the worker has loaded it
+                self._bucket_starts = scaled_bucket_starts(self.prefetch.entry().schedule, self.steps)
+            except Exception as exc:
+                self.failure = str(exc.__cause__ or exc)
+                log.warning("Chorus: %s; this run continues as a miss", self.failure)
+        if self.failure is not None and self.fallback is not None:
+            return self.fallback
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        return self
+
+    def step_bucket(self, step: int):
+        source = self._source()
+        return bucket_index(self._bucket_starts, step) if source is self else ("fallback", step_bucket_of(source, step))
+
+    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
+        source = self._source()
+        if source is not self and hasattr(source, "observe"):
+            source.observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
+
+    def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device):
+        source = self._source()
+        if source is not self:
+            return serve_prepared_mask(source, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
+        masks = self.prefetch.device_bucket(self.step_bucket(step), self.block_size, seq_len, device).masks
+        if layer >= len(masks):
+            return None
+        prepared = masks[layer]
+        if prepared.mask.heads != num_heads or prepared.mask.n_q_blocks != prepared.mask.live_counts.shape[2]:
+            raise ValueError(f"bank entry masks have {prepared.mask.heads} heads and "
+                             f"{prepared.mask.live_counts.shape[2]} query blocks; this run needs {num_heads} heads "
+                             f"over {seq_len} tokens. The bank's compatibility filter should have excluded it")
+        return prepared
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
-        block_map = self.entry.block_map(self.step_bucket(step), layer)  # [H, nq, nk]
+        """A bool map for callers that want one (Feature Reuse maps it to its shorter sequence)."""
+        source = self._source()
+        if source is not self:
+            return source.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
+        entry = self.prefetch.entry()
+        block_map = entry.block_map(self.step_bucket(step), layer)  # [H, nq, nk]
         expected = (num_heads, *(math.ceil(seq_len / b) for b in self.block_size))
         if tuple(block_map.shape) != expected:
-            raise ValueError(f"bank entry {self.entry.entry_id} has masks {tuple(block_map.shape)} for layer {layer}, "
+            raise ValueError(f"bank entry {entry.entry_id} has masks {tuple(block_map.shape)} for layer {layer}, "
                              f"this run needs {expected}; the bank's compatibility filter should have excluded it")
         return block_map[None].to(device)
-
-
-class PopulationPriorProvider:
-    """A miss served by the bank's population prior: per (bucket, layer), the blocks most often
-    kept by compatible entries, at their mean density. No per-step prediction on the GPU."""
-
-    def __init__(self, entries: list, steps: int, min_density: float, max_density: float):
-        self.entries = entries
-        self.block_size = tuple(entries[0].layout.block_size)
-        self.bucket_starts = scaled_bucket_starts(entries[0].schedule, steps)
-        self.min_density, self.max_density = min_density, max_density
-
-    def step_bucket(self, step: int) -> int:
-        return bucket_index(self.bucket_starts, step)
-
-    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
-        bucket = self.step_bucket(step)
-        maps = [entry.block_map(min(bucket, len(entry.step_buckets) - 1), layer) for entry in self.entries]
-        density = sum(m.float().mean().item() for m in maps) / len(maps)
-        density = min(max(density, self.min_density), self.max_density)
-        return population_prior(maps, density)[None].to(device)
 
 
 class OnlinePredictionProvider:
@@ -229,6 +261,9 @@ class RecordingProvider:
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
         return self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
 
+    def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device):
+        return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
+
 
 def recorded_steps(step_buckets, per_bucket: int = 2) -> list[list[int]]:
     """Which steps feed each bucket's recorded mass: the first and the middle one of the bucket."""
@@ -260,6 +295,8 @@ class ReuseRun:
         self.schedule = Schedule(steps=sampling.steps, sampler=sampling.sampler, scheduler=sampling.scheduler,
                                  shift=_model_shift(model_patcher))
         self.recording: RecordingProvider | None = None
+        self.prefetch: EntryPrefetch | None = None
+        self.entry_provider: BankEntryProvider | None = None
         self.patched = None
 
     def prepare(self, on_step=None):
@@ -287,17 +324,21 @@ class ReuseRun:
         if fingerprint_patcher(self.model_patcher) != self.match.request.fingerprint:
             self.report.warnings.append("the sampler's model differs from the one the match was made for; running as a miss")
             return None
-        started = time.perf_counter()
-        try:
-            entry = self.match.bank.load_masks(result.entry_id)
-        except Exception as exc:  # corrupt, pruned meanwhile, locked database: a miss, never a failure
-            self.report.warnings.append(f"bank entry {result.entry_id} skipped: {exc}")
-            log.warning("Chorus: bank entry %s skipped (%s); running as a miss", result.entry_id, exc)
-            return None
-        self.report.timings["load_ms"] = round((time.perf_counter() - started) * 1e3, 2)
-        self.report.mode, self.report.entry_id = "hit", result.entry_id
-        self.report.mask_source = f"bank entry {result.entry_id}"
-        return BankEntryProvider(entry, self.sampling.steps)
+        bank, entry_id = self.match.bank, result.entry_id
+        self.report.mode, self.report.entry_id = "hit", entry_id
+        self.report.mask_source = f"bank entry {entry_id}"
+        # Loaded, verified and decoded in a worker while the dense warm-up step runs; a failure
+        # there (corrupt, pruned meanwhile) makes the rest of the run dense with a warning.
+        return self._prefetched(lambda: bank.load_masks(entry_id))
+
+    def _prefetched(self, load) -> BankEntryProvider:
+        self.prefetch = EntryPrefetch(load, pin=_on_cuda(self.model_patcher))
+        o = self.options
+        fallback = (DenseProvider((self.block_size, self.block_size)) if o.miss_mode == "dense" else
+                    OnlinePredictionProvider(self.block_size, o.top_p, o.min_density, o.max_density))
+        self.entry_provider = BankEntryProvider(self.prefetch, self.sampling.steps, (self.block_size, self.block_size),
+                                                fallback)
+        return self.entry_provider
 
     def _miss_provider(self):
         o = self.options
@@ -312,33 +353,32 @@ class ReuseRun:
         return OnlinePredictionProvider(self.block_size, o.top_p, o.min_density, o.max_density)
 
     def _prior_provider(self):
-        """The population prior of compatible entries, or None (then online) when the bank has none."""
+        """The bank's stored population prior (built once per bank content), or None (then online)."""
         if self.match is None:
             return None
-        request, bank = self.match.request, self.match.bank
+        request, bank, o = self.match.request, self.match.bank, self.options
         try:
-            ids = bank.compatible_entries(request.fingerprint, request.layout, limit=PRIOR_ENTRIES)
-            entries = [bank.load_masks(entry_id, record_hit=False) for entry_id in ids]
-        except Exception as exc:  # a damaged entry: predict online instead
+            compatible = bank.compatible_entries(request.fingerprint, request.layout, limit=PRIOR_ENTRIES)
+        except Exception as exc:  # an unreadable index: predict online instead
             self.report.warnings.append(f"population prior unavailable: {exc}")
             return None
-        if not entries:
+        if not compatible:
             return None
-        self.report.mask_source = f"population prior of {len(entries)} entries"
-        return PopulationPriorProvider(entries, self.sampling.steps, self.options.min_density,
-                                       self.options.max_density)
+        self.report.mask_source = f"population prior of {len(compatible)} entries"
+        return self._prefetched(lambda: load_prior(bank, request.fingerprint, request.layout,
+                                                   o.min_density, o.max_density))
 
     def _can_record(self) -> bool:
         return bool(self.match and self.options.record_on_miss and not self.match.bank.read_only)
 
     def _make_recorder(self) -> MaskRecorder:
         o = self.options
+        # Accumulators live on the model's device, one step bucket at a time (float16 on a GPU:
+        # 1.1 GB at 720p-14B), and each layer's masks are selected there as its bucket ends.
         return MaskRecorder(num_layers=len(self.model_patcher.model.diffusion_model.blocks),
                             step_buckets=recorded_steps(self.schedule.step_buckets), block_size=self.block_size,
                             top_p=o.top_p, min_density=o.min_density, max_density=o.max_density,
-                            query_stride=_recording_query_stride(self.model_patcher),
-                            # 3 buckets x 40 layers x 56 MB of float32 mass at 720p: host memory, not VRAM
-                            store_device="cpu")
+                            query_stride=_recording_query_stride(self.model_patcher))
 
     def progress(self, step_stats, run_stats) -> dict:
         """A per-step event for the web view: per-layer share of attention run sparse, so far."""
@@ -346,32 +386,67 @@ class ReuseRun:
                 "layers": _layer_rows(run_stats), "density": _mean_density(run_stats)}
 
     def finish(self) -> RunReport:
-        """Fill the report from the run's statistics; on a recorded miss add the masks to the bank."""
+        """Fill the report from the run's statistics; on a recorded miss queue the masks for the bank."""
+        started = time.perf_counter()
         stats = get_run_stats(self.patched)
         if stats is not None:
             self.report.layers, self.report.density = _layer_rows(stats), _mean_density(stats)
             self.report.timings["sampling_s"] = round(stats.seconds or 0.0, 3)
             self.report.warnings.extend(stats.warnings)
+        if self.entry_provider is not None and self.entry_provider.failure is not None:
+            self._report_fallback(self.entry_provider.failure)
+        if self.prefetch is not None:
+            self.prefetch.join()
+            self.report.timings.update({f"prefetch_{k}": round(v, 2) if isinstance(v, float) else v
+                                        for k, v in asdict(self.prefetch.timings).items()})
         if self.recording is not None:
             self._record()
+        self.report.timings["finish_ms"] = round((time.perf_counter() - started) * 1e3, 2)
         return self.report
 
+    def _report_fallback(self, failure: str) -> None:
+        fallback = "dense" if isinstance(self.entry_provider.fallback, DenseProvider) else "online prediction"
+        was = self.report.entry_id or self.report.mask_source
+        self.report.warnings.append(f"{self.report.mask_source} skipped: {failure}; ran as a miss ({fallback})")
+        self.report.mode, self.report.mask_source = "miss", f"{fallback} ({was} unusable)"
+
     def _record(self) -> None:
+        """Select on the device, copy packed bits to the host, queue the write: the prompt's thread goes on."""
         if self.recording.error is not None:
             self.report.warnings.append(f"masks not recorded: {self.recording.error}")
             return
         started = time.perf_counter()
         try:
             recorded = self.recording.recorder.finish()
-            request = self.match.request
-            self.report.recorded_entry_id = self.match.bank.add_entry(
-                fingerprint=request.fingerprint, layout=request.layout, schedule=self.schedule,
-                masks=recorded.block_maps.cpu(), signature=request.signature, density=recorded.density,
-                recall=recorded.mean_recall, tags=list(self.options.tags))
-        except Exception as exc:  # the generation itself succeeded: keep it whatever the bank says
+            pending = self._pending_write(recorded)
+            if bank_writer.default_writer().submit(pending):
+                self.report.recorded_entry_id = pending.entry_id
+                self.report.recording = "queued"
+            else:
+                self.report.warnings.append("masks not recorded: the bank writer is still busy with earlier "
+                                            "recordings; this request will be recorded next time it misses")
+        except Exception as exc:  # the generation itself succeeded: keep it whatever the recorder says
             self.report.warnings.append(f"masks not recorded: {exc}")
             log.warning("Chorus: masks from this run were not recorded: %s", exc)
         self.report.timings["record_ms"] = round((time.perf_counter() - started) * 1e3, 2)
+
+    def _pending_write(self, recorded) -> bank_writer.PendingWrite:
+        request, bank, schedule, o = self.match.request, self.match.bank, self.schedule, self.options
+        entry_id = bank_writer.new_entry_id()
+        masks = PackedBlockMaps(recorded.packed, recorded.nk)  # unpacked one (bucket, layer) at a time by the encoder
+
+        def write():
+            # Its own connection: SQLite connections are not shared between threads mid-transaction.
+            with MaskBank.open(bank.root) as writer_bank:
+                writer_bank.add_entry(  # TODO(lead): PackedBlockMaps through store validation
+fingerprint=request.fingerprint, layout=request.layout, schedule=schedule,
+                                      masks=masks.unpacked(), signature=request.signature, density=recorded.density,
+                                      recall=recorded.mean_recall, tags=list(o.tags), entry_id=entry_id)
+                load_prior(writer_bank, request.fingerprint, request.layout, o.min_density, o.max_density)
+
+        return bank_writer.PendingWrite(bank_root=str(bank.root), entry_id=entry_id,
+                                        compat=compat_key(request.fingerprint, request.layout),
+                                        signature=request.signature, write=write)
 
 
 def _layer_rows(stats) -> list[dict]:
@@ -393,8 +468,11 @@ def _model_shift(model_patcher) -> float:
     return float(getattr(sampling, "shift", 0.0) or 0.0)
 
 
+def _on_cuda(model_patcher) -> bool:
+    return getattr(getattr(model_patcher, "load_device", None), "type", "cpu") == "cuda"
+
+
 def _recording_query_stride(model_patcher) -> int:
     """Every 4th query estimates the block mass on a GPU: a quarter of the recording cost
     (tests/benchmarks/results/mask_costs_h200.md) for a block-mass error under 4e-4."""
-    device = getattr(model_patcher, "load_device", None)
-    return 4 if getattr(device, "type", "cpu") == "cuda" else 1
+    return 4 if _on_cuda(model_patcher) else 1

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from ._siblings import import_sibling
-from .mask_provider import MaskProvider, step_bucket_of
+from .mask_provider import MaskProvider, PreparedMask, match_batch, serve_prepared_mask, step_bucket_of
 
 __all__ = [
     "UnsupportedModelError",
@@ -276,46 +276,50 @@ class _Run:
 
     # ---- masks
 
-    def mask_for(self, layer, step, cond_or_uncond, heads, seq_len, batch, device):
-        """The converted mask for this call, or None for dense; converted once per step bucket."""
+    def mask_for(self, layer, step, cond_or_uncond, heads, seq_len, batch, device) -> Optional[PreparedMask]:
+        """The kernel-ready mask for this call, or None for dense; prepared once per step bucket."""
         bucket = step_bucket_of(self.provider, step)
         if bucket != self._bucket:
             self._masks.clear()
             self._bucket = bucket
         key = (layer, tuple(cond_or_uncond), batch, heads, seq_len, str(device))
         if key not in self._masks:
-            self._masks[key] = self._convert(layer, step, cond_or_uncond, heads, seq_len, batch, device)
+            self._masks[key] = serve_prepared_mask(self.provider, layer, step, list(cond_or_uncond), heads, seq_len,
+                                                   batch, device)
         return self._masks[key]
-
-    def _convert(self, layer, step, cond_or_uncond, heads, seq_len, batch, device):
-        block_map = self.provider.block_map(layer, step, list(cond_or_uncond), heads, seq_len, device)
-        if block_map is None:
-            return None
-        block_map = _match_batch(block_map, len(cond_or_uncond), batch).to(device)
-        block_q, block_k = self.provider.block_size
-        return _block_sparse().block_map_to_mask(block_map, block_q, block_k, seq_len)
 
     # ---- the attention call
 
     def attend(self, layer: int, transformer_options: dict, call: "_AttentionCall") -> Optional[torch.Tensor]:
-        """Block-sparse self-attention, or None when this call runs dense."""
+        """Block-sparse self-attention, or None when this call runs dense.
+
+        Any failure on the sparse path (mask source, conversion, validation, kernel compile or
+        launch) makes the rest of the run dense with one warning: it costs speed, never the generation.
+        """
         step = self.step_of(transformer_options)
-        mask = None
-        if step is not None and not self._disabled and self._kernel_usable(call):
-            cond_or_uncond = transformer_options.get("cond_or_uncond") or [0]
-            try:
-                self.observe(layer, step, cond_or_uncond, call)
-                mask = self.mask_for(layer, step, cond_or_uncond, call.heads, call.seq_len, call.batch, call.q.device)
-            except Exception as exc:  # a bad mask source must cost speed, never the generation
-                self._disable(f"masks unavailable at layer {layer}, step {step} ({type(exc).__name__}: {exc}); "
-                              "the rest of this run is dense")
-        self.record(layer, None if mask is None else mask.density)
-        if mask is None:
+        if step is None or self._disabled or not self._kernel_usable(call):
+            self.record(layer, None)
             return None
-        return _block_sparse().block_sparse_attention(
-            call.q, call.k, call.v, mask, call.heads,
-            skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape,
-        )
+        cond_or_uncond = transformer_options.get("cond_or_uncond") or [0]
+        stage = "masks unavailable"
+        try:
+            self.observe(layer, step, cond_or_uncond, call)
+            prepared = self.mask_for(layer, step, cond_or_uncond, call.heads, call.seq_len, call.batch, call.q.device)
+            if prepared is None:
+                self.record(layer, None)
+                return None
+            stage = "block-sparse attention failed"
+            out = _block_sparse().block_sparse_attention(
+                call.q, call.k, call.v, prepared.mask, call.heads,
+                skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape,
+            )
+        except Exception as exc:
+            self._disable(f"{stage} at layer {layer}, step {step} ({type(exc).__name__}: {exc}); "
+                          "the rest of this run is dense")
+            self.record(layer, None)
+            return None
+        self.record(layer, prepared.density)
+        return out
 
     def _kernel_usable(self, call: "_AttentionCall") -> bool:
         """On a GPU without Triton the torch reference would be slower than dense: stay dense."""
@@ -356,17 +360,7 @@ class _Run:
 _NO_BUCKET = object()
 
 
-def _match_batch(block_map: torch.Tensor, chunks: int, batch: int) -> torch.Tensor:
-    """Map batch 1 (broadcast), one per element, or one per batch chunk (repeated over the chunk)."""
-    n = block_map.shape[0]
-    if n in (1, batch):
-        return block_map
-    if n == chunks and batch % chunks == 0:
-        return block_map.repeat_interleave(batch // chunks, dim=0)
-    raise ValueError(
-        f"provider returned a block map for batch {n}; this call has batch {batch} in {chunks} "
-        f"chunk(s) (cond_or_uncond), so the map's batch must be 1, {chunks} or {batch}"
-    )
+_match_batch = match_batch  # old name, still imported by feature_reuse.py
 
 
 # --------------------------------------------------------------------------------------------

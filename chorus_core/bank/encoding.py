@@ -32,15 +32,33 @@ def _pack_indices(mask: np.ndarray) -> np.ndarray:
     return np.frombuffer(zlib.compress(shuffled, 9), dtype=np.uint8)
 
 
-def _indices(blob: np.ndarray) -> np.ndarray:
-    raw = np.frombuffer(zlib.decompress(blob.tobytes()), dtype=np.uint8)
-    gaps = raw.reshape(4, -1).T.copy().view("<u4").ravel()
-    return np.cumsum(gaps, dtype=np.int64)
+def _indices(blob: np.ndarray, size: int) -> np.ndarray:
+    """Sorted flat indices into an array of ``size`` elements; ValueError for anything else.
+
+    Decompression stops at the largest valid size (4 bytes per possible index), so a blob that
+    inflates far beyond it (a zlib bomb) costs at most that much memory and time.
+    """
+    limit = 4 * size
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(blob.tobytes(), limit + 1)
+    except zlib.error as exc:
+        raise ValueError(f"mask data does not decompress ({exc})") from exc
+    if len(raw) > limit or not inflater.eof:
+        raise ValueError(f"mask data inflates beyond the {limit} bytes its shape allows (or is cut short)")
+    if len(raw) % 4:
+        raise ValueError(f"mask data has {len(raw)} bytes, not a whole number of 4-byte gaps")
+    gaps = np.frombuffer(raw, dtype=np.uint8).reshape(4, -1).T.copy().view("<u4").ravel()
+    idx = np.cumsum(gaps, dtype=np.int64)
+    if idx.size and (idx[-1] >= size or (idx.size > 1 and not (gaps[1:] > 0).all())):
+        raise ValueError("mask data holds block indices outside its shape or out of order")
+    return idx
 
 
 def _unpack_indices(blob: np.ndarray, shape) -> np.ndarray:
-    out = np.zeros(int(np.prod(shape)), dtype=bool)
-    out[_indices(blob)] = True
+    size = int(np.prod(shape))
+    out = np.zeros(size, dtype=bool)
+    out[_indices(blob, size)] = True
     return out.reshape(shape)
 
 
@@ -73,7 +91,7 @@ def _join(parts: dict[str, np.ndarray], shape) -> np.ndarray:
     for r in range(1, nq):  # sequential by nature; vectorised over heads
         np.bitwise_xor(delta[:, r, 1:], window[:, r - 1, :-1], out=window[:, r, 1:])
         window[:, r, 0] = delta[:, r, 0]
-    window.reshape(-1)[_indices(parts["e"])] = True
+    window.reshape(-1)[_indices(parts["e"], window.size)] = True
     window |= cols[:, None, :]
     return window
 
@@ -105,33 +123,69 @@ def _as_numpy_bool(masks) -> np.ndarray:
     return masks
 
 
+class PackedBlockMaps:
+    """Block maps ``[S, L, H, nq, nk]`` kept as bits (``np.packbits`` order along ``nk``).
+
+    A recorded 720p-14B entry is 1.7 GB as bool and 210 MB packed; the encoder unpacks one
+    (bucket, layer) at a time, so the whole bool array never exists.
+
+    :param packed: uint8 ``[S, L, H, nq, ceil(nk / 8)]`` (numpy or a CPU torch tensor)
+    :param nk: key blocks per row
+    """
+
+    def __init__(self, packed, nk: int):
+        self.packed = np.asarray(packed.numpy() if hasattr(packed, "numpy") else packed, dtype=np.uint8)
+        if self.packed.ndim != 5 or self.packed.shape[-1] != -(-nk // 8):
+            raise ValueError(f"packed maps must be [S, L, H, nq, ceil({nk}/8)], got {self.packed.shape}")
+        self.nk = int(nk)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.nk)
+
+    def unpacked(self) -> np.ndarray:
+        """bool ``[S, L, H, nq, nk]`` (all of it: 1.7 GB at 720p-14B)."""
+        return np.unpackbits(self.packed, axis=-1, count=self.nk).astype(bool)
+
+    def layer_set(self, bucket: int, layer: int) -> np.ndarray:
+        """bool ``[H, nq, nk]`` of one step bucket and layer."""
+        return np.unpackbits(self.packed[bucket, layer], axis=-1, count=self.nk).astype(bool)
+
+
 def encode_masks(masks, coarsen: int = 1) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Encode bool block maps ``[S, L, H, nq, nk]`` into uint8 tensors and string metadata.
 
-    :param masks: bool torch tensor or numpy array ``[S, L, H, nq, nk]``
+    :param masks: bool torch tensor or numpy array ``[S, L, H, nq, nk]``, or :class:`PackedBlockMaps`
     :param coarsen: OR-pool factor (1 = lossless)
     :return: (tensors for safetensors, metadata for safetensors)
     """
-    masks = _as_numpy_bool(masks)
-    if masks.ndim != 5:
+    if not isinstance(masks, PackedBlockMaps):
+        masks = _as_numpy_bool(masks)
+    if len(masks.shape) != 5:
         raise ValueError(f"masks must be [S, L, H, nq, nk], got shape {masks.shape}; "
                          "stack one bool block map per (step bucket, layer, head).")
     s_count, layers, heads, nq, nk = masks.shape
-    stored = coarsen_maps(masks, coarsen)
+
+    def stored(s, layer):
+        maps = masks.layer_set(s, layer) if isinstance(masks, PackedBlockMaps) else masks[s, layer]
+        return coarsen_maps(maps, coarsen)
+
     tensors = {}
     for layer in range(layers):
-        base = stored[0, layer]
+        base = stored(0, layer)
         for part, arr in _split(base).items():
             tensors[f"b0.l{layer}.{part}"] = arr
         for s in range(1, s_count):
-            own = _split(stored[s, layer])
-            xor = _pack_indices(stored[s, layer] ^ base)
+            current = stored(s, layer)
+            own = _split(current)
+            xor = _pack_indices(current ^ base)
             if xor.size <= sum(a.size for a in own.values()):
                 tensors[f"b{s}.l{layer}.x"] = xor
             else:
                 tensors.update({f"b{s}.l{layer}.{p}": a for p, a in own.items()})
+    stored_blocks = (-(-nq // coarsen), -(-nk // coarsen))
     meta = {"codec": CODEC, "shape": ",".join(map(str, masks.shape)),
-            "stored_blocks": ",".join(map(str, stored.shape[-2:])), "coarsen": str(coarsen)}
+            "stored_blocks": ",".join(map(str, stored_blocks)), "coarsen": str(coarsen)}
     return tensors, meta
 
 
@@ -145,18 +199,43 @@ def decode_block_map(tensors: dict, meta: dict, bucket: int, layer: int) -> np.n
     """
     if meta.get("codec") != CODEC:
         raise ValueError(f"Unknown mask codec {meta.get('codec')!r}; upgrade Chorus to read it.")
-    s_count, layers, heads, nq, nk = (int(x) for x in meta["shape"].split(","))
+    s_count, layers, heads, nq, nk = _ints(meta, "shape", 5)
     if not (0 <= bucket < s_count and 0 <= layer < layers):
         raise IndexError(f"bucket {bucket} / layer {layer} out of range for an entry "
                          f"with {s_count} buckets and {layers} layers.")
-    sq, sk = (int(x) for x in meta["stored_blocks"].split(","))
+    sq, sk = _ints(meta, "stored_blocks", 2)
+    factor = _ints(meta, "coarsen", 1)[0]
+    if factor < 1 or -(-nq // factor) != sq or -(-nk // factor) != sk:
+        raise ValueError(f"mask metadata is inconsistent: stored blocks {sq}x{sk} at coarsen {factor} "
+                         f"for {nq}x{nk} blocks")
     shape = (heads, sq, sk)
 
     def parts(s):
-        return {p: tensors[f"b{s}.l{layer}.{p}"] for p in "cde"}
+        names = [f"b{s}.l{layer}.{p}" for p in "cde"]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"mask data lacks {', '.join(missing)}")
+        return dict(zip("cde", (_bytes_of(tensors[n]) for n in names)))
 
     if f"b{bucket}.l{layer}.x" in tensors:
-        maps = _join(parts(0), shape) ^ _unpack_indices(tensors[f"b{bucket}.l{layer}.x"], shape)
+        maps = _join(parts(0), shape) ^ _unpack_indices(_bytes_of(tensors[f"b{bucket}.l{layer}.x"]), shape)
     else:
         maps = _join(parts(bucket), shape)
-    return _upsample(maps, int(meta["coarsen"]), nq, nk)
+    return _upsample(maps, factor, nq, nk)
+
+
+def _ints(meta: dict, key: str, count: int) -> tuple[int, ...]:
+    """A comma-separated list of ``count`` non-negative ints from the metadata, or ValueError."""
+    try:
+        values = tuple(int(x) for x in str(meta[key]).split(","))
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"mask metadata {key!r} is missing or not integers") from exc
+    if len(values) != count or min(values) < 0:
+        raise ValueError(f"mask metadata {key!r} must hold {count} non-negative integers, got {meta[key]!r}")
+    return values
+
+
+def _bytes_of(part) -> np.ndarray:
+    if not isinstance(part, np.ndarray) or part.dtype != np.uint8 or part.ndim != 1:
+        raise ValueError("mask data parts must be 1-D uint8 arrays")
+    return part

@@ -1,0 +1,156 @@
+"""Recorded masks go into the bank on a background thread, so a miss never holds the queue.
+
+After a recording miss the prompt's thread only hands the recorded masks (packed bits on the
+host) to :func:`submit` and returns; one writer thread per process encodes them, adds the entry
+and refreshes that key's population prior. The queue is bounded: when it is full the new
+recording is dropped with a warning rather than delaying the next prompt. Crash safety comes
+from the bank itself: a process that dies before a write finishes loses that entry and never
+leaves half of it (the blob is renamed into place before its row commits).
+
+A request that arrives while a similar entry is still being written waits for that write
+(:func:`wait_for_similar`) and then hits it, instead of missing and recording the same masks again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+log = logging.getLogger("chorus")
+QUEUE_SIZE = 4  # recordings waiting to be written; more are dropped (each holds its masks in RAM)
+HISTORY = 64  # finished writes remembered for outcome()
+EXIT_FLUSH_S = 120.0  # at interpreter exit, how long pending writes may finish
+
+
+@dataclass
+class PendingWrite:
+    """One recording on its way into a bank."""
+
+    bank_root: str
+    entry_id: str
+    compat: str
+    signature: object  # chorus_core.bank.Signature
+    write: Callable[[], None]  # does the work; raises on failure
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[str] = None
+    submitted: float = field(default_factory=time.perf_counter)
+    seconds: Optional[float] = None
+
+
+class BankWriter:
+    """A single writer thread with a bounded queue (one per process: :func:`default_writer`)."""
+
+    def __init__(self, size: int = QUEUE_SIZE):
+        self._queue: "queue.Queue[PendingWrite]" = queue.Queue(maxsize=size)
+        self._pending: dict[str, PendingWrite] = {}
+        self._finished: "collections.OrderedDict[str, PendingWrite]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._serial = 0  # bumps at every submit and completion: part of the bank loader's cache key
+        self._thread = threading.Thread(target=self._run, name="chorus-bank-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, item: PendingWrite) -> bool:
+        """Queue ``item``; False (and nothing queued) when the queue is full."""
+        with self._lock:
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                return False
+            self._pending[item.entry_id] = item
+            self._serial += 1
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                item.write()
+            except Exception as exc:  # the generation succeeded long ago: log, never raise
+                item.error = f"{type(exc).__name__}: {exc}"
+                log.warning("Chorus: recorded masks %s were not written: %s", item.entry_id, item.error)
+            finally:
+                item.seconds = time.perf_counter() - item.submitted
+                with self._lock:
+                    self._pending.pop(item.entry_id, None)
+                    self._finished[item.entry_id] = item
+                    while len(self._finished) > HISTORY:
+                        self._finished.popitem(last=False)
+                    self._serial += 1
+                item.done.set()
+                self._queue.task_done()
+
+    def pending(self, bank_root=None) -> list[PendingWrite]:
+        """Writes not finished yet (for one bank folder, or all)."""
+        root = None if bank_root is None else str(Path(bank_root))
+        with self._lock:
+            return [p for p in self._pending.values() if root is None or p.bank_root == root]
+
+    def outcome(self, entry_id: str) -> Optional[PendingWrite]:
+        """A queued or recently finished write (``.done``, ``.error``, ``.seconds``), or None."""
+        with self._lock:
+            return self._pending.get(entry_id) or self._finished.get(entry_id)
+
+    def state_token(self) -> int:
+        """Changes whenever a write is queued or finishes."""
+        with self._lock:
+            return self._serial
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued write has finished; False when ``timeout`` ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for item in self.pending():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not item.done.wait(left):
+                return False
+        return True
+
+
+_default: Optional[BankWriter] = None
+_default_lock = threading.Lock()
+
+
+def default_writer() -> BankWriter:
+    """This process's writer, started on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = BankWriter()
+            atexit.register(_default.flush, EXIT_FLUSH_S)
+        return _default
+
+
+def new_entry_id() -> str:
+    """The id a queued recording will have in the bank (known before it is written)."""
+    return uuid.uuid4().hex
+
+
+def flush_all(timeout: Optional[float] = None) -> bool:
+    """Wait for every pending write of this process (benchmarks, tests, shutdown)."""
+    return _default is None or _default.flush(timeout)
+
+
+def wait_for_similar(bank_root, compat: str, signature, threshold: float, weights=None,
+                     timeout: float = 600.0) -> Optional[str]:
+    """Wait for a pending write to this bank that this request would hit; its entry id, or None.
+
+    :param threshold: the request's hit threshold (weighted cosine similarity)
+    :param timeout: longest wait; after it the request goes on as a miss
+    """
+    if _default is None:
+        return None
+    for item in _default.pending(bank_root):
+        if item.compat != compat:
+            continue
+        similarity, _ = signature.similarity(item.signature, weights)
+        if similarity >= threshold:
+            item.done.wait(timeout)
+            return item.entry_id if item.done.is_set() and item.error is None else None
+    return None

@@ -1,0 +1,175 @@
+"""A bank entry's masks, loaded off the critical path and served in the kernel's format.
+
+A hit must cost nothing per request on the prompt's thread. :class:`EntryPrefetch` loads,
+verifies and decodes the matched entry in a worker thread that starts before sampling (the dense
+warm-up step hides it), turning each step bucket into live-block lists on the host. At the first
+sparse call of a bucket the whole bucket (all layers) goes to the GPU in one copy; every later
+call of that bucket reuses the same tensors, with no host sync, no validation and no allocation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ._siblings import import_sibling
+from .mask_provider import PreparedMask
+
+
+def live_lists(block_map: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bool ``[H, nq, nk]`` -> ascending key-block ids int16 ``[H, nq, max_live]`` (0-padded) and counts int32 ``[H, nq]``.
+
+    :raises ValueError: when a query block keeps no key block (the kernel needs one per row)
+    """
+    heads, nq, nk = block_map.shape
+    counts = block_map.sum(-1, dtype=np.int32)
+    if counts.size and counts.min() <= 0:
+        h, r = np.argwhere(counts <= 0)[0]
+        raise ValueError(f"mask has a query block with no key block (head {h}, query block {r}); "
+                         "the entry cannot serve attention")
+    flat = np.flatnonzero(block_map)  # row-major, so ids ascend within each row
+    rows, cols = np.divmod(flat, nk)
+    per_row = counts.ravel()
+    first_slot = np.cumsum(per_row) - per_row
+    slots = np.arange(flat.size) - np.repeat(first_slot, per_row)
+    ids = np.zeros((heads * nq, max(1, int(per_row.max(initial=1)))), dtype=np.int16)
+    ids[rows, slots] = cols
+    return ids.reshape(heads, nq, -1), counts
+
+
+@dataclass
+class HostBucket:
+    """One step bucket of an entry, every layer, as host arrays ready for one upload."""
+
+    live_blocks: torch.Tensor  # int16 [L, H, nq, max_live] (pinned when the run is on a GPU)
+    live_counts: torch.Tensor  # int32 [L, H, nq]
+    densities: list[float]  # per layer: share of blocks kept
+
+    @classmethod
+    def from_maps(cls, maps: list[np.ndarray], pin: bool) -> "HostBucket":
+        lists = [live_lists(m) for m in maps]
+        width = max(ids.shape[-1] for ids, _ in lists)
+        ids = np.zeros((len(lists), *lists[0][0].shape[:2], width), dtype=np.int16)
+        for layer, (layer_ids, _) in enumerate(lists):
+            ids[layer, ..., :layer_ids.shape[-1]] = layer_ids
+        counts = np.stack([c for _, c in lists])
+        nk = maps[0].shape[-1]
+        ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts)
+        if pin:
+            ids_t, counts_t = ids_t.pin_memory(), counts_t.pin_memory()
+        return cls(ids_t, counts_t, [float(c.sum()) / (c.size * nk) for _, c in lists])
+
+
+@dataclass
+class DeviceBucket:
+    """One step bucket on the run's device: one BlockSparseMask per layer, built once."""
+
+    index: int
+    masks: list  # PreparedMask per layer
+
+
+@dataclass
+class PrefetchTimings:
+    load_ms: float = 0.0  # row, blob read, digest check, safetensors parse (worker)
+    decode_ms: float = 0.0  # every bucket decoded and turned into live-block lists (worker)
+    wait_ms: float = 0.0  # what the sampling thread waited for the worker (the critical-path cost)
+    upload_ms: float = 0.0  # host-side time to queue bucket uploads (the copies themselves are async)
+    buckets: list = field(default_factory=list)  # per bucket: decode ms
+
+
+class EntryPrefetch:
+    """Loads an entry in a worker thread and hands out its buckets as they become ready.
+
+    :param load: returns the entry's :class:`~chorus_core.bank.EntryMasks` (runs in the worker)
+    :param pin: pin host arrays (the run is on a CUDA device), so uploads are asynchronous
+    """
+
+    def __init__(self, load: Callable[[], object], pin: bool = False):
+        self._load, self._pin = load, pin
+        self._cond = threading.Condition()
+        self._entry = None
+        self._host: dict[int, HostBucket] = {}
+        self._error: Optional[BaseException] = None
+        self._done = False
+        self._device: Optional[DeviceBucket] = None
+        self.timings = PrefetchTimings()
+        self._thread = threading.Thread(target=self._work, name="chorus-entry-prefetch", daemon=True)
+        self._thread.start()
+
+    # ---- worker
+
+    def _work(self) -> None:
+        try:
+            started = time.perf_counter()
+            entry = self._load()
+            self.timings.load_ms = (time.perf_counter() - started) * 1e3
+            self._publish(entry=entry)
+            layers = entry.shape[1]
+            for bucket in range(len(entry.step_buckets)):
+                begun = time.perf_counter()
+                maps = [entry.block_map(bucket, layer).numpy() for layer in range(layers)]
+                host = HostBucket.from_maps(maps, self._pin)
+                self.timings.buckets.append(round((time.perf_counter() - begun) * 1e3, 2))
+                self._publish(bucket=(bucket, host))
+            self.timings.decode_ms = sum(self.timings.buckets)
+        except BaseException as exc:  # handed to the sampling thread, which runs dense
+            self._publish(error=exc)
+        finally:
+            self._publish(done=True)
+
+    def _publish(self, entry=None, bucket=None, error=None, done=False) -> None:
+        with self._cond:
+            if entry is not None:
+                self._entry = entry
+            if bucket is not None:
+                self._host[bucket[0]] = bucket[1]
+            if error is not None:
+                self._error = error
+            self._done = self._done or done
+            self._cond.notify_all()
+
+    # ---- sampling thread
+
+    def _wait_for(self, ready: Callable[[], bool]) -> None:
+        started = time.perf_counter()
+        with self._cond:
+            while not ready():
+                if self._error is not None:
+                    raise RuntimeError(f"the bank entry could not be loaded: {self._error}") from self._error
+                if self._done:
+                    raise RuntimeError("the bank entry has fewer step buckets than asked for")
+                self._cond.wait()
+        self.timings.wait_ms += (time.perf_counter() - started) * 1e3
+
+    def entry(self):
+        """The loaded entry (waits for the load, not for the decode)."""
+        self._wait_for(lambda: self._entry is not None)
+        return self._entry
+
+    def device_bucket(self, bucket: int, block_size: tuple[int, int], seq_len: int, device) -> DeviceBucket:
+        """Bucket ``bucket`` on ``device``; uploaded once, the previous bucket's tensors dropped."""
+        if self._device is not None and self._device.index == bucket:
+            return self._device
+        self._wait_for(lambda: bucket in self._host)
+        started = time.perf_counter()
+        host = self._host[bucket]
+        self._device = None  # free the previous bucket before allocating this one
+        ids = host.live_blocks.to(device, non_blocking=True).to(torch.int32)
+        counts = host.live_counts.to(device, non_blocking=True)
+        BlockSparseMask = import_sibling("kernels.block_sparse").BlockSparseMask
+        masks = [PreparedMask(BlockSparseMask(ids[layer][None], counts[layer][None], block_size[0], block_size[1],
+                                              seq_len), host.densities[layer])
+                 for layer in range(ids.shape[0])]
+        self._device = DeviceBucket(bucket, masks)
+        self.timings.upload_ms += (time.perf_counter() - started) * 1e3
+        return self._device
+
+    def join(self, timeout: float = 60.0) -> None:
+        """Wait for the worker (after sampling it has long finished) and free device tensors."""
+        self._thread.join(timeout)
+        self._device = None
