@@ -12,6 +12,7 @@ BANK_FOLDER_KEY = "chorus_banks"
 NEW_BANK = "(create new bank)"
 MaskBankType = io.Custom("CHORUS_MASK_BANK")
 MatchType = io.Custom("CHORUS_MATCH")
+BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
 def register_bank_folder() -> None:
@@ -51,12 +52,37 @@ def _bank_name(bank: str, new_bank_name: str) -> str:
     return new_bank_name.strip() if bank == NEW_BANK else bank
 
 
+LOADER = "Chorus Mask Bank Loader"
+
+
+def _name_max(root: str) -> int:
+    """Longest file name the banks' filesystem allows, in bytes (255 on ext4, NTFS, APFS)."""
+    try:
+        return os.pathconf(root, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # no such folder yet, or no pathconf (Windows)
+        return 255
+
+
 def _check_bank_name(name: str) -> str | None:
     if not name:
-        return "Enter a name in new_bank_name, or pick an existing bank."
+        return (f"{LOADER}: new_bank_name is empty. Enter the name of the bank to create (it is used when bank "
+                f"is '{NEW_BANK}'), or pick an existing bank.")
+    if "\0" in name:
+        return f"{LOADER}: bank name {name!r} contains a NUL character, which no file system allows in a folder name."
     if name != os.path.basename(name) or name.startswith(".") or any(c in name for c in '\\/:*?"<>|'):
-        return f"Bank name {name!r} must be a plain folder name (no path separators); banks live in models/{BANK_FOLDER_KEY}."
+        return (f"{LOADER}: bank name {name!r} must be a plain folder name (no path separators, not starting "
+                f"with a dot); banks live in models/{BANK_FOLDER_KEY}.")
+    size, limit = len(os.fsencode(name)), _name_max(_first_bank_root())
+    if size > limit:
+        return f"{LOADER}: bank name is {size} bytes long; the file system allows at most {limit}. Use a shorter name."
     return None
+
+
+def _first_bank_root() -> str:
+    import folder_paths
+
+    roots = folder_paths.get_folder_paths(BANK_FOLDER_KEY)
+    return roots[0] if roots else folder_paths.models_dir
 
 
 class ChorusMaskBankLoader(io.ComfyNode):
@@ -77,14 +103,13 @@ class ChorusMaskBankLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, bank, new_bank_name, read_only):
-        name = _bank_name(bank, new_bank_name)
-        problem = _check_bank_name(name)
-        if problem:
-            return problem
-        if read_only and not os.path.isfile(os.path.join(bank_path(name), "bank.sqlite")):
-            return f"Bank {name!r} does not exist, so it cannot be opened read-only. Untick read_only to create it."
-        return True
+    def validate_inputs(cls, new_bank_name):
+        # Only the name (see input_checks): a bad name is reported once, on new_bank_name, and
+        # ComfyUI still checks that `bank` is one of its options. A read-only bank that does not
+        # exist involves two inputs; opening it fails when the node runs, with what to do.
+        if new_bank_name is None:  # linked from another node: known only when the node runs
+            return True
+        return _check_bank_name(new_bank_name.strip()) or True
 
     @classmethod
     def fingerprint_inputs(cls, bank, new_bank_name, read_only):
@@ -140,9 +165,12 @@ class ChorusSimilarityMatch(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, block_size, **kwargs):
-        if block_size & (block_size - 1):
-            return f"block_size must be a power of two (16, 32, 64, 128 or 256) for the GPU kernels; got {block_size}."
+    def validate_inputs(cls, block_size):
+        # Only the input it checks (see input_checks), so its range is checked here too.
+        if block_size is None:  # linked: known only when the node runs
+            return True
+        if block_size not in BLOCK_SIZES:
+            return f"block_size must be a power of two from 16 to 256 ({', '.join(map(str, BLOCK_SIZES))}) for the GPU kernels; got {block_size}."
         return True
 
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import CATEGORY
+from .input_checks import fraction_window_problem
 
 CELLS = ["1x2x2", "2x2x2", "1x4x4"]  # chorus_core.feature_reuse.CELL_CHOICES (kept here: the schema is pure data)
 
@@ -14,9 +15,10 @@ class ChorusFeatureReuse(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="ChorusFeatureReuse",
-            display_name="Chorus Feature Reuse",
+            display_name="Chorus Feature Reuse (experimental)",
+            is_experimental=True,
             category=CATEGORY,
-            description="Runs the smoothest regions of the video (picked from the start frame) at reduced token "
+            description="Experimental. Runs the smoothest regions of the video (picked from the start frame) at reduced token "
                         "resolution inside the Wan blocks: each cell of tokens is pooled into one, processed with "
                         "the rest, and its update spread back over the cell. Works with Chorus sparse attention "
                         "(the masks follow the reduced layout). Off (strength 0) by default: it trades quality "
@@ -41,10 +43,9 @@ class ChorusFeatureReuse(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, start_percent, end_percent, **kwargs):
-        if start_percent > end_percent:
-            return f"start_percent ({start_percent}) must not exceed end_percent ({end_percent})"
-        return True
+    def validate_inputs(cls, start_percent, end_percent):
+        # only the two inputs of the rule (see input_checks): a failure is shown on those two
+        return fraction_window_problem("start_percent", start_percent, "end_percent", end_percent) or True
 
     @classmethod
     def execute(cls, model, positive, latent, strength, cell, start_percent, end_percent, rim, blend,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import CATEGORY
+from .input_checks import fraction_window_problem
 
 METHOD_OPTIONS = ["cfg_boost", "cross_attention"]  # chorus_core.guidance.METHODS (checked in tests)
 DEFAULT_METHOD, DEFAULT_STRENGTH = "cross_attention", 0.1  # tests/benchmarks/results/guidance_testbed.md
@@ -43,9 +44,8 @@ class ChorusGuidanceEnhance(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, start, end):
-        if start > end:
-            return f"start ({start}) must not be after end ({end}): both are fractions of the schedule, 0 to 1."
-        return True
+        # only the two inputs of the rule (see input_checks): a failure is shown on those two
+        return fraction_window_problem("start", start, "end", end) or True
 
     @classmethod
     def execute(cls, model, method, strength, start, end) -> io.NodeOutput:
