@@ -7,10 +7,14 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.chorus-setup
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
+# The newest ComfyUI frontend, next to the 1.27.10 that ComfyUI 0.3.64 pins: the browser test
+# serves it with main.py --front-end-root.
+FRONTEND_NEW := 1.58.1
+FRONTEND_NEW_STAMP := $(VENV)/frontend-$(FRONTEND_NEW)/.chorus-installed
 
 .PHONY: setup test demo clean browser
 
-setup: $(STAMP)
+setup: $(STAMP) $(FRONTEND_NEW_STAMP)
 
 $(STAMP): requirements.txt tests/requirements.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +22,12 @@ $(STAMP): requirements.txt tests/requirements.txt Makefile
 	$(VPY) -m chorus_core.comfyui_locator --write-requirements $(VENV)/comfyui-requirements.txt
 	$(VPY) -m pip install -q -r $(VENV)/comfyui-requirements.txt -r requirements.txt -r tests/requirements.txt
 	touch $(STAMP)
+
+# Order-only on the venv: re-creating the venv's packages does not download the frontend again.
+$(FRONTEND_NEW_STAMP): | $(STAMP)
+	rm -rf $(VENV)/frontend-$(FRONTEND_NEW)
+	$(VPY) -m pip install -q --no-deps --target $(VENV)/frontend-$(FRONTEND_NEW) comfyui-frontend-package==$(FRONTEND_NEW)
+	touch $@
 
 # Debian's Chromium and its driver, for the browser test of the web extension (needs root to install).
 browser:
