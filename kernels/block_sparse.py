@@ -5,18 +5,26 @@ as in SpargeAttn / Sparse VideoGen). Layouts follow ComfyUI's ``optimized_attent
 ``q, k, v`` are ``[B, N, H*D]`` (``heads=H``), or ``[B, H, N, D]`` with ``skip_reshape=True``;
 the output is ``[B, N, H*D]``, or ``[B, H, N, D]`` with ``skip_output_reshape=True``.
 
-The Triton kernel (``_triton_block_sparse``) runs on CUDA tensors when triton imports;
-otherwise the reference runs. Importing this module never needs triton.
+Backends (``select_backend`` picks one and says why): FlashAttention-4's block-sparse
+forward (``fa4_block_sparse``) on sm_90/sm_100 when ``flash-attn-4`` imports and the call fits
+it, else the Triton kernel (``_triton_block_sparse``) on CUDA tensors when triton imports, else
+the pure-torch reference (always on CPU tensors). Importing this module needs neither triton
+nor flash-attn-4. Under ``torch.compile`` the call goes through the ``chorus::block_sparse_attention``
+custom op (``kernels.ops``), so it never breaks the graph.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
+
+from . import fa4_block_sparse as fa4
+from .ops import block_sparse_attention_op
 
 __all__ = [
     "BlockSparseMask",
@@ -26,18 +34,33 @@ __all__ = [
     "block_sparse_attention",
     "block_sparse_attention_reference",
     "triton_available",
+    "BackendChoice",
+    "BACKENDS",
+    "select_backend",
+    "last_backend_choice",
 ]
 
+BACKENDS = ("fa4", "triton", "reference")
+BACKEND_ENV = "CHORUS_BLOCK_SPARSE_BACKEND"  # forces what backend="auto" picks (A/B runs)
 
-@functools.lru_cache(maxsize=1)
+_triton_ok: list = []  # one entry once probed: a plain module cache, not functools (see below)
+
+
 def triton_available() -> bool:
-    """True when triton imports (the kernel still needs CUDA tensors, or TRITON_INTERPRET=1)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken install: fall back to the reference
-        return False
-    return True
+    """True when triton imports (the kernel still needs CUDA tensors, or TRITON_INTERPRET=1).
+
+    Cached in a module list rather than ``functools.lru_cache``: compiled code never calls it
+    (dispatch runs inside the custom op), and a plain cache stays traceable if it ever is.
+    """
+    if not _triton_ok:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+        except Exception:  # ImportError, or a broken install: fall back to the reference
+            _triton_ok.append(False)
+        else:
+            _triton_ok.append(True)
+    return _triton_ok[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,8 +221,12 @@ def _to_bhnd(x: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
     return x.view(b, n, heads, hd // heads).transpose(1, 2)
 
 
-def _check_inputs(q, k, v, mask: BlockSparseMask) -> None:
-    """q, k, v as [B, H, N, D] views against the mask; raises ValueError on any mismatch."""
+def _check_inputs(q, k, v, mask: BlockSparseMask, validate: bool = True) -> None:
+    """q, k, v as [B, H, N, D] views against the mask; raises ValueError on any mismatch.
+
+    ``validate=False`` skips the mask's content check (host syncs): the custom op path,
+    whose masks come from ``block_map_to_mask``.
+    """
     if q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must have equal shapes (self-attention), got {q.shape}, {k.shape}, {v.shape}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
@@ -213,7 +240,8 @@ def _check_inputs(q, k, v, mask: BlockSparseMask) -> None:
         raise ValueError(f"mask batch {mask.batch_size} must be 1 or the input batch {b}")
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q is on {q.device}: move it once with mask.to(device)")
-    mask.validate()
+    if validate:
+        mask.validate()
 
 
 def _output(o_bhnd: torch.Tensor, skip_output_reshape: bool) -> torch.Tensor:
@@ -231,7 +259,7 @@ _REF_SCORE_BUDGET = 1 << 26  # floats in one scores chunk (256 MB fp32): keeps t
 
 
 def block_sparse_attention_reference(
-    q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False, skip_output_reshape=False
+    q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False, skip_output_reshape=False, *, validate=True
 ) -> torch.Tensor:
     """Pure-torch block-sparse attention: the test oracle and the CPU fallback.
 
@@ -239,7 +267,7 @@ def block_sparse_attention_reference(
     block map expanded to columns; computes in float32 (float64 for float64 inputs).
     """
     qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
-    _check_inputs(qh, kh, vh, mask)
+    _check_inputs(qh, kh, vh, mask, validate)
     b, h, n, d = qh.shape
     cdt = torch.promote_types(q.dtype, torch.float32)
     block_map = mask_to_block_map(mask).expand(b, -1, -1, -1)  # [B, H, nq, nk]
@@ -255,6 +283,83 @@ def block_sparse_attention_reference(
             s = s.masked_fill(~cols[:, hs, None, :], float("-inf"))
             out[:, hs, rows] = (s.softmax(-1) @ vh[:, hs].to(cdt)).to(q.dtype)
     return _output(out, skip_output_reshape)
+
+
+# --------------------------------------------------------------------------------------------
+# Backend selection
+# --------------------------------------------------------------------------------------------
+
+
+class BackendChoice(NamedTuple):
+    """The backend a call runs on and why (``name, reason = choice`` also works)."""
+
+    name: str  # "fa4", "triton" or "reference"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+_last_choice: list = []  # the latest dispatch's BackendChoice, for run reports
+
+
+def last_backend_choice() -> Optional[BackendChoice]:
+    """The ``BackendChoice`` of the most recent block-sparse call in this process (or None)."""
+    return _last_choice[-1] if _last_choice else None
+
+
+def _head_dim_view(q: torch.Tensor, mask: BlockSparseMask) -> torch.Tensor:
+    """A ``[B, H, N, D]`` view of q in either ComfyUI layout (4D = already heads-first)."""
+    return q if q.dim() == 4 else _to_bhnd(q, mask.heads, False)
+
+
+def select_backend(q: torch.Tensor, mask: BlockSparseMask, backend: str = "auto") -> BackendChoice:
+    """Which backend ``block_sparse_attention(q, ..., mask, backend=backend)`` runs, and why.
+
+    ``q`` in either ComfyUI layout. ``"auto"``: FA4 where it applies (sm_90/sm_100, bf16/fp16,
+    head_dim 128, 128-row blocks on sm_90), else Triton on CUDA, else the reference; the
+    ``CHORUS_BLOCK_SPARSE_BACKEND`` environment variable forces one. An explicit backend that
+    cannot run raises RuntimeError with the reason. Cheap: probes are cached per process.
+    """
+    if backend == "auto":
+        forced = os.environ.get(BACKEND_ENV, "").strip()
+        if forced and forced != "auto":
+            name, why = _explicit(q, mask, forced)
+            return BackendChoice(name, f"{BACKEND_ENV}={forced}; {why}")
+        return _auto(q, mask)
+    name, why = _explicit(q, mask, backend)
+    return BackendChoice(name, why)
+
+
+def _auto(q: torch.Tensor, mask: BlockSparseMask) -> BackendChoice:
+    if not q.is_cuda:
+        return BackendChoice("reference", "CPU tensors: the pure-torch reference")
+    not_fa4 = fa4.fa4_unsupported_reason(_head_dim_view(q, mask), mask.block_q, mask.block_k)
+    if not_fa4 is None:
+        return BackendChoice("fa4", f"FlashAttention-4 block-sparse forward ({_gpu_name(q)}, {q.dtype})")
+    if triton_available():
+        return BackendChoice("triton", f"Triton kernel; FA4 not used: {not_fa4}")
+    return BackendChoice("reference", f"pure-torch reference (triton is not installed); FA4 not used: {not_fa4}")
+
+
+def _explicit(q: torch.Tensor, mask: BlockSparseMask, backend: str):
+    if backend == "reference":
+        return "reference", "requested: the pure-torch reference"
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
+        return "triton", "requested: the Triton kernel"
+    if backend == "fa4":
+        not_fa4 = fa4.fa4_unsupported_reason(_head_dim_view(q, mask), mask.block_q, mask.block_k)
+        if not_fa4 is not None:
+            raise RuntimeError(f"backend='fa4' cannot run this call: {not_fa4}")
+        return "fa4", "requested: FlashAttention-4 block-sparse forward"
+    raise ValueError(f"backend must be 'auto', 'fa4', 'triton' or 'reference', got {backend!r}")
+
+
+def _gpu_name(q: torch.Tensor) -> str:
+    major, minor = fa4.device_capability(q.device)
+    return f"sm_{major}{minor}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,31 +383,47 @@ def block_sparse_attention(
     """Block-sparse attention in ComfyUI's layouts (see the module docstring).
 
     :param mask: live key blocks per (batch element, head, query block); batch 1 broadcasts.
-    :param out: optional output buffer in the output layout (the Triton path writes into it).
-    :param backend: ``"auto"`` (Triton on CUDA tensors when available, else the reference),
-        ``"triton"`` (also on CPU tensors under ``TRITON_INTERPRET=1``) or ``"reference"``.
+    :param out: optional output buffer in the output layout (FA4 and Triton write into it).
+    :param backend: ``"auto"`` (see ``select_backend``), ``"fa4"``, ``"triton"`` (also on CPU
+        tensors under ``TRITON_INTERPRET=1``) or ``"reference"``.
     :param config: Triton tile overrides (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``,
         ``order``); for benchmarks.
-    """
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and triton_available())
-    if not use_triton:
-        if backend not in ("auto", "reference"):
-            raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-        res = block_sparse_attention_reference(q, k, v, mask, heads, skip_reshape, skip_output_reshape)
-        if out is not None:
-            out.copy_(res)
-            return out
-        return res
-    if not triton_available():
-        raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
-    from . import _triton_block_sparse as tbs
 
+    Under ``torch.compile`` this is one ``chorus::block_sparse_attention`` op in the graph
+    (backend chosen when the op runs); the mask's content is then trusted, not re-validated.
+    """
+    if torch.compiler.is_compiling():
+        res = block_sparse_attention_op(
+            q, k, v, mask.live_blocks, mask.live_counts, mask.block_q, mask.block_k, mask.seq_len,
+            heads, skip_reshape, skip_output_reshape, backend,
+        )
+        return res if out is None else out.copy_(res)
+    choice = select_backend(q, mask, backend)
+    return run_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, out=out, config=config)
+
+
+def run_backend(
+    choice: BackendChoice, q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False,
+    skip_output_reshape=False, *, out=None, config=None, validate=True,
+) -> torch.Tensor:
+    """Run the chosen backend (eager; the custom op's implementation calls this too)."""
+    _last_choice[:] = [choice]
+    if choice.name == "reference":
+        res = block_sparse_attention_reference(
+            q, k, v, mask, heads, skip_reshape, skip_output_reshape, validate=validate
+        )
+        return res if out is None else out.copy_(res)
     qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
-    _check_inputs(qh, kh, vh, mask)
+    _check_inputs(qh, kh, vh, mask, validate)
     b, h, n, d = qh.shape
     if out is None:
         shape = (b, h, n, d) if skip_output_reshape else (b, n, h * d)
         out = torch.empty(shape, dtype=q.dtype, device=q.device)
     oh = out if skip_output_reshape else _to_bhnd(out, heads, False)
+    if choice.name == "fa4":
+        fa4.fa4_block_sparse_fwd(qh, kh, vh, oh, mask.live_blocks, mask.live_counts, mask.block_q, mask.block_k)
+        return out
+    from . import _triton_block_sparse as tbs
+
     tbs.block_sparse_attn_fwd(qh, kh, vh, oh, mask, config)
     return out
