@@ -66,7 +66,7 @@ class TensorDigest:
         self._group_sizes: dict[tuple, int] = {}
         self._parts: list[tuple[tuple, int, int]] = []  # (group, start, length) in add order
         self.sampled = 0
-        self.unreadable = 0
+        self.unsampled = 0  # on 'meta' or unreadable
 
     def add_text(self, text: str) -> None:
         self._lines.append(text)
@@ -81,9 +81,9 @@ class TensorDigest:
             picked, state = None, f"unreadable {type(exc).__name__}"
         else:
             state = "meta" if picked is None else "sampled"
-        self._lines.append(f"{name}|{tuple(tensor.shape)}|{state}")
+        self._lines.append(f"{name}|{tuple(getattr(tensor, 'shape', ()))}|{state}")
         if picked is None:
-            self.unreadable += 1
+            self.unsampled += 1
             return
         group, count = (str(picked.device), picked.dtype), picked.numel()
         start = self._group_sizes.get(group, 0)
