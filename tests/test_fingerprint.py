@@ -167,12 +167,12 @@ def test_fingerprint_costs_well_under_100_ms_at_the_14b_tensor_count(comfy_runti
     lora = with_lora(patcher, seed=3, strength=1.0, keys=linear)
     assert len(lora.patches) == len(linear) == 488
 
-    def best_ms(model):
+    def best_ms(model):  # CPU time of this process: the shared test machine's load does not count
         timings = []
-        for _ in range(3):
-            started = time.perf_counter()
+        for _ in range(5):
+            started = time.process_time()
             fingerprint_patcher(model)
-            timings.append((time.perf_counter() - started) * 1e3)
+            timings.append((time.process_time() - started) * 1e3)
         return min(timings)
 
     bare_ms, lora_ms = best_ms(patcher), best_ms(lora)
