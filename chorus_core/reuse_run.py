@@ -16,12 +16,13 @@ import torch
 from typing import Optional
 
 from . import bank_writer
-from .bank import LatentLayout, MaskBank, MatchResult, Schedule, Signature, build_signature, compat_key, fingerprint_model
+from .bank import LatentLayout, MaskBank, MatchResult, Schedule, Signature, build_signature, compat_key
 from .bank.encoding import PackedBlockMaps
 from .bank.signature import resolve_weights
 from .entry_prefetch import EntryPrefetch
 from .mask_provider import DenseProvider, DenseWarmupProvider, bucket_index, serve_prepared_mask, step_bucket_of
 from .masks import MaskRecorder
+from .model_identity import fingerprint_patcher  # noqa: F401  (also imported from here by benchmarks)
 from .online_predictor import predict_block_map
 from .prior_store import PRIOR_ENTRIES, load_prior
 from .sparse_patch import check_supported_model, get_run_stats, get_sparse_state, install_sparse_attention
@@ -95,11 +96,6 @@ def start_latent_from(positive, start_latent: dict | None) -> torch.Tensor | Non
         return start_latent["samples"][:, :, :1]
     concat = positive[0][1].get("concat_latent_image") if positive else None
     return None if concat is None else concat[:, :, :1]
-
-
-def fingerprint_patcher(model_patcher):
-    """Fingerprint of the diffusion model inside a ComfyUI ModelPatcher."""
-    return fingerprint_model(model_patcher.model.diffusion_model.state_dict(), architecture="wan2.1")
 
 
 def build_match_request(model_patcher, clip_vision_output, positive, latent: dict, start_latent: dict | None,

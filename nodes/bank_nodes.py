@@ -113,16 +113,17 @@ class ChorusMaskBankLoader(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, bank, new_bank_name, read_only):
-        from ..chorus_core.bank import MaskBank
-
-        from ..chorus_core.bank import BankError
+        from ..chorus_core.bank import BankError, MaskBank
+        from ..chorus_core.bank_writer import default_writer
 
         path = bank_path(_bank_name(bank, new_bank_name))
         if not os.path.isfile(os.path.join(path, "bank.sqlite")):
             return f"{path}:new"
         try:
             with MaskBank.open(path, read_only=True, create=False) as opened:
-                return f"{path}:{opened.content_token()}"
+                # A recording still being written changes the key too, so Similarity Match runs
+                # again and waits for a similar pending entry instead of reusing a stale miss.
+                return f"{path}:{opened.content_token()}:{default_writer().state_token()}"
         except BankError:
             return float("nan")  # never equal to itself: execute() runs and reports the error
 

@@ -1,0 +1,386 @@
+"""The reuse loop's critical path, on the tiny Wan2.1-I2V model in process (CPU).
+
+A hit is prefetched in a worker and served in the kernel's format with no host sync per call;
+a recording miss hands its masks to a background writer and returns at once; the population
+prior is a stored artefact rebuilt when the bank's content changes.
+"""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO_ROOT
+
+pytestmark = pytest.mark.comfy
+
+BLOCK = 32
+STEPS = 4  # default buckets at 4 steps: [0, 1), [1, 2), [2, 4)
+
+
+def request(subject=0, template="pan"):
+    from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+
+    return i2v_conditioning(generate_request(I2VRequest(template=template, subject=subject)))
+
+
+def match_for(bank, patcher, positive, latent, threshold=0.9):
+    from chorus_core.bank.signature import resolve_weights
+    from chorus_core.reuse_run import build_match_request, match_request
+
+    clip = positive[0][1]["clip_vision_output"]
+    req = build_match_request(patcher, clip, positive, latent, None, threshold, resolve_weights(None), BLOCK)
+    return match_request(bank, req)
+
+
+def entry_masks(layers, heads, nq, buckets=3, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    maps = torch.rand(buckets, layers, heads, nq, nq, generator=generator) < 0.3
+    return maps | torch.eye(nq, dtype=torch.bool)
+
+
+@pytest.fixture()
+def bank_with_entry(tmp_path, tiny_wan_patcher):
+    """A bank holding one entry recorded for the default request, and that entry's masks."""
+    from chorus_core.bank import MaskBank, Schedule
+
+    positive, _, latent = request()
+    bank = MaskBank.open(tmp_path / "bank")
+    miss = match_for(bank, tiny_wan_patcher, positive, latent)
+    req = miss.request
+    model = tiny_wan_patcher.model.diffusion_model
+    masks = entry_masks(len(model.blocks), model.num_heads, req.layout.blocks[0])
+    bank.add_entry(req.fingerprint, req.layout, Schedule(steps=STEPS, sampler="euler", scheduler="simple"), masks,
+                   req.signature, density=float(masks.float().mean()))
+    yield bank, masks
+    bank.close()
+
+
+def run_generation(patcher, match, options=None, steps=STEPS):
+    import comfy.sample
+
+    from chorus_core.reuse_run import ReuseOptions, ReuseRun, SamplingSettings
+
+    positive, negative, latent = request()
+    run = ReuseRun(patcher, match, options or ReuseOptions(dense_warmup_steps=1),
+                   SamplingSettings(steps, "euler", "simple"), block_size=BLOCK)
+    patched = run.prepare()
+    noise = comfy.sample.prepare_noise(latent["samples"], 0)
+    out = comfy.sample.sample(patched, noise, steps, 5.0, "euler", "simple", positive, negative, latent["samples"],
+                              seed=0, disable_pbar=True)
+    return out, run.finish(), run
+
+
+# --------------------------------------------------------------------------------------------
+# A hit
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_hit_is_decoded_by_the_worker_before_the_first_sparse_step(bank_with_entry, tiny_wan_patcher,
+                                                                     monkeypatch):
+    from chorus_core import reuse_run
+
+    bank, _ = bank_with_entry
+    events, lock = [], threading.Lock()
+
+    def log(*event):
+        with lock:
+            events.append((*event, threading.current_thread().name))
+
+    real_from_maps = reuse_run.EntryPrefetch.__init__.__globals__["HostBucket"].from_maps
+
+    def logged_from_maps(maps, pin):
+        log("decoded bucket")
+        return real_from_maps(maps, pin)
+
+    real_prepared = reuse_run.BankEntryProvider.prepared_mask
+
+    def logged_prepared(self, layer, step, *args):
+        log("sparse call", self.step_bucket(step))
+        return real_prepared(self, layer, step, *args)
+
+    monkeypatch.setattr(reuse_run.EntryPrefetch.__init__.__globals__["HostBucket"], "from_maps",
+                        staticmethod(logged_from_maps))
+    monkeypatch.setattr(reuse_run.BankEntryProvider, "prepared_mask", logged_prepared)
+    positive, _, latent = request()
+    _, report, run = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+
+    assert report.mode == "hit"
+    decodes = [i for i, e in enumerate(events) if e[0] == "decoded bucket"]
+    assert len(decodes) == 3 and {events[i][-1] for i in decodes} == {"chorus-entry-prefetch"}
+    first_sparse = {}
+    for i, e in enumerate(events):
+        if e[0] == "sparse call":
+            first_sparse.setdefault(e[1], i)
+            assert e[-1] == "MainThread"
+    # bucket b's decode is logged before the first sparse call that uses bucket b
+    assert sorted(first_sparse) == [1, 2]  # bucket 0 is step 0: the dense warm-up step
+    assert all(decodes[b] < first_sparse[b] for b in first_sparse)
+    assert report.timings["prefetch_decode_ms"] >= 0 and "prefetch_wait_ms" in report.timings
+
+
+def test_a_prefetched_hit_computes_what_the_same_masks_give_as_block_maps(bank_with_entry, tiny_wan_patcher):
+    """The worker's live-block lists are the entry's masks: same latents as a plain block-map provider."""
+    import comfy.sample
+
+    from chorus_core.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
+    from chorus_core.sparse_patch import install_sparse_attention
+
+    bank, masks = bank_with_entry
+    positive, negative, latent = request()
+    hit_latent, report, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+    assert report.mode == "hit" and report.warnings == []
+
+    starts = [0, 1, 2]  # the entry's buckets at 4 steps
+    maps = [{layer: masks[b, layer][None] for layer in range(masks.shape[1])} for b in range(3)]
+    provider = DenseWarmupProvider(StaticBlockMapProvider(maps, (BLOCK, BLOCK), starts), warmup_steps=1)
+    patched = install_sparse_attention(tiny_wan_patcher, provider)
+    noise = comfy.sample.prepare_noise(latent["samples"], 0)
+    expected = comfy.sample.sample(patched, noise, STEPS, 5.0, "euler", "simple", positive, negative,
+                                   latent["samples"], seed=0, disable_pbar=True)
+    assert torch.equal(hit_latent, expected)
+
+
+class HostSyncCounter:
+    """Counts tensor-to-host conversions made by Chorus code (chorus_core/, kernels/) while armed."""
+
+    METHODS = ("item", "cpu", "tolist", "numpy", "__bool__", "__int__", "__float__")
+
+    def __init__(self, monkeypatch):
+        self.armed, self.count, self.where = False, 0, []
+        for name in self.METHODS:
+            monkeypatch.setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name), name))
+
+    def _counting(self, original, name):
+        counter = self
+
+        def counted(tensor, *args, **kwargs):
+            if counter.armed:
+                caller = sys._getframe(1).f_code.co_filename
+                if f"{os.sep}chorus_core{os.sep}" in caller or f"{os.sep}kernels{os.sep}" in caller:
+                    counter.count += 1
+                    counter.where.append(f"{name} in {caller}:{sys._getframe(1).f_lineno}")
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+
+def test_a_hit_makes_no_host_sync_in_the_attention_calls_of_a_bucket_after_its_first(
+        bank_with_entry, tiny_wan_patcher, monkeypatch):
+    from chorus_core import sparse_patch
+
+    bank, _ = bank_with_entry
+    counter = HostSyncCounter(monkeypatch)
+    seen_buckets, per_call = set(), []
+    real_attend = sparse_patch._Run.attend
+
+    def counted_attend(self, layer, options, call):
+        step = self.step_of(options)  # the once-per-model-call step lookup is not an attention call's cost
+        bucket_key = (sparse_patch.step_bucket_of(self.provider, step), layer)
+        first = bucket_key not in seen_buckets
+        seen_buckets.add(bucket_key)
+        counter.armed, before = True, counter.count
+        try:
+            return real_attend(self, layer, options, call)
+        finally:
+            counter.armed = False
+            if not first and step >= 1:
+                per_call.append(counter.count - before)
+
+    monkeypatch.setattr(sparse_patch._Run, "attend", counted_attend)
+    positive, _, latent = request()
+    _, report, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+    assert report.mode == "hit"
+    assert len(per_call) > 0
+    assert sum(per_call) == 0, counter.where
+
+
+def test_an_entry_that_cannot_serve_turns_the_run_into_an_online_miss(bank_with_entry, tiny_wan_patcher):
+    bank, _ = bank_with_entry
+    positive, _, latent = request()
+    match = match_for(bank, tiny_wan_patcher, positive, latent)
+    blob = bank.blob_path(bank.show(match.result.entry_id)["blob_name"])
+    blob.write_bytes(blob.read_bytes()[:50])  # damaged after the match, before the worker reads it
+    out, report, _ = run_generation(tiny_wan_patcher, match)
+    assert report.mode == "miss" and report.mask_source.startswith("online prediction")
+    assert len([w for w in report.warnings if "skipped" in w]) == 1
+    assert torch.isfinite(out).all()
+    sparse = sum(row["sparse_share"] > 0 for row in report.layers)
+    assert sparse == len(report.layers)  # online prediction served the steps after the warm-up
+
+
+# --------------------------------------------------------------------------------------------
+# A recording miss
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_recording_miss_returns_before_its_entry_is_written(tmp_path, tiny_wan_patcher, monkeypatch):
+    """A deliberately stuck disk: finish() returns, the next (dissimilar) request matches at once,
+    a similar request waits for the write and then hits it."""
+    from chorus_core import bank_writer
+    from chorus_core.bank import MaskBank
+    from chorus_core.bank import store
+
+    gate = threading.Event()
+    real_write_blob = store.MaskBank._write_blob
+
+    def slow_write_blob(self, *args, **kwargs):
+        assert gate.wait(60), "the test never opened the gate"
+        return real_write_blob(self, *args, **kwargs)
+
+    monkeypatch.setattr(store.MaskBank, "_write_blob", slow_write_blob)
+    bank = MaskBank.open(tmp_path / "bank")
+    positive, _, latent = request()
+    _, report, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+    assert report.mode == "miss" and report.recording == "queued"
+    writer = bank_writer.default_writer()
+    assert [p.entry_id for p in writer.pending(bank.root)] == [report.recorded_entry_id]
+    assert bank.stats()["entries"] == 0
+
+    other_positive, _, other_latent = request(subject=3, template="orbit")
+    other = match_for(bank, tiny_wan_patcher, other_positive, other_latent, threshold=0.999)
+    assert not other.result.hit and writer.pending(bank.root)  # matched without waiting for the write
+
+    found = {}
+    waiter = threading.Thread(target=lambda: found.update(m=match_for(bank, tiny_wan_patcher, positive, latent)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # a similar request waits for the pending entry...
+    gate.set()
+    waiter.join(60)
+    assert found["m"].result.hit and found["m"].result.entry_id == report.recorded_entry_id  # ...then hits it
+    assert writer.outcome(report.recorded_entry_id).error is None
+
+
+_KILLED_WRITER = r"""
+import sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+from bank_fixtures import FP, LAYOUT, SCHEDULE, toy_masks, toy_signature
+from chorus_core import bank_writer
+from chorus_core.bank import MaskBank
+def write():
+    with MaskBank.open({bank!r}) as bank:
+        bank.add_entry(FP, LAYOUT, SCHEDULE, toy_masks(), toy_signature(), 0.3, entry_id="ab" * 16)
+item = bank_writer.PendingWrite({bank!r}, "ab" * 16, "x", None, write)
+bank_writer.default_writer().submit(item)
+item.done.wait(60)
+print("not killed", item.error)
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_no_partial_entry(tmp_path):
+    from chorus_core.bank import MaskBank
+
+    bank_dir = tmp_path / "bank"
+    MaskBank.open(bank_dir).close()
+    code = _KILLED_WRITER.format(repo=str(REPO_ROOT), tests=str(REPO_ROOT / "tests"), bank=str(bank_dir))
+    env = {**os.environ, "CHORUS_BANK_FAULT": "add-before-commit"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr
+    with MaskBank.open(bank_dir) as bank:
+        assert bank.stats()["entries"] == 0 and bank.entries() == []
+        report = bank.verify()
+        assert report["quarantined"] == []
+
+
+# --------------------------------------------------------------------------------------------
+# The population prior
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_prior_is_stored_once_and_rebuilt_after_add_and_prune(bank_with_entry, tiny_wan_patcher):
+    from chorus_core.bank import Schedule
+    from chorus_core.population_prior import population_prior
+    from chorus_core.prior_store import PRIORS_DIR, load_prior
+
+    bank, masks = bank_with_entry
+    positive, _, latent = request()
+    req = match_for(bank, tiny_wan_patcher, positive, latent).request
+    prior = load_prior(bank, req.fingerprint, req.layout, 0.05, 0.9)
+    files = sorted((bank.root / PRIORS_DIR).glob("*.safetensors"))
+    assert len(files) == 1
+    only = [masks[0, 0]]
+    assert torch.equal(prior.block_map(0, 0), population_prior(only, only[0].float().mean().item()))
+
+    again = load_prior(bank, req.fingerprint, req.layout, 0.05, 0.9)
+    assert sorted((bank.root / PRIORS_DIR).glob("*.safetensors")) == files  # read, not rebuilt
+    assert torch.equal(again.block_map(2, 1), prior.block_map(2, 1))
+
+    second = entry_masks(masks.shape[1], masks.shape[2], masks.shape[3], seed=1)
+    bank.add_entry(req.fingerprint, req.layout, Schedule(steps=STEPS), second, req.signature, density=0.3)
+    rebuilt = load_prior(bank, req.fingerprint, req.layout, 0.05, 0.9)
+    after_add = sorted((bank.root / PRIORS_DIR).glob("*.safetensors"))
+    assert len(after_add) == 1 and after_add != files  # a new file for the new content, the old one gone
+    both = [masks[1, 0], second[1, 0]]
+    density = sum(m.float().mean().item() for m in both) / 2
+    assert torch.equal(rebuilt.block_map(1, 0), population_prior(both, density))
+
+    bank.prune(max_entries=1)
+    load_prior(bank, req.fingerprint, req.layout, 0.05, 0.9)
+    after_prune = sorted((bank.root / PRIORS_DIR).glob("*.safetensors"))
+    assert len(after_prune) == 1 and after_prune != after_add
+
+
+def test_prior_mode_serves_the_stored_prior_through_the_prefetch(bank_with_entry, tiny_wan_patcher):
+    from chorus_core.reuse_run import ReuseOptions
+
+    bank, _ = bank_with_entry
+    positive, _, latent = request(subject=3, template="orbit")
+    match = match_for(bank, tiny_wan_patcher, positive, latent, threshold=0.9999)
+    assert not match.result.hit
+    _, report, run = run_generation(tiny_wan_patcher, match,
+                                    ReuseOptions(dense_warmup_steps=1, miss_mode="prior", record_on_miss=False))
+    assert report.mode == "miss" and report.mask_source == "population prior of 1 entries"
+    assert report.warnings == [] and run.prefetch is not None
+    assert all(row["sparse_share"] > 0 for row in report.layers)
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces
+# --------------------------------------------------------------------------------------------
+
+
+def test_live_lists_match_the_kernels_converter():
+    from chorus_core.entry_prefetch import live_lists
+    from kernels.block_sparse import block_map_to_mask
+
+    maps = entry_masks(1, 3, 7, buckets=1)[0, 0]  # [H, nq, nk]
+    ids, counts = live_lists(maps.numpy())
+    expected = block_map_to_mask(maps[None], 16, 16, 7 * 16)
+    assert np.array_equal(counts, expected.live_counts[0].numpy())
+    width = expected.live_blocks.shape[-1]
+    assert np.array_equal(ids[..., :width], expected.live_blocks[0].numpy())
+    with pytest.raises(ValueError, match="no key block"):
+        live_lists(np.zeros((1, 2, 2), dtype=bool))
+
+
+def test_packed_bits_round_trip_and_match_numpy():
+    from chorus_core.masks import pack_bits, unpack_bits
+
+    maps = torch.rand(2, 3, 5, 13) < 0.4
+    packed = pack_bits(maps)
+    assert packed.shape == (2, 3, 5, 2)
+    assert np.array_equal(packed.numpy(), np.packbits(maps.numpy(), axis=-1))
+    assert torch.equal(unpack_bits(packed, 13), maps)
+
+
+def test_the_recorder_keeps_only_the_bucket_in_flight():
+    from chorus_core.masks import MaskRecorder
+
+    recorder = MaskRecorder(num_layers=2, step_buckets=[[0, 1], [2]], block_size=16)
+    q = torch.randn(1, 64, 2 * 8)
+    for step in (0, 1, 2):
+        for layer in (0, 1):
+            recorder.record(layer, step, q, q, heads=2)
+        in_flight = {bucket for bucket, _ in recorder._sums}
+        assert in_flight == ({0} if step == 0 else set())
+    out = recorder.finish()
+    assert out.packed.shape == (2, 2, 2, 4, 1) and out.block_maps.shape == (2, 2, 2, 4, 4)
+    assert out.density == pytest.approx(float(out.block_maps.float().mean()))
+    assert math.isfinite(out.mean_recall)
