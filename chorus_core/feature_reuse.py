@@ -13,11 +13,24 @@ How it hooks in (never by copying ``forward_orig``, never by module-level monkey
 * ``("double_block", i)`` patches reduce the tokens and the RoPE table (``pe``) and restore the
   output; chained to a block patch already in the slot, and usable under a later one;
 * ``transformer_options["optimized_attention_override"]`` runs the reduced self-attention:
-  pooled keys get a ``log(cell size)`` logit bias (a pooled key stands for ``s`` similar keys,
-  ToMe's proportional attention) or, when Chorus's sparse attention (``sparse_patch``) is
-  installed and has a block map for this layer and step, block-sparse with that map carried
-  over to the reduced layout (see ``TokenLayout.map_block_map``);
+  block-sparse when Chorus's sparse attention (``sparse_patch``) is installed and its mask
+  source has a map for this layer and step (see "Mask sources" below), else dense, where
+  pooled keys weigh as much as the ``s`` tokens behind them (ToMe's proportional attention,
+  ``softmax(q.k + log s)``), computed exactly without a float mask: each pooled key and value
+  is repeated ``s`` times (``TokenLayout.expand_keys``), so SDPA keeps its fast kernels;
 * a keyed ``OUTER_SAMPLE`` wrapper holds the per-run state, dropped in ``finally``.
+
+Mask sources. The sparse patch's provider serves the reduced calls too, once per step bucket:
+it is shown the reduced q and k (``observe``) and asked for its map. A source that predicts
+from what it observes (online prediction) answers over the ``N'`` reduced tokens it was shown,
+used as it is; a source of stored maps (a bank hit, the population prior, static maps)
+answers over the full-resolution tokens, carried over with ``TokenLayout.map_block_map``. Reduced
+calls never reach a recorder: steps that record stay at full resolution (so the bank only
+stores masks of the full layout), and on the other steps the recording wrapper's inner
+provider serves. Any error on that path (the mask source, the mapping, mask conversion or
+validation, the kernel) makes the rest of the run's reduced calls dense, with one warning in
+``FeatureReuseStats.warnings``; the generation never fails because of it. Sparse reduced
+calls carry no size bias: the block-sparse kernel has no per-key bias.
 
 Mask consistency. The reduced sequence keeps the (t, h, w) raster order (a pooled token sits
 where its cell's first token was), so each reduced block overlaps few full-resolution blocks.
@@ -45,7 +58,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -94,7 +107,8 @@ class FeatureReuseSettings:
     :param skip_last: with ``layers=None``, the last blocks that stay at full resolution.
     :param rim: cells at each region's border kept at full resolution (erosion, spatial).
     :param blend: tent-filter upsampling of pooled updates instead of nearest.
-    :param size_bias: ``log(cell size)`` attention bias on pooled keys (dense reduced calls).
+    :param size_bias: pooled keys weigh ``cell size`` keys in dense reduced calls (``log(cell size)``
+        logit bias, computed exactly by repeating them; see ``TokenLayout.expand_keys``).
     :param sparse_key: the key Chorus's sparse attention was installed with.
     """
 
@@ -288,6 +302,7 @@ class TokenLayout:
         self.n_reduced = len(kept) + len(members)
         self.cell_size = ct * ch * cw
         self._device_cache: dict[str, dict] = {}
+        self._membership_cache: dict[tuple, torch.Tensor] = {}
 
     @property
     def n_pooled_cells(self) -> int:
@@ -304,9 +319,13 @@ class TokenLayout:
             inverse = torch.empty_like(self.order)
             inverse[self.order] = torch.arange(len(self.order))
             size = torch.cat([torch.ones(len(self.kept)), torch.full((len(self.members),), float(self.cell_size))])
+            # key_source: for each full-resolution token, the reduced token that stands for it
+            key_source = torch.empty(self.n_full, dtype=torch.long)
+            key_source[self.kept] = inverse[:len(self.kept)]
+            key_source[self.members] = inverse[len(self.kept):, None].expand_as(self.members)
             cached = dict(kept=self.kept.to(device), members=self.members.to(device), order=self.order.to(device),
                           inverse=inverse.to(device), log_size=size[self.order].log().to(device),
-                          pooled=self.pooled.to(device))
+                          pooled=self.pooled.to(device), key_source=key_source.to(device))
             self._device_cache = {key: cached}  # one device at a time: memory stays bounded
         return cached
 
@@ -355,8 +374,19 @@ class TokenLayout:
         return torch.cat(parts, 1)[:, d["order"]]
 
     def key_bias(self, device, dtype) -> torch.Tensor:
-        """``[1, 1, N']`` additive attention bias: ``log(tokens behind each key)``."""
+        """``[1, 1, N']`` additive attention bias: ``log(tokens behind each key)`` (the float mask
+        that ``expand_keys`` replaces; kept for benchmarks and tests)."""
         return self._on(device)["log_size"].to(dtype)[None, None]
+
+    def expand_keys(self, x: torch.Tensor, skip_reshape: bool = False) -> torch.Tensor:
+        """Reduced keys or values ``[B, N', C]`` (``[B, H, N', D]`` with ``skip_reshape``) -> ``N`` rows,
+        each pooled one repeated once per token of its cell, in full-resolution raster order.
+
+        ``softmax(q.k_j + log s_j)`` over the ``N'`` keys equals plain softmax attention over the
+        expanded keys (``s_j`` equal terms are ``s_j`` times one), so the size-biased attention
+        runs with no mask, on SDPA's fast kernels, for ``N / N'`` times the keys.
+        """
+        return x.index_select(2 if skip_reshape else 1, self._on(x.device)["key_source"])
 
     # ---- block maps
 
@@ -374,10 +404,18 @@ class TokenLayout:
 
         A reduced (query, key) block pair is live iff any full-resolution pair behind it is.
         """
-        aq = self.block_membership(block_q, block_map.device)
-        ak = aq if block_k == block_q else self.block_membership(block_k, block_map.device)
+        aq = self._membership(block_q, block_map.device)
+        ak = aq if block_k == block_q else self._membership(block_k, block_map.device)
         counts = aq @ block_map.float() @ ak.T
         return counts > 0
+
+    def _membership(self, block: int, device) -> torch.Tensor:
+        """``block_membership``, built once per (block, device): every layer and bucket maps with it."""
+        key = (block, str(device))
+        cached = self._membership_cache.get(key)
+        if cached is None:
+            cached = self._membership_cache[key] = self.block_membership(block, device)
+        return cached
 
 
 def _tent_hw(x: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
@@ -406,9 +444,10 @@ class FeatureReuseStats:
     tokens_reduced: int = 0   # N' of a reduced call
     sparse_reduced_calls: int = 0
     skipped_reason: str = ""  # why nothing ran reduced, when so
+    warnings: list = field(default_factory=list)  # why reduced calls fell back to dense
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "warnings": list(self.warnings)}
 
 
 class FeatureReuseState:
@@ -439,6 +478,7 @@ class _Run:
         self._steps = 0
         self._masks: dict = {}
         self._bucket: Any = object()
+        self._sparse_failed = False  # set by the first failing sparse reduced call
 
     def step_of(self, options: dict) -> Optional[int]:
         sigmas, schedule = options.get("sigmas"), options.get("sample_sigmas")
@@ -472,13 +512,51 @@ class _Run:
             return None
         return layout
 
+    # ---- sparse reduced calls
+
+    def attend_sparse(self, reduced: "_ReducedCall", call: _AttentionCall) -> Optional[torch.Tensor]:
+        """Block-sparse reduced self-attention, or None when this call runs dense.
+
+        Counted in the sparse run's statistics either way. Any exception (mask source, mapping,
+        conversion, validation, kernel) turns this and every later reduced call of the run dense.
+        """
+        sparse_run, layer = reduced.sparse_run, reduced.layer
+        out, density = None, None
+        if self._sparse_usable(sparse_run, call):
+            try:
+                mask = self.sparse_mask(sparse_run, layer, reduced.options, call, reduced.layout)
+                if mask is not None:
+                    out = _block_sparse().block_sparse_attention(
+                        call.q, call.k, call.v, mask, call.heads, skip_reshape=call.skip_reshape,
+                        skip_output_reshape=call.skip_output_reshape)
+                    density = mask.density
+            except Exception as exc:  # sparse attention must cost speed, never the generation
+                self._fail(layer, sparse_run.step_of(reduced.options), exc)
+                out, density = None, None
+        sparse_run.record(layer, density)
+        if out is not None:
+            self.stats.sparse_reduced_calls += 1
+        return out
+
+    def _sparse_usable(self, sparse_run, call: _AttentionCall) -> bool:
+        """False once a reduced call failed, once the sparse run went dense (it says why), or on
+        a GPU without Triton (the torch reference would be slower than dense attention)."""
+        if self._sparse_failed or getattr(sparse_run, "_disabled", False):
+            return False
+        return not call.q.is_cuda or _block_sparse().triton_available()
+
+    def _fail(self, layer: int, step: Optional[int], exc: Exception) -> None:
+        self._sparse_failed = True
+        reason = (f"sparse attention failed on a reduced call at layer {layer}, step {step} "
+                  f"({type(exc).__name__}: {exc}); the rest of this run's reduced calls are dense")
+        self.stats.warnings.append(reason)
+        logging.warning("Chorus feature reuse: %s", reason)
+
     def sparse_mask(self, sparse_run, layer, options, call, layout: TokenLayout):
-        """The sparse patch's map for this layer and step carried to the reduced layout, or None (dense)."""
+        """The mask of this reduced call over the ``N'`` tokens, or None (dense); once per step bucket."""
         provider = getattr(sparse_run, "provider", None)
-        if provider is None or _recorder_of(provider) is not None:
-            return None
         step = sparse_run.step_of(options)
-        if step is None:
+        if provider is None or step is None:
             return None
         bucket = step_bucket_of(provider, step)
         if bucket != self._bucket:
@@ -487,18 +565,66 @@ class _Run:
         cond_or_uncond = tuple(options.get("cond_or_uncond") or [0])
         key = (layer, cond_or_uncond, call.batch, call.heads, str(call.q.device))
         if key not in self._masks:
-            self._masks[key] = None
-            block_map = provider.block_map(layer, step, list(cond_or_uncond), call.heads, layout.n_full, call.q.device)
-            if block_map is not None:
-                block_q, block_k = provider.block_size
-                block_map = _match_batch(block_map, len(cond_or_uncond), call.batch).to(call.q.device)
-                reduced = layout.map_block_map(block_map.bool(), block_q, block_k)
-                self._masks[key] = _block_sparse().block_map_to_mask(reduced, block_q, block_k, layout.n_reduced)
+            self._masks[key] = _reduced_mask(provider, layer, step, list(cond_or_uncond), call, layout)
         return self._masks[key]
 
     def release(self) -> None:
         self._masks.clear()
         self._sigmas = None
+
+
+def _reduced_mask(provider, layer: int, step: int, cond_or_uncond: list, call: _AttentionCall,
+                  layout: TokenLayout):
+    """Show the mask source this reduced call, ask for its map and convert it to a mask over ``N'`` tokens.
+
+    The map's shape says what it covers. A source that predicts from what it observes (online
+    prediction) answers over the reduced tokens it was just shown: used as it is. A source of
+    stored maps (bank hit, population prior, static maps) answers over the full-resolution
+    tokens: carried over with ``map_block_map``. When both shapes coincide (less than one block
+    of tokens pooled) the map is carried over, which is exact for stored maps and still keeps
+    every row live for a prediction. Recording wrappers are stepped over: a recorder never
+    sees a reduced call.
+    """
+    serving = _without_recorders(provider)
+    observe = getattr(serving, "observe", None)
+    if callable(observe):
+        observe(layer, step, cond_or_uncond, call.q, call.k, call.heads, call.skip_reshape)
+    block_map = serving.block_map(layer, step, cond_or_uncond, call.heads, layout.n_full, call.q.device)
+    if block_map is None:
+        return None
+    block_q, block_k = serving.block_size
+    block_map = _match_batch(block_map, len(cond_or_uncond), call.batch).to(call.q.device)
+    full, reduced = ((call.heads, math.ceil(n / block_q), math.ceil(n / block_k)) for n in (layout.n_full, layout.n_reduced))
+    shape = tuple(block_map.shape[1:]) if block_map.dim() == 4 else None
+    if shape == full:
+        block_map = layout.map_block_map(block_map.bool(), block_q, block_k)
+    elif shape != reduced:
+        raise ValueError(f"{type(_mask_source(serving)).__name__} returned a block map of shape "
+                         f"{tuple(block_map.shape)} for layer {layer}; this call needs [*, {', '.join(map(str, full))}] "
+                         f"over the {layout.n_full} full-resolution tokens or [*, {', '.join(map(str, reduced))}] "
+                         f"over the {layout.n_reduced} reduced ones")
+    return _block_sparse().block_map_to_mask(block_map, block_q, block_k, layout.n_reduced)
+
+
+def _wrapped(provider):
+    """``provider`` and the providers it wraps (``.inner``), outermost first."""
+    seen = 0
+    while provider is not None and seen < 16:
+        yield provider
+        provider, seen = getattr(provider, "inner", None), seen + 1
+
+
+def _mask_source(provider):
+    """The innermost provider: the one that makes the maps (wrappers add warm-up, recording)."""
+    *_, source = _wrapped(provider)
+    return source
+
+
+def _without_recorders(provider):
+    """The provider below any recording wrappers on top of the stack."""
+    while getattr(provider, "recorder", None) is not None and getattr(provider, "inner", None) is not None:
+        provider = provider.inner
+    return provider
 
 
 def _recording_now(sparse_run, options) -> bool:
@@ -512,12 +638,7 @@ def _recording_now(sparse_run, options) -> bool:
 
 
 def _recorder_of(provider):
-    seen = 0
-    while provider is not None and seen < 16:
-        if getattr(provider, "recorder", None) is not None:
-            return provider.recorder
-        provider, seen = getattr(provider, "inner", None), seen + 1
-    return None
+    return next((p.recorder for p in _wrapped(provider) if getattr(p, "recorder", None) is not None), None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -603,20 +724,16 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
         if call is None or not reduced.claims(call):
             return call_next(func, args, kwargs)
         run, layout = reduced.run, reduced.layout
-        mask = None
         if reduced.sparse_run is not None:
-            mask = run.sparse_mask(reduced.sparse_run, reduced.layer, reduced.options, call, layout)
-            reduced.sparse_run.record(reduced.layer, None if mask is None else mask.density)
-        if mask is not None:
-            run.stats.sparse_reduced_calls += 1
-            return _block_sparse().block_sparse_attention(
-                call.q, call.k, call.v, mask, call.heads, skip_reshape=call.skip_reshape,
-                skip_output_reshape=call.skip_output_reshape)
+            out = run.attend_sparse(reduced, call)
+            if out is not None:
+                return out
         if not run.state.settings.size_bias:
             return call_next(func, args, kwargs)
-        named = {k: v for k, v in call.named.items()}
-        named["mask"] = layout.key_bias(call.q.device, call.q.dtype)
-        q, k, v, heads = (named.pop(n) for n in ("q", "k", "v", "heads"))
+        # Dense with the size bias, exactly and with no float mask: pooled keys repeated.
+        named = dict(call.named)
+        q, heads = named.pop("q"), named.pop("heads")
+        k, v = (layout.expand_keys(named.pop(n), call.skip_reshape) for n in ("k", "v"))
         return call_next(func, (q, k, v, heads), named)
 
     return _mark_own(chorus_feature_reuse_attention, key, previous)
