@@ -22,14 +22,15 @@ import zlib
 import numpy as np
 
 CODEC = "rowshift-zlib-v1"
+ZLIB_LEVEL = 9  # the decoder reads any level; see tests/benchmarks/results/codec_*.md
 
 
-def _pack_indices(mask: np.ndarray) -> np.ndarray:
+def _pack_indices(mask: np.ndarray, level: int = ZLIB_LEVEL) -> np.ndarray:
     """Sorted flat indices of ``mask`` as zlib-compressed, byte-shuffled uint32 gaps."""
     idx = np.flatnonzero(mask)
     gaps = np.diff(idx, prepend=0).astype("<u4")
     shuffled = gaps.view(np.uint8).reshape(-1, 4).T.tobytes()  # high bytes compress to ~0
-    return np.frombuffer(zlib.compress(shuffled, 9), dtype=np.uint8)
+    return np.frombuffer(zlib.compress(shuffled, level), dtype=np.uint8)
 
 
 def _indices(blob: np.ndarray, size: int) -> np.ndarray:
@@ -68,7 +69,7 @@ def _shift_right(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _split(maps: np.ndarray) -> dict[str, np.ndarray]:
+def _split(maps: np.ndarray, level: int = ZLIB_LEVEL) -> dict[str, np.ndarray]:
     """[H, nq, nk] bool -> parts c, d, e (see module docstring)."""
     cols = maps.all(axis=1)  # [H, nk]
     rest = maps & ~cols[:, None, :]
@@ -79,7 +80,7 @@ def _split(maps: np.ndarray) -> dict[str, np.ndarray]:
     window = rest & ~extras
     delta = window.copy()
     delta[:, 1:] ^= _shift_right(window[:, :-1])
-    return {"c": _pack_indices(cols), "d": _pack_indices(delta), "e": _pack_indices(extras)}
+    return {"c": _pack_indices(cols, level), "d": _pack_indices(delta, level), "e": _pack_indices(extras, level)}
 
 
 def _join(parts: dict[str, np.ndarray], shape) -> np.ndarray:
@@ -152,11 +153,12 @@ class PackedBlockMaps:
         return np.unpackbits(self.packed[bucket, layer], axis=-1, count=self.nk).astype(bool)
 
 
-def encode_masks(masks, coarsen: int = 1) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def encode_masks(masks, coarsen: int = 1, level: int = ZLIB_LEVEL) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Encode bool block maps ``[S, L, H, nq, nk]`` into uint8 tensors and string metadata.
 
     :param masks: bool torch tensor or numpy array ``[S, L, H, nq, nk]``, or :class:`PackedBlockMaps`
     :param coarsen: OR-pool factor (1 = lossless)
+    :param level: zlib level (any level decodes the same way)
     :return: (tensors for safetensors, metadata for safetensors)
     """
     if not isinstance(masks, PackedBlockMaps):
@@ -173,12 +175,12 @@ def encode_masks(masks, coarsen: int = 1) -> tuple[dict[str, np.ndarray], dict[s
     tensors = {}
     for layer in range(layers):
         base = stored(0, layer)
-        for part, arr in _split(base).items():
+        for part, arr in _split(base, level).items():
             tensors[f"b0.l{layer}.{part}"] = arr
         for s in range(1, s_count):
             current = stored(s, layer)
-            own = _split(current)
-            xor = _pack_indices(current ^ base)
+            own = _split(current, level)
+            xor = _pack_indices(current ^ base, level)
             if xor.size <= sum(a.size for a in own.values()):
                 tensors[f"b{s}.l{layer}.x"] = xor
             else:

@@ -1,0 +1,153 @@
+"""Mask codecs measured on masks a recorder actually produced: size, encode time, decode time.
+
+    python tests/benchmarks/bench_codec.py --bank DIR [--out DIR] [--name NAME]
+
+Every entry of the bank at DIR (for example the one ``bench_reuse_loop.py --keep-bank DIR``
+records at Wan2.1-14B shapes, or a testbed bank) is decoded to its bool block maps and then
+re-encoded with each candidate:
+
+- ``rowshift-zlib-v1`` (the bank's codec) at zlib levels 9 (shipped), 6 and 1;
+- ``packbits-xor-zlib``: bucket 0 as packed bits, later buckets as packed XOR with bucket 0,
+  zlib level 6 or 1 (decode is inflate + unpackbits, no per-row loop).
+
+Decode is timed to bool maps for every (bucket, layer), and for the shipped codec also to the
+kernel's live-block lists (what a hit's prefetch worker does). Writes ``codec_<name>.json`` / ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from chorus_core.bank import MaskBank  # noqa: E402
+from chorus_core.bank.encoding import decode_block_map, encode_masks  # noqa: E402
+from chorus_core.entry_prefetch import live_lists  # noqa: E402
+
+
+def rowshift(level: int):
+    def encode(maps):
+        return encode_masks(maps, level=level)
+
+    def decode(tensors, meta, shape):
+        return [decode_block_map(tensors, meta, s, l) for s in range(shape[0]) for l in range(shape[1])]
+
+    return encode, decode
+
+
+def packbits_xor(level: int):
+    def encode(maps):
+        base = maps[0]
+        parts = {"b0": np.packbits(base, axis=-1)}
+        for s in range(1, maps.shape[0]):
+            parts[f"b{s}"] = np.packbits(maps[s] ^ base, axis=-1)
+        return {k: np.frombuffer(zlib.compress(v.tobytes(), level), np.uint8) for k, v in parts.items()}, {}
+
+    def decode(tensors, meta, shape):
+        s_count, layers, heads, nq, nk = shape
+        width = -(-nk // 8)
+        base = np.unpackbits(np.frombuffer(zlib.decompress(tensors["b0"].tobytes()), np.uint8)
+                             .reshape(layers, heads, nq, width), axis=-1, count=nk).astype(bool)
+        out = [base[l] for l in range(layers)]
+        for s in range(1, s_count):
+            x = np.unpackbits(np.frombuffer(zlib.decompress(tensors[f"b{s}"].tobytes()), np.uint8)
+                              .reshape(layers, heads, nq, width), axis=-1, count=nk).astype(bool)
+            out += [base[l] ^ x[l] for l in range(layers)]
+        return out
+
+    return encode, decode
+
+
+CANDIDATES = {
+    "rowshift-zlib-v1 (level 9, shipped)": rowshift(9),
+    "rowshift-zlib (level 6)": rowshift(6),
+    "rowshift-zlib (level 1)": rowshift(1),
+    "packbits-xor-zlib (level 6)": packbits_xor(6),
+    "packbits-xor-zlib (level 1)": packbits_xor(1),
+}
+
+
+def entry_maps(bank: MaskBank, entry_id: str) -> np.ndarray:
+    entry = bank.load_masks(entry_id, record_hit=False)
+    s_count, layers = len(entry.step_buckets), entry.shape[1]
+    return np.stack([np.stack([entry.block_map(s, l).numpy() for l in range(layers)]) for s in range(s_count)])
+
+
+def measure(maps: np.ndarray) -> list[dict]:
+    rows = []
+    for name, (encode, decode) in CANDIDATES.items():
+        started = time.perf_counter()
+        tensors, meta = encode(maps)
+        encode_s = time.perf_counter() - started
+        started = time.perf_counter()
+        decoded = decode(tensors, meta, maps.shape)
+        decode_s = time.perf_counter() - started
+        flat = maps.reshape(-1, *maps.shape[2:])
+        assert all(np.array_equal(d, flat[i]) for i, d in enumerate(decoded)), f"{name} is not lossless"
+        row = {"codec": name, "entry_bytes": int(sum(t.nbytes for t in tensors.values())),
+               "encode_s": round(encode_s, 3), "decode_ms": round(decode_s * 1e3, 1)}
+        if "shipped" in name:
+            started = time.perf_counter()
+            for d in decoded:
+                live_lists(d)
+            row["live_lists_ms"] = round((time.perf_counter() - started) * 1e3, 1)
+        rows.append(row)
+    return rows
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} host, {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})"
+    except Exception:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bank", required=True)
+    parser.add_argument("--out", default=str(REPO / "tests" / "benchmarks" / "results"))
+    parser.add_argument("--name", default="recorded")
+    parser.add_argument("--shape", default="", help="label for the rows, e.g. 720p")
+    args = parser.parse_args(argv)
+    rows = []
+    with MaskBank.open(args.bank, read_only=True) as bank:
+        for entry in bank.entries():
+            maps = entry_maps(bank, entry["id"])
+            for row in measure(maps):
+                rows.append({"shape": args.shape, "entry": entry["id"], "masks": "x".join(map(str, maps.shape)),
+                             "density": round(float(maps.mean()), 4), **row})
+                print(json.dumps(rows[-1]))
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    doc = {"benchmark": "bench_codec", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(),
+           "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "git_commit": commit or None, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"codec_{args.name}.json").write_text(json.dumps(doc, indent=2))
+    lines = [f"# Mask codecs on recorded masks ({args.name})", "", f"{doc['machine']}; `{doc['command']}`; {doc['date']}", "",
+             "| shape | masks | density | codec | entry bytes | encode s | decode ms | live lists ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['masks']} | {r['density']} | {r['codec']} | {r['entry_bytes']:,} | "
+                     f"{r['encode_s']} | {r['decode_ms']} | {r.get('live_lists_ms', '')} |")
+    (out / f"codec_{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
