@@ -71,3 +71,57 @@ def writer_command(path, count, seed):
     code = ("import sys; sys.path.insert(0, 'tests'); from bank_fixtures import writer_main; "
             f"writer_main({str(path)!r}, {count}, {seed})")
     return [sys.executable, "-c", code]
+
+
+# ---- subprocess bodies of the hostile suite (tests/test_bank_hostile.py) -----------------
+def victim_main(action, path, arg=""):
+    """One bank operation, run with CHORUS_BANK_FAULT set so it dies at that point."""
+    bank = MaskBank.open(path)
+    if action == "add":
+        add_toy(bank, seed=int(arg or 0))
+    elif action == "prune":
+        bank.prune(max_entries=int(arg))
+    elif action == "quarantine":
+        bank.quarantine(arg, "test")
+    elif action == "import":
+        bank.import_file(arg)
+    print("survived", flush=True)
+
+
+def role_main(role, path, seconds, out):
+    """Concurrency roles: writer re-adds 4 fixed mask sets (same blobs again and again),
+    pruner keeps 2 entries, reader matches and loads, verifier verifies; each writes
+    ``{"ops": n, "corrupt": [...], "errors": [...]}`` to ``out`` as JSON."""
+    import json
+
+    from chorus_core.bank import BankEntryCorrupt, BankError
+
+    bank = MaskBank.open(path)
+    result = {"ops": 0, "corrupt": [], "errors": []}
+    end = time.time() + seconds
+    while time.time() < end:
+        try:
+            if role.startswith("writer"):
+                add_toy(bank, seed=result["ops"] % 4)
+            elif role == "pruner":
+                bank.prune(max_entries=2)
+            elif role == "reader":
+                hit = bank.match(toy_signature(result["ops"] % 4), FP, LAYOUT, threshold=0.0)
+                if hit.entry_id:
+                    bank.load_masks(hit.entry_id).block_map_numpy(2, 1)
+            else:
+                report = bank.verify()
+                result["corrupt"] += report["quarantined"]
+        except BankEntryCorrupt as exc:
+            result["corrupt"].append(str(exc))
+        except BankError as exc:  # "No entry": pruned between match and load, expected
+            if "No entry" not in str(exc):
+                result["errors"].append(str(exc))
+        result["ops"] += 1
+    with open(out, "w") as fh:
+        json.dump(result, fh)
+
+
+def python_command(body):
+    """argv running ``body`` (Python source) with tests/ importable."""
+    return [sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); " + body]

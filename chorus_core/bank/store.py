@@ -220,7 +220,8 @@ class EntryMasks:
     :param schedule: the schedule the masks were recorded under
     :param layout: the latent layout
     :param on_corrupt: called with a reason when a layer set cannot be decoded or is
-        invalid; the bank's callback quarantines the entry and raises BankEntryCorrupt
+        invalid (shape, empty query row); the bank's callback quarantines the entry and
+        raises BankEntryCorrupt. Without it (a cached prior) decoding errors propagate as is.
     """
 
     def __init__(self, entry_id: str, schedule: Schedule, layout: LatentLayout,
@@ -243,15 +244,16 @@ class EntryMasks:
         if not (0 <= bucket_index < s_count and 0 <= layer < layers):
             raise IndexError(f"bucket {bucket_index} / layer {layer} out of range for an entry "
                              f"with {s_count} buckets and {layers} layers.")
+        if self._on_corrupt is None:  # not a bank entry (e.g. a cached prior): decode as is
+            return decode_block_map(self._tensors, self._meta, bucket_index, layer)
         try:
             maps = decode_block_map(self._tensors, self._meta, bucket_index, layer)
             validation.check_block_map(maps, self.shape[2:])
             return maps
         except Exception as exc:  # ValueError (bounded decode, checks), zlib.error, IndexError
             reason = f"bucket {bucket_index} layer {layer} unusable: {type(exc).__name__}: {exc}"
-        if self._on_corrupt is not None:
-            self._on_corrupt(reason)  # raises
-        raise BankEntryCorrupt(self.entry_id, reason, moved=False)
+        self._on_corrupt(reason)  # quarantines (or skips, read-only) and raises BankEntryCorrupt
+        raise AssertionError("on_corrupt must raise")
 
     def block_map(self, bucket_index: int, layer: int):
         """Bool torch tensor ``[H, nq, nk]`` for one step bucket and layer (about 15 ms CPU).
@@ -423,8 +425,8 @@ class MaskBank:
                 f"Chorus ({schema.SCHEMA_VERSION}); upgrade Chorus to use it.")
         missing = schema.TABLES.get(found, {"entries"}) - set(tables)
         if found == 0 or missing:
-            what = f"lacks the {', '.join(sorted(missing))} table(s)" if missing else \
-                f"holds other tables ({', '.join(sorted(tables))[:200]})"
+            what = (f"holds other tables ({', '.join(sorted(tables))[:200]})" if found == 0
+                    else f"lacks the {', '.join(sorted(missing))} table(s)")
             raise BankError(
                 f"{self.root / DB_NAME} is not a Chorus bank: it {what}. Nothing was changed. "
                 "Point Chorus at a bank folder (or an empty one to create a bank); if this "
@@ -788,6 +790,9 @@ class MaskBank:
     def _found_corrupt(self, row: dict, reason: str, recheck: bool):
         """Quarantine (or, read-only, skip) the entry of ``row`` and raise BankEntryCorrupt."""
         outcome = self._quarantine_row(row, reason, recheck)
+        if outcome == "gone":
+            raise BankError(f"No entry {row['id']} any more: another process removed or "
+                            "quarantined it while it was being read; run this request as a miss.")
         if outcome is False:
             raise BankError(f"Entry {row['id']} could not be read ({reason}), but its blob is "
                             "healthy again (another process rewrote it); retry the request.")
@@ -805,7 +810,8 @@ class MaskBank:
 
     def _quarantine_row(self, row: dict, reason: str, recheck: bool, warn: bool = True):
         """True: quarantined; None: read-only, skipped in this process; False: ``recheck``
-        found the blob healthy under the lock (a writer re-added the same masks meanwhile)."""
+        found the blob healthy under the lock (a writer re-added the same masks meanwhile);
+        "gone": the row was deleted or quarantined meanwhile (e.g. by a concurrent prune)."""
         label = row.get("id") if validation.is_entry_id(row.get("id")) else f"(row {row['rowid']})"
         if self.read_only:
             _READ_ONLY_SKIPS.setdefault(self._real_root, {})[row.get("id")] = reason
@@ -815,10 +821,11 @@ class MaskBank:
                               "entry and falls back to dense attention for it.", stacklevel=4)
             return None
         with self._write(bump=False):
-            current = next(self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE rowid = ?",
-                                         [row["rowid"]]), None)
+            # rowid and id: a deleted row's rowid can be reused by a newer entry
+            current = next(self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE rowid = ? "
+                                         "AND id IS ?", [row["rowid"], row.get("id")]), None)
             if current is None or current["status"] != "ok":
-                return True  # deleted or quarantined meanwhile: nothing left to do
+                return "gone"
             if recheck and self._problem(current)[0] is None:
                 return False
             sha = current["blob_sha256"]
@@ -859,9 +866,12 @@ class MaskBank:
         for row in rows:
             report["checked"] += 1
             reason = self._problem(row)[0]
-            if reason is not None and self._quarantine_row(row, reason, recheck=True,
-                                                           warn=False) is not False:
+            outcome = None if reason is None else self._quarantine_row(row, reason, recheck=True,
+                                                                        warn=False)
+            if outcome is True or (reason is not None and outcome is None):  # None: read-only
                 report["quarantined"].append({"id": row["id"], "reason": reason})
+            elif outcome == "gone":
+                report["checked"] -= 1  # pruned or quarantined by another process meanwhile
             else:
                 report["ok"] += 1
         if not self.read_only and not report["problems"]:
