@@ -2,7 +2,11 @@
 
 The API graphs below are the source of truth; the UI files that ComfyUI's template browser
 shows are derived from them with a running server's ``/object_info`` (widget order, output
-types), so the two formats cannot drift apart. Regenerate after changing a node's inputs::
+types), so the two formats cannot drift apart. Each node's size is measured in the real
+frontend (the pinned 1.27.10 and 1.58.1, the larger of the two) and the layout follows from the
+sizes: columns by data flow, nodes stacked without overlap, output nodes beside the sampler.
+The template browser's thumbnails (``<name>.jpg``) are screenshots of the laid-out graph.
+Regenerate after changing a node's inputs (needs Chromium, ``make browser``)::
 
     .venv/bin/python tests/example_workflows_tool.py
 """
@@ -10,7 +14,9 @@ types), so the two formats cannot drift apart. Regenerate after changing a node'
 from __future__ import annotations
 
 import json
+import math
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -106,32 +112,77 @@ def _depths(prompt: dict) -> dict[str, int]:
     return depth
 
 
-def _node_height(spec: dict) -> int:
-    """Room for every socket and widget row, as the frontend lays them out (about 24 px a row)."""
+TITLE_HEIGHT = 30  # LiteGraph draws the title bar above a node's pos
+GAP = 40  # between stacked nodes and between columns
+SAMPLER_TYPES = {"ChorusSparseWanSampler", "KSampler", "KSamplerAdvanced", "SamplerCustomAdvanced"}
+
+
+def estimated_size(spec: dict) -> list[int]:
+    """Without a measurement: room for every socket and widget row (about 24 px a row)."""
     rows = len(_inputs_in_order(spec)) + len(spec["output"])
-    return 40 + 24 * rows
+    return [400, 40 + 24 * rows]
 
 
-def api_to_ui(prompt: dict, object_info: dict) -> dict:
-    """A UI-format workflow equivalent to the API-format ``prompt``."""
-    links, nodes, rows = [], {}, {}
+def columns(prompt: dict, object_info: dict) -> dict[str, int]:
+    """Left to right by data flow; output nodes (previews, savers) go beside the sampler, never in
+    its column, so that they cannot sit on it."""
     depth = _depths(prompt)
-    for node_id, node in sorted(prompt.items(), key=lambda item: (depth[item[0]], int(item[0]))):
+    samplers = [depth[n] for n, node in prompt.items() if node["class_type"] in SAMPLER_TYPES]
+    beside = max(samplers, default=-1) + 1
+    return {node_id: max(depth[node_id], beside) if object_info[node["class_type"]].get("output_node") else depth[node_id]
+            for node_id, node in prompt.items()}
+
+
+def layout(prompt: dict, object_info: dict, sizes: dict[str, list]) -> dict[str, list[int]]:
+    """Positions from each node's size: columns as wide as their widest node, nodes stacked with a gap."""
+    column = columns(prompt, object_info)
+    order = sorted(prompt, key=lambda n: (column[n], int(n)))
+    widths: dict[int, int] = {}
+    for node_id in order:
+        widths[column[node_id]] = max(widths.get(column[node_id], 0), sizes[node_id][0])
+    lefts, x = {}, 40
+    for c in sorted(widths):
+        lefts[c], x = x, x + widths[c] + GAP
+    tops: dict[int, int] = {}
+    positions = {}
+    for node_id in order:
+        c = column[node_id]
+        top = tops.get(c, 40)
+        positions[node_id] = [lefts[c], top + TITLE_HEIGHT]
+        tops[c] = top + TITLE_HEIGHT + sizes[node_id][1] + GAP
+    return positions
+
+
+def api_to_ui(prompt: dict, object_info: dict, sizes: dict | None = None) -> dict:
+    """A UI-format workflow equivalent to the API-format ``prompt``.
+
+    :param sizes: node id -> [width, height] as the frontend draws the node (``--measure`` finds
+        them); an estimate for nodes without one.
+    """
+    sizes = {n: list((sizes or {}).get(n) or estimated_size(object_info[node["class_type"]]))
+             for n, node in prompt.items()}
+    positions = layout(prompt, object_info, sizes)
+    links, nodes = [], {}
+    column = columns(prompt, object_info)
+    for node_id, node in sorted(prompt.items(), key=lambda item: (column[item[0]], int(item[0]))):
         spec = object_info[node["class_type"]]
-        column = depth[node_id]
-        row = rows.get(column, 0)
-        rows[column] = row + 1
         nodes[node_id] = {
-            "id": int(node_id), "type": node["class_type"], "pos": [40 + 420 * column, 40 + 260 * row],
-            "size": [400, _node_height(spec)], "flags": {}, "order": 0, "mode": 0, "inputs": [],
+            "id": int(node_id), "type": node["class_type"], "pos": positions[node_id],
+            "size": sizes[node_id], "flags": {}, "order": 0, "mode": 0, "inputs": [],
             "outputs": [{"name": name, "type": kind, "links": [], "slot_index": i}
                         for i, (name, kind) in enumerate(zip(spec["output_name"], spec["output"]))],
             "properties": {"Node name for S&R": node["class_type"]}, "widgets_values": [],
         }
+    depth = _depths(prompt)
     for order, node_id in enumerate(sorted(prompt, key=lambda n: (depth[n], int(n)))):
         _fill_node(nodes[node_id], prompt[node_id], object_info, nodes, links, order)
     return {"last_node_id": max(int(n) for n in prompt), "last_link_id": len(links), "nodes": list(nodes.values()),
             "links": links, "groups": [], "config": {}, "extra": {"frontendVersion": "1.27.10"}, "version": 0.4}
+
+
+def sizes_of(ui: dict) -> dict[str, list]:
+    """The node sizes a UI file was laid out with."""
+    return {str(node["id"]): node["size"] for node in ui["nodes"]}
 
 
 def _fill_node(ui_node, api_node, object_info, nodes, links, order):
@@ -154,27 +205,120 @@ def _fill_node(ui_node, api_node, object_info, nodes, links, order):
         ui_node["inputs"].append({"name": name, "type": value[0], "link": link_id})
 
 
-def write_examples(object_info: dict, out: Path = EXAMPLES) -> list[Path]:
+def write_examples(object_info: dict, sizes: dict, out: Path = EXAMPLES) -> list[Path]:
+    """Write every workflow; ``sizes`` maps workflow name -> node id -> measured [w, h]."""
     # API twins go one folder down: ComfyUI's template browser lists only the top level.
     (out / "api").mkdir(parents=True, exist_ok=True)
     written = []
     for name, build in WORKFLOWS.items():
         prompt = build()
-        (out / f"{name}.json").write_text(json.dumps(api_to_ui(prompt, object_info), indent=1) + "\n")
+        (out / f"{name}.json").write_text(json.dumps(api_to_ui(prompt, object_info, sizes.get(name)), indent=1) + "\n")
         (out / "api" / f"{name}_api.json").write_text(json.dumps(prompt, indent=1) + "\n")
         written += [out / f"{name}.json", out / "api" / f"{name}_api.json"]
     return written
 
 
+# --- measuring in the real frontend ---------------------------------------------------------
+APP = "(window.app ?? window.comfyAPI?.app?.app)"
+THUMBNAIL_WIDTH = 512
+
+
+def _browser(url: str):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1600,1000"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    driver.set_script_timeout(120)
+    driver.get(url + "/")
+    for _ in range(240):
+        if driver.execute_script(f"return !!{APP}?.graph && !!window.LiteGraph?.registered_node_types?.KSampler"):
+            return driver
+        time.sleep(0.5)
+    raise TimeoutError(f"the frontend at {url} did not start")
+
+
+def _load(driver, workflow: dict) -> None:
+    driver.execute_async_script(f"const done = arguments[arguments.length - 1]; "
+                                f"{APP}.loadGraphData(arguments[0]).then(() => done(true));", workflow)
+
+
+# Nodes that show content get room for it beyond their widgets' minimum: the start image's
+# preview, the summary text, the prompts.
+ROOM = {"LoadImage": [300, 340], "PreviewImage": [300, 300], "PreviewAny": [400, 160], "CLIPTextEncode": [400, 150]}
+
+
+def measured_sizes(driver, workflow: dict) -> dict[str, list[int]]:
+    """Each node's own minimum size in this frontend (LGraphNode.computeSize), rounded up to 10 px."""
+    _load(driver, workflow)
+    found = driver.execute_script(f"return {APP}.graph._nodes.map(n => [String(n.id), n.type, n.computeSize()])")
+    sizes = {}
+    for node_id, kind, (w, h) in found:
+        room_w, room_h = ROOM.get(kind, [300, 0])
+        sizes[node_id] = [max(room_w, 10 * math.ceil(w / 10)), max(room_h, 10 * math.ceil(h / 10))]
+    return sizes
+
+
+def save_thumbnail(driver, workflow: dict, path: Path) -> None:
+    """The whole graph as the frontend's canvas draws it, as the template browser's .jpg thumbnail."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    _load(driver, workflow)
+    data, box = driver.execute_script(f"""
+        const canvas = {APP}.canvas, nodes = {APP}.graph._nodes;
+        const left = Math.min(...nodes.map(n => n.pos[0])) - 20, top = Math.min(...nodes.map(n => n.pos[1] - 30)) - 20;
+        const right = Math.max(...nodes.map(n => n.pos[0] + n.size[0])) + 20;
+        const bottom = Math.max(...nodes.map(n => n.pos[1] + n.size[1])) + 20;
+        const element = canvas.canvas;
+        const scale = Math.min(element.width / (right - left), element.height / (bottom - top));
+        canvas.ds.scale = scale;
+        canvas.ds.offset = [-left, -top];
+        canvas.draw(true, true);
+        return [element.toDataURL("image/png"), [0, 0, (right - left) * scale, (bottom - top) * scale]];
+    """)
+    with Image.open(io.BytesIO(base64.b64decode(data.split(",", 1)[1]))) as image:
+        image = image.convert("RGB").crop(tuple(round(v) for v in box))
+        image.thumbnail((THUMBNAIL_WIDTH, THUMBNAIL_WIDTH))
+        image.save(path, "JPEG", quality=82, optimize=True)
+
+
 def main() -> int:
+    """Measure every node in the pinned frontend and the newest one, write the files and thumbnails."""
     import tempfile
 
     sys.path.insert(0, str(REPO_ROOT))
     from chorus_core.comfyui_process import ComfyServer, prepare_base_directory
 
-    with tempfile.TemporaryDirectory() as tmp, ComfyServer(prepare_base_directory(Path(tmp))) as server:
-        for path in write_examples(server.get_json("/object_info")):
-            print(path.relative_to(REPO_ROOT))
+    new_root = Path(sys.prefix) / "frontend-1.58.1" / "comfyui_frontend_package" / "static"
+    # the newest first: thumbnails come from the pinned one, once every size is known
+    frontends = [("--front-end-root", str(new_root)), ()] if new_root.is_dir() else [()]
+    sizes: dict[str, dict] = {}
+    object_info = None
+    for extra in frontends:
+        with tempfile.TemporaryDirectory() as tmp, \
+                ComfyServer(prepare_base_directory(Path(tmp)), extra_args=extra) as server:
+            object_info = object_info or server.get_json("/object_info")
+            driver = _browser(server.url)
+            try:
+                for name, build in WORKFLOWS.items():
+                    found = measured_sizes(driver, api_to_ui(build(), object_info))
+                    known = sizes.setdefault(name, {})
+                    for node_id, (w, h) in found.items():
+                        old = known.get(node_id, [0, 0])
+                        known[node_id] = [max(old[0], w), max(old[1], h)]
+                if not extra:
+                    for name, build in WORKFLOWS.items():
+                        save_thumbnail(driver, api_to_ui(build(), object_info, sizes[name]), EXAMPLES / f"{name}.jpg")
+            finally:
+                driver.quit()
+    for path in write_examples(object_info, sizes):
+        print(path.relative_to(REPO_ROOT))
     return 0
 
 

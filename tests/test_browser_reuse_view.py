@@ -1,30 +1,90 @@
-"""A real headless Chromium against ComfyUI's real frontend, served by the test server.
+"""A real headless Chromium against ComfyUI's real frontend, in the versions people run.
 
-The Chorus nodes are in the node library, the example workflow loads, and a run queued
-from the page shows the per-layer view with the numbers the server reported. A screenshot
-is saved under tests/artifacts/.
+Three configurations: frontend 1.27.10 (what ComfyUI 0.3.64 pins), and the current 1.58.1
+(served with ``--front-end-root``) with its default LiteGraph canvas and with its Vue node
+renderer ("Nodes 2.0"). In each, the Chorus nodes are in the node library, every example
+workflow loads with no node drawn larger than the file says, and a miss then a hit queued
+from the page show the per-layer view with the numbers the server reported. Screenshots of
+the view are saved under tests/artifacts/.
 """
 
 import json
+import math
 import shutil
+import sys
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO_ROOT
-from example_workflows_tool import api_to_ui
-from workflows import chorus_i2v_prompt
+from example_workflows_tool import WORKFLOWS, api_to_ui
+from workflows import TINY_MODEL_NAME, chorus_i2v_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 APP = "(window.app ?? window.comfyAPI?.app?.app)"
+NEW_FRONTEND = "1.58.1"
+# `make setup` installs it there (pip install --target), next to the venv's own 1.27.10.
+NEW_FRONTEND_ROOT = Path(sys.prefix) / f"frontend-{NEW_FRONTEND}" / "comfyui_frontend_package" / "static"
+CONFIGS = [("1.27.10", "canvas"), (NEW_FRONTEND, "canvas"), (NEW_FRONTEND, "vue")]
+SAMPLER = "3"
+# Node ids are numbers in 1.27.10 and may be strings in 1.58.1 (whose graphs can also hold subgraphs).
+SAMPLER_NODE = f"({APP}.graph.getNodeById({SAMPLER}) ?? {APP}.graph.getNodeById('{SAMPLER}'))"
 
 
 @pytest.fixture(scope="module")
-def browser(comfy_server):
+def servers(comfy_server, tmp_path_factory):
+    """One ComfyUI per frontend version; the pinned one is the shared session server."""
+    started = {"1.27.10": comfy_server}
+    yield lambda version: started.get(version) or started.setdefault(
+        version, _start_new_frontend_server(comfy_server, tmp_path_factory))
+    for version, server in started.items():
+        if server is not comfy_server:
+            server.stop()
+            (Path(REPO_ROOT) / "tests" / "artifacts").mkdir(parents=True, exist_ok=True)
+            (Path(REPO_ROOT) / "tests" / "artifacts" / f"comfyui_server_{version}.log").write_text(server.log_text())
+
+
+def _start_new_frontend_server(comfy_server, tmp_path_factory):
+    from chorus_core.comfyui_process import ComfyServer, prepare_base_directory
+
+    if not (NEW_FRONTEND_ROOT / "index.html").is_file():
+        pytest.fail(f"frontend {NEW_FRONTEND} is not installed at {NEW_FRONTEND_ROOT}: run `make setup`")
+    base = prepare_base_directory(tmp_path_factory.mktemp(f"comfy_base_{NEW_FRONTEND}"))
+    model = Path("models") / "diffusion_models" / TINY_MODEL_NAME
+    shutil.copyfile(comfy_server.base_dir / model, base / model)
+    return ComfyServer(base, comfyui=comfy_server.comfyui,
+                       extra_args=("--front-end-root", str(NEW_FRONTEND_ROOT))).start()
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"{c[0]}-{c[1]}")
+def page(request, servers):
+    """A browser on the frontend and renderer of this configuration."""
+    version, renderer = request.param
+    server = servers(version)
     if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-        pytest.fail("Debian's chromium and chromium-driver are needed: `make setup` installs them "
+        pytest.fail("Debian's chromium and chromium-driver are needed: `make browser` installs them "
                     "(apt-get install chromium chromium-driver)")
+    # Settings live on the server: no first-run template browser over the canvas, and the renderer.
+    _set_setting(server, "Comfy.TutorialCompleted", True)
+    _set_setting(server, "Comfy.VueNodes.Enabled", renderer == "vue")
+    driver = _chromium()
+    try:
+        driver.get(server.url + "/")
+        _wait_for(driver, f"return !!{APP}?.graph && !!window.chorusReuseReports && "
+                          "!!window.LiteGraph?.registered_node_types?.KSampler", 120)
+        served_version = driver.execute_script("return window.__COMFYUI_FRONTEND_VERSION__")
+        assert served_version == version
+        if renderer == "vue":
+            _wait_for(driver, f"return {APP}.extensionManager.setting.get('Comfy.VueNodes.Enabled') === true", 30)
+        yield driver, server, version, renderer
+    finally:
+        driver.quit()
+
+
+def _chromium():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -32,16 +92,18 @@ def browser(comfy_server):
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1600,1000"):
+                 "--window-size=1600,1300"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_script_timeout(240)
-    try:
-        driver.get(comfy_server.url + "/")
-        _wait_for(driver, f"return !!{APP}?.graph && !!window.chorusReuseReports && !!window.LiteGraph?.registered_node_types?.KSampler", 120)
-        yield driver
-    finally:
-        driver.quit()
+    return driver
+
+
+def _set_setting(server, key, value):
+    request = urllib.request.Request(f"{server.url}/settings/{key}", data=json.dumps(value).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
 
 
 def _wait_for(driver, script, timeout):
@@ -54,63 +116,126 @@ def _wait_for(driver, script, timeout):
     raise TimeoutError(f"timed out waiting for: {script}\nbrowser log: {logs[-20:]}")
 
 
-def test_chorus_nodes_are_in_the_node_library(browser, comfy_server):
-    registered = browser.execute_script(
+def _load(driver, workflow):
+    return driver.execute_async_script(f"""
+        const done = arguments[arguments.length - 1];
+        {APP}.loadGraphData(arguments[0]).then(() => done({APP}.graph._nodes.map(n => n.type)));
+    """, workflow)
+
+
+def test_chorus_nodes_are_in_the_node_library(page):
+    driver, server, _, _ = page
+    registered = driver.execute_script(
         "return Object.keys(LiteGraph.registered_node_types).filter(t => t.startsWith('Chorus')).sort()")
-    served = sorted(name for name in comfy_server.get_json("/object_info") if name.startswith("Chorus"))
+    served = sorted(name for name in server.get_json("/object_info") if name.startswith("Chorus"))
     assert registered == served
     assert {"ChorusMaskBankLoader", "ChorusSimilarityMatch", "ChorusSparseWanSampler"} <= set(registered)
 
 
-def test_example_workflow_loads(browser):
-    workflow = json.loads((REPO_ROOT / "example_workflows" / "chorus_wan21_i2v_480p.json").read_text())
-    types = browser.execute_async_script(f"""
-        const done = arguments[arguments.length - 1];
-        {APP}.loadGraphData(arguments[0]).then(() => done({APP}.graph._nodes.map(n => n.type)));
-    """, workflow)
-    assert sorted(types) == sorted(node["type"] for node in workflow["nodes"])
+@pytest.mark.parametrize("name", sorted(WORKFLOWS))
+def test_example_workflow_loads_and_every_node_fits_its_rectangle(page, name):
+    """The files' sizes are the frontend's own: no widget spills out of a node onto another."""
+    driver, _, _, renderer = page
+    workflow = json.loads((REPO_ROOT / "example_workflows" / f"{name}.json").read_text())
+    assert sorted(_load(driver, workflow)) == sorted(node["type"] for node in workflow["nodes"])
+    if renderer == "vue":
+        return  # Vue nodes size themselves from their DOM; the canvas renderers measure below
+    needed = driver.execute_script(f"return {APP}.graph._nodes.map(n => [Number(n.id), n.computeSize()])")
+    stored = {node["id"]: node["size"] for node in workflow["nodes"]}
+    too_small = {node_id: (size, stored[node_id]) for node_id, size in needed
+                 if size[0] > stored[node_id][0] + 0.5 or size[1] > stored[node_id][1] + 0.5}
+    assert too_small == {}
 
 
-def test_a_run_shows_the_per_layer_view_with_the_server_numbers(browser, comfy_server, artifacts_dir):
-    object_info = comfy_server.get_json("/object_info")
-    workflow = api_to_ui(chorus_i2v_prompt(bank="browser_bank", prefix="browser"), object_info)
-    browser.execute_async_script(f"""
-        const done = arguments[arguments.length - 1];
-        {APP}.loadGraphData(arguments[0]).then(() => {APP}.queuePrompt(0, 1)).then(() => done(true));
-    """, workflow)
-    _wait_for(browser, "const r = window.chorusReuseReports.get('3'); return r && r.step === r.steps", 240)
-    shown = browser.execute_script("return window.chorusReuseReports.get('3')")
-    history = _latest_history_report(comfy_server)
-    assert shown["mode"] == history["mode"] == "miss"
-    assert shown["layers"] == history["layers"]
-    on_node = browser.execute_script(f"return {APP}.graph.getNodeById(3).chorusReport")
-    assert on_node["layers"] == history["layers"]
-    _close_dialogs(browser)
-    browser.execute_script(f"""
-        const canvas = {APP}.canvas, node = {APP}.graph.getNodeById(3);
-        canvas.ds.scale = 1.2;
-        canvas.centerOnNode?.(node);
+def test_a_miss_then_a_hit_show_the_per_layer_view_with_the_server_numbers(page, artifacts_dir):
+    driver, server, version, renderer = page
+    bank = f"browser_{version.replace('.', '_')}_{renderer}"
+    workflow = api_to_ui(chorus_i2v_prompt(bank=bank, prefix=bank), server.get_json("/object_info"))
+    _load(driver, workflow)
+
+    miss = _queue_and_wait(driver, server)
+    assert miss["mode"] == "miss" and miss["mask_source"] == "online prediction" and miss["recorded_entry_id"]
+    view = _shown_view(driver)
+    assert view["kind"] == "online" and view["badge"] == "MISS · online"
+    assert view["entry"] == "bank: no entries yet to match"
+    _assert_layers_and_density(view, miss)
+
+    hit = _queue_and_wait(driver, server)
+    assert hit["mode"] == "hit" and hit["entry_id"] == miss["recorded_entry_id"]
+    view = _shown_view(driver)
+    assert view["kind"] == "hit" and view["badge"] == "HIT"
+    assert view["entry"] == f"entry {hit['entry_id'][:12]}… · similarity {hit['similarity']:.3f}"
+    _assert_layers_and_density(view, hit)
+    on_node = driver.execute_script(f"return {SAMPLER_NODE}.chorusReport")
+    assert on_node["layers"] == hit["layers"]
+    _screenshot_view(driver, artifacts_dir / f"browser_reuse_view_{version}_{renderer}.png")
+
+
+def _queue_and_wait(driver, server):
+    before = set(server.get_json("/history"))
+    driver.execute_script(f"window.chorusReuseReports.delete('{SAMPLER}'); {APP}.queuePrompt(0, 1)")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        for prompt_id, record in server.get_json("/history").items():
+            if prompt_id not in before and record.get("status", {}).get("completed"):
+                report = record["outputs"][SAMPLER]["chorus_report"][0]
+                _wait_for(driver, f"const r = window.chorusReuseReports.get('{SAMPLER}'); "
+                                  "return !!r && r.step === r.steps && r.mask_source !== undefined", 30)
+                return report
+            if prompt_id not in before and record.get("status", {}).get("status_str") == "error":
+                raise AssertionError(f"the page's prompt failed: {record['status']}")
+        time.sleep(0.5)
+    raise TimeoutError("the page's prompt did not finish")
+
+
+def _shown_view(driver):
+    """What the sampler's view shows, read from its DOM."""
+    return driver.execute_script(f"""
+        const view = {SAMPLER_NODE}.chorusView;
+        const text = (sel) => view.querySelector(sel).textContent;
+        return {{kind: view.dataset.kind, badge: text('.chorus-badge'), entry: text('.chorus-entry'),
+                 step: text('.chorus-step'), density: text('.chorus-density'), saved: text('.chorus-saved'),
+                 bars: [...view.querySelectorAll('.chorus-bar')].map(b => [b.dataset.layer, b.style.height]),
+                 labels: [...view.querySelectorAll('.chorus-label')].map(l => l.textContent),
+                 connected: view.isConnected, shown: view.getBoundingClientRect().height > 0}};
+    """)
+
+
+def _percent(value):
+    return math.floor(value * 100 + 0.5)
+
+
+def _assert_layers_and_density(view, report):
+    assert view["connected"] and view["shown"], "the view is not in the page"
+    layers = report["layers"]
+    kept = [row["density"] if row["sparse_share"] > 0 and row["density"] is not None else 1.0 for row in layers]
+    assert view["bars"] == [[f"L{row['layer']}", f"{max(2, _percent(k))}%"] for row, k in zip(layers, kept)]
+    assert view["labels"] == [f"L{row['layer']}" for row in layers]  # the tiny model's 2 layers: all labelled
+    assert view["step"] == f"step {report['steps']}/{report['steps']}"
+    density = sum(kept) / len(kept)
+    assert view["density"] == f"kept density {_percent(density)}% (warm-up excluded)"
+    assert view["saved"] == f"attention blocks skipped {_percent(1 - density)}% (time not measured)"
+
+
+def _screenshot_view(driver, path):
+    """The sampler node around its view, cropped from a full-window screenshot."""
+    from PIL import Image
+
+    driver.execute_script(f"""
+        const canvas = {APP}.canvas, node = {SAMPLER_NODE};
+        canvas.ds.scale = 1.0;
+        canvas.ds.offset = [200 - node.pos[0], 700 - node.pos[1] - node.size[1]];
         {APP}.graph.setDirtyCanvas(true, true);
     """)
-    time.sleep(1)
-    browser.save_screenshot(str(artifacts_dir / "browser_reuse_view.png"))
-
-
-def _close_dialogs(browser):
-    """The first-run template browser covers the canvas; close it for the screenshot."""
-    from selenium.webdriver.common.keys import Keys
-
-    browser.execute_script("document.querySelectorAll('.p-dialog-close-button').forEach(b => b.click())")
-    browser.find_element("tag name", "body").send_keys(Keys.ESCAPE)
-    time.sleep(0.5)
-
-
-def _latest_history_report(server):
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        history = server.get_json("/history?max_items=1")
-        for record in history.values():
-            if record.get("status", {}).get("completed"):
-                return record["outputs"]["3"]["chorus_report"][0]
-        time.sleep(0.5)
-    raise TimeoutError("the browser's prompt did not finish")
+    time.sleep(1.5)
+    full = path.with_suffix(".full.png")
+    driver.save_screenshot(str(full))
+    box = driver.execute_script(f"""
+        const r = {SAMPLER_NODE}.chorusView.getBoundingClientRect();
+        return [r.left, r.top, r.right, r.bottom, window.devicePixelRatio];
+    """)
+    left, top, right, bottom, ratio = box
+    with Image.open(full) as image:
+        crop = image.crop(tuple(round(v * ratio) for v in (left - 24, top - 240, right + 24, bottom + 16)))
+        crop.save(path, optimize=True)
+    full.unlink()

@@ -3,11 +3,12 @@
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
 from conftest import REPO_ROOT
-from example_workflows_tool import WORKFLOWS, api_to_ui
+from example_workflows_tool import SAMPLER_TYPES, TITLE_HEIGHT, WORKFLOWS, api_to_ui, sizes_of
 from workflows import chorus_i2v_prompt
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +39,44 @@ def test_ui_workflow_types_and_links_match_object_info(name, object_info):
 def test_ui_file_is_derived_from_its_api_twin(name, object_info):
     api = json.loads((EXAMPLES / "api" / f"{name}_api.json").read_text())
     assert api == WORKFLOWS[name]()
-    assert json.loads((EXAMPLES / f"{name}.json").read_text()) == api_to_ui(api, object_info)
+    ui = json.loads((EXAMPLES / f"{name}.json").read_text())
+    assert ui == api_to_ui(api, object_info, sizes_of(ui))
+
+
+def _rectangles(ui):
+    """Each node's rectangle on the canvas, title bar included (LiteGraph draws it above pos)."""
+    return {node["id"]: (node["pos"][0], node["pos"][1] - TITLE_HEIGHT,
+                         node["pos"][0] + node["size"][0], node["pos"][1] + node["size"][1]) for node in ui["nodes"]}
+
+
+@pytest.mark.parametrize("name", sorted(WORKFLOWS))
+def test_no_two_nodes_overlap_and_outputs_sit_beside_the_sampler(name, object_info):
+    ui = json.loads((EXAMPLES / f"{name}.json").read_text())
+    boxes = _rectangles(ui)
+    overlapping = [(a, b) for a in boxes for b in boxes if a < b and boxes[a][0] < boxes[b][2] and boxes[b][0] < boxes[a][2]
+                   and boxes[a][1] < boxes[b][3] and boxes[b][1] < boxes[a][3]]
+    assert overlapping == []
+    sampler = next(node["id"] for node in ui["nodes"] if node["type"] in SAMPLER_TYPES)
+    outputs = [node["id"] for node in ui["nodes"] if object_info[node["type"]].get("output_node")]
+    assert len(outputs) >= 2
+    assert [n for n in outputs if boxes[n][0] < boxes[sampler][2]] == []  # right of the sampler, not on it
+
+
+@pytest.mark.parametrize("name", sorted(WORKFLOWS))
+def test_every_template_has_a_thumbnail_the_server_serves(name, comfy_server):
+    """ComfyUI's template browser asks for <name>.jpg next to <name>.json."""
+    from PIL import Image
+
+    thumbnail = EXAMPLES / f"{name}.jpg"
+    with Image.open(thumbnail) as image:
+        assert image.format == "JPEG" and image.width == 512 and 150 <= image.height <= 512
+    with urllib.request.urlopen(f"{comfy_server.url}/api/workflow_templates/chorus/{name}.jpg", timeout=30) as response:
+        assert response.headers["Content-Type"] == "image/jpeg"
+        assert response.read() == thumbnail.read_bytes()
+
+
+def test_the_template_browser_lists_exactly_the_ui_workflows(comfy_server):
+    assert sorted(comfy_server.get_json("/workflow_templates")["chorus"]) == sorted(WORKFLOWS)
 
 
 @pytest.mark.parametrize("name", sorted(WORKFLOWS))
@@ -69,3 +107,25 @@ def test_api_mode_example_script_uploads_submits_follows_and_reports(comfy_serve
     assert "step 4/4 miss sparse share per layer" in result.stdout
     report = json.loads(result.stdout[result.stdout.index("{"):])
     assert report["chorus"][0]["mode"] == "miss" and report["chorus"][0]["recorded_entry_id"]
+
+
+@pytest.mark.parametrize("change, header, message", [
+    ({"min_density": 0.7, "max_density": 0.6}, "error: the server refused the workflow:",
+     "node 3 (ChorusSparseWanSampler): Custom validation failed for node: min_density - min_density (0.7) must not "
+     "exceed max_density (0.6)."),
+    ({"dense_layers": "0, x"}, "error: the workflow failed on the server: ",
+     "node 3 (ChorusSparseWanSampler) failed: dense_layers must be comma-separated block indices such as '0, 39', "
+     "got '0, x'"),
+], ids=["refused", "failed"])
+def test_api_mode_example_script_prints_the_server_errors_and_exits_non_zero(comfy_server, tmp_path, change, header,
+                                                                           message):
+    workflow = chorus_i2v_prompt(bank="api_example_errors", prefix="api_example_errors")
+    workflow["3"]["inputs"].update(change)
+    path = tmp_path / "bad_api.json"
+    path.write_text(json.dumps(workflow))
+    result = subprocess.run([sys.executable, str(EXAMPLES / "api" / "chorus_api_example.py"), "--server",
+                             comfy_server.url, "--workflow", str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith(header)
+    assert message in [line.strip() for line in result.stderr.replace(header, "").splitlines()]
+    assert "Traceback" not in result.stderr and "HTTP Error 400" not in result.stderr

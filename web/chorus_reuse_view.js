@@ -1,72 +1,116 @@
-// Chorus: a compact per-layer reuse view drawn on the Chorus Sparse Wan Sampler node.
-// The server sends one "chorus.step" event per denoising step and "chorus.run_start" when a
-// run begins; each carries the executing node id (a "parent:child" path inside subgraphs).
+// Chorus: the per-layer reuse view, a DOM widget on the node that runs a Chorus generation.
+// The server sends "chorus.run_start" when a run begins and one "chorus.step" event per step,
+// each with the executing node id (a "parent:child" path inside subgraphs); the node's final
+// "executed" output carries the whole report (entry, similarity, mask source, timings).
+// A DOM widget, not canvas drawing: both of the frontend's renderers show it, the LiteGraph
+// canvas and the Vue nodes ("Nodes 2.0", setting Comfy.VueNodes.Enabled).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { resolveNodePath } from "./chorus_node_paths.js";
+import { DENSE_COLOUR, labelStride, layerBars, percent, summarise } from "./chorus_view_model.js";
 
 const EXTENSION = "chorus.reuse_view";
-const SAMPLER_TYPE = "ChorusSparseWanSampler";
-const VIEW_HEIGHT = 64;
+const VIEW_TYPES = new Set(["ChorusSparseWanSampler", "ChorusSparseAttention"]);
+const WIDGET_NAME = "chorus_reuse_view";
+const VIEW_HEIGHT = 132;
 
 // Last report per node id path, for tests and other extensions (window.chorusReuseReports).
 const reports = new Map();
 
-function resolveNode(idPath) {
-  return resolveNodePath(app.graph, idPath);
+function element(tag, className, text) {
+  const el = document.createElement(tag);
+  if (className) el.className = className;
+  if (text != null) el.textContent = text;
+  return el;
 }
 
-function colourFor(share) {
-  // dense = grey, fully sparse = teal
-  const g = Math.round(120 + 80 * share);
-  return `rgb(${Math.round(120 - 80 * share)}, ${g}, ${Math.round(120 + 40 * share)})`;
+function buildView() {
+  const root = element("div", "chorus-reuse-view");
+  root.style.cssText = `box-sizing:border-box;width:100%;height:${VIEW_HEIGHT}px;padding:4px 6px;` +
+    "background:rgba(0,0,0,0.35);border-radius:6px;font:11px sans-serif;color:#ddd;overflow:hidden;" +
+    "display:flex;flex-direction:column;gap:2px;pointer-events:none";
+  root.innerHTML =
+    '<div class="chorus-head" style="display:flex;gap:6px;align-items:center;white-space:nowrap">' +
+    '<span class="chorus-badge" style="padding:0 5px;border-radius:3px;color:#111;font-weight:bold"></span>' +
+    '<span class="chorus-entry" style="overflow:hidden;text-overflow:ellipsis"></span>' +
+    '<span class="chorus-step" style="margin-left:auto"></span></div>' +
+    '<div class="chorus-bars" style="flex:1;display:flex;align-items:flex-end;gap:1px;min-height:30px;' +
+    'border-bottom:1px solid #666"></div>' +
+    '<div class="chorus-labels" style="display:flex;gap:1px;height:12px;font-size:9px;color:#aaa"></div>' +
+    '<div class="chorus-density" style="white-space:nowrap"></div>' +
+    '<div class="chorus-saved" style="white-space:nowrap;color:#aaa"></div>';
+  root.querySelector(".chorus-entry").textContent = "waiting for a run";
+  return root;
 }
 
-function drawView(node, ctx, report) {
-  const layers = report.layers ?? [];
-  if (!layers.length) return;
-  const width = node.size[0] - 20;
-  // Below the last widget; grow the node once if the view does not fit under it.
-  const widgetsBottom = Math.max(0, ...(node.widgets ?? []).map((w) => (w.last_y ?? 0) + (w.computeSize?.(node.size[0])?.[1] ?? 22)));
-  if (node.size[1] < widgetsBottom + VIEW_HEIGHT + 10) node.setSize?.([node.size[0], widgetsBottom + VIEW_HEIGHT + 10]);
-  const top = Math.max(node.size[1] - VIEW_HEIGHT - 6, widgetsBottom + 4);
-  const barWidth = Math.max(1, width / layers.length);
-  ctx.save();
-  ctx.fillStyle = "rgba(0,0,0,0.35)";
-  ctx.fillRect(10, top, width, VIEW_HEIGHT);
-  layers.forEach((layer, i) => {
-    const share = layer.sparse_share ?? 0;
-    const h = Math.max(2, (VIEW_HEIGHT - 18) * share);
-    ctx.fillStyle = colourFor(share);
-    ctx.fillRect(10 + i * barWidth, top + VIEW_HEIGHT - 16 - h, Math.max(1, barWidth - 1), h);
-  });
-  ctx.fillStyle = "#ddd";
-  ctx.font = "11px sans-serif";
-  const density = report.density == null ? "-" : `${Math.round(report.density * 100)}%`;
-  ctx.fillText(`${report.mode ?? ""} step ${report.step ?? 0}/${report.steps ?? "?"} density ${density}`, 14, top + VIEW_HEIGHT - 4);
-  ctx.restore();
+function render(view, report) {
+  const summary = summarise(report);
+  const badge = view.querySelector(".chorus-badge");
+  badge.textContent = summary.badge;
+  badge.style.background = summary.colour;
+  badge.title = summary.meaning;
+  view.dataset.kind = summary.kind;
+  view.querySelector(".chorus-entry").textContent = summary.entry;
+  view.querySelector(".chorus-step").textContent = summary.step;
+  view.querySelector(".chorus-density").textContent = summary.density;
+  view.querySelector(".chorus-saved").textContent = summary.saved;
+  const bars = layerBars(report);
+  const stride = labelStride(bars.length);
+  view.querySelector(".chorus-bars").replaceChildren(...bars.map((bar) => {
+    const el = element("div", "chorus-bar");
+    el.title = bar.title;
+    el.dataset.layer = bar.label;
+    el.style.cssText = `flex:1;height:${Math.max(2, Math.round(bar.kept * 100))}%;` +
+      `background:${bar.dense ? DENSE_COLOUR : summary.colour}`;
+    return el;
+  }));
+  view.querySelector(".chorus-labels").replaceChildren(...bars.map((bar, i) =>
+    element("span", "chorus-label", i % stride === 0 ? bar.label : "")));
+  view.querySelectorAll(".chorus-label").forEach((el) => { el.style.cssText = "flex:1;overflow:visible"; });
+  view.title = `${summary.badge}: ${summary.meaning}. Bars: share of key blocks each layer keeps ` +
+    `(${percent(1)} = dense, grey = dense so far).`;
 }
 
-function onStep(event) {
-  const detail = event.detail;
-  if (!detail?.node) return;
-  reports.set(String(detail.node), detail);
-  const node = resolveNode(detail.node);
-  if (node) {
-    node.chorusReport = detail;
-    node.setDirtyCanvas?.(true, true);
+function ensureView(node) {
+  if (node.chorusView) return node.chorusView;
+  const view = buildView();
+  node.chorusView = view;
+  if (typeof node.addDOMWidget === "function") {
+    node.addDOMWidget(WIDGET_NAME, "chorus_reuse_view", view, {
+      serialize: false, // a display only: never in widgets_values nor in the prompt
+      getMinHeight: () => VIEW_HEIGHT,
+      getMaxHeight: () => VIEW_HEIGHT,
+    });
   }
+  return view;
 }
 
-function onRunStart(event) {
-  const detail = event.detail;
+function show(idPath, report) {
+  reports.set(String(idPath), report);
+  const node = resolveNodePath(app.graph, idPath);
+  if (!node) return;
+  node.chorusReport = report;
+  render(ensureView(node), report);
+  node.setDirtyCanvas?.(true, true);
+}
+
+function onRunStart({ detail }) {
   if (!detail?.node) return;
-  reports.delete(String(detail.node));
-  const node = resolveNode(detail.node);
-  if (node) {
-    node.chorusReport = { mode: detail.mode, layers: [], step: 0, steps: detail.steps };
-    node.setDirtyCanvas?.(true, true);
-  }
+  show(detail.node, { ...detail, layers: [], step: 0 });
+}
+
+function onStep({ detail }) {
+  if (!detail?.node) return;
+  // Keep what only the run start or the final report knows (entry, similarity, source).
+  const previous = reports.get(String(detail.node)) ?? {};
+  show(detail.node, { ...previous, ...detail });
+}
+
+function onExecuted({ detail }) {
+  const report = detail?.output?.chorus_report?.[0];
+  if (!report || !detail.node) return;
+  const previous = reports.get(String(detail.node)) ?? {};
+  show(detail.node, { ...previous, ...report, step: report.steps });
 }
 
 // ComfyUI may serve this folder under two names (WEB_DIRECTORY and pyproject's [tool.comfy] web);
@@ -76,22 +120,17 @@ if (!window.chorusReuseReports) {
   app.registerExtension({
     name: EXTENSION,
     async setup() {
-      api.addEventListener("chorus.step", onStep);
       api.addEventListener("chorus.run_start", onRunStart);
+      api.addEventListener("chorus.step", onStep);
+      api.addEventListener("executed", onExecuted);
     },
     async beforeRegisterNodeDef(nodeType, nodeData) {
-      if (nodeData.name !== SAMPLER_TYPE) return;
-      // Chain the existing hooks: other extensions may draw on this node too.
-      const previousDraw = nodeType.prototype.onDrawForeground;
-      nodeType.prototype.onDrawForeground = function (ctx, ...rest) {
-        const result = previousDraw?.apply(this, [ctx, ...rest]);
-        if (this.chorusReport && !this.flags?.collapsed) drawView(this, ctx, this.chorusReport);
-        return result;
-      };
+      if (!VIEW_TYPES.has(nodeData.name)) return;
+      // Chain the existing hook: other extensions may add to this node too.
       const previousCreated = nodeType.prototype.onNodeCreated;
       nodeType.prototype.onNodeCreated = function (...args) {
         const result = previousCreated?.apply(this, args);
-        this.size[1] += VIEW_HEIGHT + 8;
+        ensureView(this);
         return result;
       };
     },

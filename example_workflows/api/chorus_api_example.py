@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -24,6 +25,32 @@ def http_json(server: str, route: str, payload: dict | None = None, raw: bytes |
     request = urllib.request.Request(server + route, data=data, headers=headers or {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
+
+
+class ServerRefused(Exception):
+    """The server answered with an error; the message is the server's own."""
+
+
+def refusal_text(answer: dict) -> str:
+    """ComfyUI's validation answer to POST /prompt, one line per problem, as its log shows it."""
+    error = answer.get("error", {})
+    lines = [f"{error.get('message', 'the prompt was refused')}{': ' + error['details'] if error.get('details') else ''}"]
+    for node_id, node in sorted(answer.get("node_errors", {}).items()):
+        for problem in node.get("errors", []):
+            lines.append(f"  node {node_id} ({node.get('class_type')}): {problem.get('message')}: {problem.get('details')}")
+    return "\n".join(lines)
+
+
+def queue(server: str, workflow: dict, client_id: str) -> str:
+    """POST /prompt; raises ServerRefused with the server's validation errors on a 400."""
+    try:
+        return http_json(server, "/prompt", {"prompt": workflow, "client_id": client_id})["prompt_id"]
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode(errors="replace")
+        try:
+            raise ServerRefused("the server refused the workflow:\n" + refusal_text(json.loads(body))) from None
+        except json.JSONDecodeError:
+            raise ServerRefused(f"the server refused the workflow: HTTP {exc.code}: {body}") from None
 
 
 def upload_image(server: str, image: Path) -> str:
@@ -59,7 +86,10 @@ def customise(workflow: dict, image_name: str | None, prompt: str | None, tag: s
 
 def follow(server: str, client_id: str, prompt_id: str, timeout: float) -> None:
     """Print progress until ComfyUI reports the prompt finished."""
-    import websocket
+    try:
+        import websocket
+    except ImportError:
+        raise ServerRefused("this script needs websocket-client to follow progress: pip install websocket-client") from None
 
     ws = websocket.create_connection(server.replace("http", "ws", 1) + f"/ws?clientId={client_id}", timeout=timeout)
     try:
@@ -72,8 +102,9 @@ def follow(server: str, client_id: str, prompt_id: str, timeout: float) -> None:
             if kind == "chorus.step":
                 shares = " ".join(f"{l['sparse_share']:.0%}" for l in data["layers"])
                 print(f"  step {data['step']}/{data['steps']} {data['mode']} sparse share per layer: {shares}")
-            elif kind == "execution_error":
-                raise RuntimeError(data.get("exception_message", "execution error"))
+            elif kind == "execution_error" and data.get("prompt_id") == prompt_id:
+                raise ServerRefused(f"the workflow failed on the server: node {data.get('node_id')} ({data.get('node_type')}) failed: "
+                                    f"{data.get('exception_message', 'execution error').strip()}")
             elif kind == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
                 return
     finally:
@@ -90,12 +121,19 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args(argv)
 
-    image_name = upload_image(args.server, args.image) if args.image else None
-    workflow = customise(json.loads(args.workflow.read_text()), image_name, args.prompt, args.tag)
-    client_id = uuid.uuid4().hex
-    prompt_id = http_json(args.server, "/prompt", {"prompt": workflow, "client_id": client_id})["prompt_id"]
-    print(f"queued {prompt_id}")
-    follow(args.server, client_id, prompt_id, args.timeout)
+    try:
+        image_name = upload_image(args.server, args.image) if args.image else None
+        workflow = customise(json.loads(args.workflow.read_text()), image_name, args.prompt, args.tag)
+        client_id = uuid.uuid4().hex
+        prompt_id = queue(args.server, workflow, client_id)
+        print(f"queued {prompt_id}")
+        follow(args.server, client_id, prompt_id, args.timeout)
+    except ServerRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except urllib.error.URLError as exc:
+        print(f"error: cannot reach ComfyUI at {args.server} ({exc.reason}); is it running?", file=sys.stderr)
+        return 2
     record = http_json(args.server, f"/history/{prompt_id}")[prompt_id]
     reports = [r for out in record["outputs"].values() for r in out.get("chorus_report", [])]
     print(json.dumps({"status": record["status"]["status_str"], "chorus": reports}, indent=2))
