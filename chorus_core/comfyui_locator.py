@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -75,11 +76,16 @@ def clone_pinned(dest: Path) -> None:
         ["git", "-C", str(tmp), "fetch", "-q", "--depth", "1", COMFYUI_GIT_URL, PINNED_COMMIT],
         ["git", "-C", str(tmp), "checkout", "-q", "FETCH_HEAD"],
     ]
-    for step in steps:
-        result = subprocess.run(step, capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(step[:4])}... failed: {result.stderr.strip()[-300:]}")
-    tmp.rename(dest)
+    try:
+        for step in steps:
+            result = subprocess.run(step, capture_output=True, text=True, timeout=600)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(step[:4])}... failed: {result.stderr.strip()[-300:]}")
+        tmp.rename(dest)
+    except BaseException:
+        # a failed or interrupted clone leaves nothing in the cache: the next run starts clean
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def install_from_git_dir(git_dir: Path, dest: Path | None = None) -> Path:

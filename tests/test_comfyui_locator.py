@@ -79,3 +79,21 @@ def test_install_from_a_local_git_repository(nowhere, tmp_path, monkeypatch):
     monkeypatch.setattr(loc, "PINNED_COMMIT", head)
     dest = loc.install_from_git_dir(repo / ".git")
     assert loc.is_comfyui_checkout(dest) and dest == loc.cached_checkout_dir()
+
+
+def test_a_failed_clone_leaves_nothing_in_the_cache(nowhere, monkeypatch):
+    """The fetch fails (an unreachable remote): no empty or half-filled folder stays behind."""
+    monkeypatch.setattr(loc, "COMFYUI_GIT_URL", str(nowhere / "no-such-remote.git"))
+    cache = nowhere / "cache"
+    cache.mkdir()
+    with pytest.raises(RuntimeError, match=r"git -C .* fetch\.\.\. failed: "):
+        loc.clone_pinned(cache / "comfyui-pinned")
+    assert list(cache.iterdir()) == []
+
+
+def test_a_failed_clone_through_the_locator_names_the_failure_and_leaves_nothing(nowhere, monkeypatch):
+    monkeypatch.setattr(loc, "COMFYUI_GIT_URL", str(nowhere / "no-such-remote.git"))
+    monkeypatch.delenv("CHORUS_NO_CLONE")
+    with pytest.raises(loc.ComfyUINotFound, match="fetch... failed"):
+        loc.locate_comfyui(pack_dir=nowhere / "pack", allow_clone=True)
+    assert list((nowhere / "cache").iterdir()) == []
