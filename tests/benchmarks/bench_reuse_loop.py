@@ -228,7 +228,8 @@ def generate(ctx, mode: str, bank=None, attention: str = "comfyui") -> dict:
         stats = get_run_stats(sampled)
         m.update(match_s=t_matched - t_start, prepare_s=t_prepared - t_matched, finish_s=t_end - stamps[-1],
                  flush_s=(t_flushed - t_end) if flush is not None else None, report=report.to_json(),
-                 sparse_calls=stats.sparse_calls if stats else 0, dense_calls=stats.dense_calls if stats else 0)
+                 sparse_calls=stats.sparse_calls if stats else 0, dense_calls=stats.dense_calls if stats else 0,
+                 layers=len(ctx["model"].diffusion_model.blocks))
     del sampled, out
     return m
 
@@ -240,6 +241,12 @@ def check_mode(mode: str, m: dict, bank, recorded_id: str | None) -> str | None:
     rep = m["report"]
     if m["sparse_calls"] == 0:
         raise RuntimeError(f"{mode}: no sparse attention call ran (warnings: {rep['warnings']})")
+    layers, steps = m["layers"], len(m["step_ms_all"])
+    expected = (layers * (steps - WARMUP_STEPS), layers * WARMUP_STEPS)  # one self-attention call per block and step
+    m["all_sparse_after_warmup"] = (m["sparse_calls"], m["dense_calls"]) == expected
+    if not m["all_sparse_after_warmup"]:
+        m["path_warning"] = (f"{mode}: {m['sparse_calls']} sparse and {m['dense_calls']} dense self-attention calls, "
+                             f"expected {expected[0]} and {expected[1]} (warnings: {rep['warnings']})")
     expect = {"hit": "hit"}.get(mode, "miss")
     if rep["mode"] != expect:
         raise RuntimeError(f"{mode}: the run was a {rep['mode']} ({rep['mask_source']}; warnings {rep['warnings']})")
@@ -300,36 +307,46 @@ def derive_row(shape: str, key: str, m: dict, res: dict, blocks: int, steps: int
                entry_bytes=m.get("entry_bytes"), finite=m["finite"])
     if m.get("peak_bytes") is not None and dense_ref and dense_ref.get("peak_bytes") is not None:
         row["extra_vram_gb"] = round((m["peak_bytes"] - dense_ref["peak_bytes"]) / 2**30, 3)
-    rep = m.get("report")
     if mode == "dense":
         row.update(overhead_s=0.0, overhead_share=0.0)
     else:
-        first_sparse = m["step_ms_all"][WARMUP_STEPS]
-        stall_first = max(0.0, first_sparse - row["step_ms"]) / 1e3
-        stall_warmup = max(0.0, m["step_ms_all"][0] - dense_ref["step_ms_all"][0]) / 1e3 if dense_ref else 0.0
-        overhead = m["match_s"] + m["prepare_s"] + m["finish_s"] + stall_first + stall_warmup
-        row.update(overhead_s=round(overhead, 4), overhead_share=round(overhead / m["generation_s"], 5),
-                   match_ms=round(m["match_s"] * 1e3, 2), prepare_ms=round(m["prepare_s"] * 1e3, 2),
-                   finish_ms=round(m["finish_s"] * 1e3, 2), first_sparse_stall_ms=round(stall_first * 1e3, 1),
-                   warmup_stall_ms=round(stall_warmup * 1e3, 1),
-                   writer_flush_s=None if m.get("flush_s") is None else round(m["flush_s"], 3),
-                   decode_ms=timing(rep, "decode_ms"), load_ms=timing(rep, "load_ms"),
-                   prefetch_wait_ms=timing(rep, "wait_ms"), report_timings=rep["timings"],
-                   mask_source=rep["mask_source"], report_mode=rep["mode"], entry_id=rep["entry_id"],
-                   similarity=None if rep["similarity"] is None else round(rep["similarity"], 4),
-                   measured_density=sparse_density(rep), report_density=rep["density"], sparse_calls=m["sparse_calls"], dense_calls=m["dense_calls"],
-                   warnings=rep["warnings"])
+        row.update(chorus_columns(m, row["step_ms"], dense_ref))
     if mode == "miss_recording":
-        rec = recorded_step_set(steps)
-        idx = range(WARMUP_STEPS + 1, steps)
-        rec_ms = [m["step_ms_all"][s] for s in idx if s in rec]
-        other_ms = [m["step_ms_all"][s] for s in idx if s not in rec]
-        row["recorded_step_ms"] = round(statistics.median(rec_ms), 1) if rec_ms else None
-        row["unrecorded_step_ms"] = round(statistics.median(other_ms), 1) if other_ms else None
+        row.update(recording_columns(m, steps))
     if a is not None:
         row.update(project(row, m, mode, a, blocks, steps))
     row["step_ms_all"] = m["step_ms_all"]
     return row
+
+
+def chorus_columns(m: dict, steady_ms: float, dense_ref: dict | None) -> dict:
+    """Per-request time on the prompt's thread, and what the run report says, for a Chorus mode."""
+    rep = m["report"]
+    stall_first = max(0.0, m["step_ms_all"][WARMUP_STEPS] - steady_ms) / 1e3
+    stall_warmup = max(0.0, m["step_ms_all"][0] - dense_ref["step_ms_all"][0]) / 1e3 if dense_ref else 0.0
+    overhead = m["match_s"] + m["prepare_s"] + m["finish_s"] + stall_first + stall_warmup
+    return dict(overhead_s=round(overhead, 4), overhead_share=round(overhead / m["generation_s"], 5),
+                match_ms=round(m["match_s"] * 1e3, 2), prepare_ms=round(m["prepare_s"] * 1e3, 2),
+                finish_ms=round(m["finish_s"] * 1e3, 2), first_sparse_stall_ms=round(stall_first * 1e3, 1),
+                warmup_stall_ms=round(stall_warmup * 1e3, 1),
+                writer_flush_s=None if m.get("flush_s") is None else round(m["flush_s"], 3),
+                decode_ms=timing(rep, "decode_ms"), load_ms=timing(rep, "load_ms"),
+                prefetch_wait_ms=timing(rep, "wait_ms"), report_timings=rep["timings"],
+                mask_source=rep["mask_source"], report_mode=rep["mode"], entry_id=rep["entry_id"],
+                similarity=None if rep["similarity"] is None else round(rep["similarity"], 4),
+                measured_density=sparse_density(rep), report_density=rep["density"],
+                sparse_calls=m["sparse_calls"], dense_calls=m["dense_calls"],
+                all_sparse_after_warmup=m.get("all_sparse_after_warmup"), warnings=rep["warnings"])
+
+
+def recording_columns(m: dict, steps: int) -> dict:
+    """Median time of the steady steps that record and of those that do not."""
+    rec = recorded_step_set(steps)
+    idx = range(WARMUP_STEPS + 1, steps)
+    rec_ms = [m["step_ms_all"][s] for s in idx if s in rec]
+    other_ms = [m["step_ms_all"][s] for s in idx if s not in rec]
+    return dict(recorded_step_ms=round(statistics.median(rec_ms), 1) if rec_ms else None,
+                unrecorded_step_ms=round(statistics.median(other_ms), 1) if other_ms else None)
 
 
 def project(row: dict, m: dict, mode: str, a: float, blocks: int, steps: int) -> dict:
@@ -512,10 +529,11 @@ def estimate_s(shape: str, mode: str, blocks: int, steps: int, calib: dict) -> f
 # --------------------------------------------------------------------------------------------
 
 
-def warm_up(ctx, blocks_all) -> None:
+def warm_up(ctx) -> None:
     """1 block: dense cuDNN, a recording miss and a hit in a throwaway bank (compiles kernels)."""
     from chorus_core.bank import MaskBank
 
+    blocks_all = ctx["all_blocks"]
     set_blocks(ctx["model"], blocks_all, 1)
     try:
         generate(ctx, "dense", attention="cudnn")
@@ -613,6 +631,7 @@ def main(argv=None):
                     except Exception as e:  # noqa: BLE001
                         doc["details"]["errors"].append(f"derive {shape} {key}: {type(e).__name__}: {e}")
         add_speedups(rows)
+        doc["details"]["cudnn_fallbacks"] = e2e.FALLBACKS["cudnn"]  # forced-cuDNN calls cuDNN refused
         doc["rows"], doc["targets"], doc["caveats"] = rows, targets(rows), caveats(doc)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -623,82 +642,10 @@ def main(argv=None):
     all_blocks = list(model.diffusion_model.blocks)
     log(f"model built: dim {dim}, {blocks} blocks in {time.perf_counter() - t0:.1f} s")
     calib: dict = {}
-    from chorus_core.bank import MaskBank
-
     for shape in shapes:
-        latent_thw = shape_thw[shape]
-        n = math.prod(token_grid(latent_thw))
-        ctx = dict(cuda=cuda, model=model, patcher=patcher, blocks=blocks, steps=args.steps, budget_s=args.budget_s,
-                   req=make_request(latent_thw))
-        res = doc["details"]["measurements"].setdefault(shape, {"N": n})
-        log(f"== {shape}: latent {latent_thw}, {n} tokens, {blocks} blocks, {args.steps} steps")
-
-        def fits(key: str) -> bool:
-            est = estimate_s(shape, key, blocks, args.steps, calib)
-            doc["details"]["estimates_s"][f"{shape} {key}"] = round(est, 1)
-            if elapsed() + est <= args.budget_s:
-                return True
-            doc["skipped"].append(f"{shape} {key}: skipped, would end past the time budget "
-                                  f"({elapsed():.0f} s + about {est:.0f} s > {args.budget_s:.0f} s)")
-            log(doc["skipped"][-1])
-            return False
-
-        def attempt(key: str, fn) -> bool:
-            try:
-                fn()
-                return True
-            except Exception as e:  # noqa: BLE001
-                doc["details"]["errors"].append(f"{shape} {key}: {type(e).__name__}: {e}")
-                log(f"FAILED {shape} {key}: {traceback.format_exc()}")
-                return False
-            finally:
-                save()
-
-        if fits("warmup"):
-            t1 = time.perf_counter()
-            attempt("warmup", lambda: warm_up(ctx, all_blocks))
-            res["warmup_s"] = round(time.perf_counter() - t1, 1)
-            log(f"{shape} warm-up (1 block) in {res['warmup_s']} s")
-
-        def run_nonblock():
-            set_blocks(model, all_blocks, 0)
-            try:
-                m = generate(ctx, "dense")
-            finally:
-                set_blocks(model, all_blocks, blocks)
-            m["step_ms"] = statistics.median(m["step_ms_all"][1:])
-            res["nonblock"] = m
-            log(f"{shape} nonblock (0 blocks): step {m['step_ms']:.1f} ms")
-
-        if fits("nonblock"):
-            attempt("nonblock", run_nonblock)
-
-        with tempfile.TemporaryDirectory(prefix="chorus-bank-") as tmp:
-            bank = MaskBank.open(tmp)
-            recorded = None
-            for key in ("dense_comfyui", "dense_cudnn") + MODES[1:]:
-                if key in ("hit", "miss_prior") and recorded is None:
-                    doc["skipped"].append(f"{shape} {key}: skipped, needs the entry miss_recording writes")
-                    log(doc["skipped"][-1])
-                    continue
-                if not fits(key):
-                    continue
-
-                def run_one(key=key):
-                    nonlocal recorded
-                    mode = "dense" if key.startswith("dense") else key
-                    m = generate(ctx, mode, bank, attention=key[len("dense_"):] if mode == "dense" else "comfyui")
-                    entry = check_mode(mode, m, bank, recorded)
-                    res[key] = m
-                    if entry is not None:
-                        recorded = entry
-                    log(f"{shape} {key:15s} gen {m['generation_s']:.2f} s, steps {m['step_ms_all']}, "
-                        f"queue block {m['queue_block_s']:.3f} s"
-                        + (f", {m['report']['mask_source']}, timings {m['report']['timings']}" if "report" in m else ""))
-                    calibrate(calib, shape, key, m, blocks, args.steps, n)
-
-                attempt(key, run_one)
-            bank.close()
+        ctx = dict(cuda=cuda, model=model, patcher=patcher, all_blocks=all_blocks, blocks=blocks, steps=args.steps,
+                   budget_s=args.budget_s, req=make_request(shape_thw[shape]))
+        ShapeRun(doc, shape, math.prod(token_grid(shape_thw[shape])), ctx, calib, save).run()
         del ctx
         if cuda:
             torch.cuda.empty_cache()
@@ -712,6 +659,84 @@ def main(argv=None):
     log(f"skipped: {doc['skipped']}")
     log(f"wrote {out_dir / name}.json and .md")
     return doc
+
+
+class ShapeRun:
+    """The modes of one shape, in order, each skipped when the budget would run out."""
+
+    def __init__(self, doc: dict, shape: str, n: int, ctx: dict, calib: dict, save):
+        self.doc, self.shape, self.n, self.ctx, self.calib, self.save = doc, shape, n, ctx, calib, save
+        self.res = doc["details"]["measurements"].setdefault(shape, {"N": n})
+        self.recorded: str | None = None  # the entry miss_recording wrote
+
+    def run(self) -> None:
+        from chorus_core.bank import MaskBank
+
+        log(f"== {self.shape}: {self.n} tokens, {self.ctx['blocks']} blocks, {self.ctx['steps']} steps")
+        if self.fits("warmup"):
+            t1 = time.perf_counter()
+            self.attempt("warmup", lambda: warm_up(self.ctx))
+            self.res["warmup_s"] = round(time.perf_counter() - t1, 1)
+            log(f"{self.shape} warm-up (1 block) in {self.res['warmup_s']} s")
+        if self.fits("nonblock"):
+            self.attempt("nonblock", self.nonblock)
+        with tempfile.TemporaryDirectory(prefix="chorus-bank-") as tmp:
+            bank = MaskBank.open(tmp)
+            try:
+                for key in ("dense_comfyui", "dense_cudnn") + MODES[1:]:
+                    if key in ("hit", "miss_prior") and self.recorded is None:
+                        self.skip(f"{self.shape} {key}: skipped, needs the entry miss_recording writes")
+                    elif self.fits(key):
+                        self.attempt(key, lambda key=key: self.mode(key, bank))
+            finally:
+                bank.close()
+
+    def skip(self, why: str) -> None:
+        self.doc["skipped"].append(why)
+        log(why)
+
+    def fits(self, key: str) -> bool:
+        est = estimate_s(self.shape, key, self.ctx["blocks"], self.ctx["steps"], self.calib)
+        self.doc["details"]["estimates_s"][f"{self.shape} {key}"] = round(est, 1)
+        if elapsed() + est <= self.ctx["budget_s"]:
+            return True
+        self.skip(f"{self.shape} {key}: skipped, would end past the time budget "
+                  f"({elapsed():.0f} s + about {est:.0f} s > {self.ctx['budget_s']:.0f} s)")
+        return False
+
+    def attempt(self, key: str, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001  (one failed mode must not cost the others)
+            self.doc["details"]["errors"].append(f"{self.shape} {key}: {type(e).__name__}: {e}")
+            log(f"FAILED {self.shape} {key}: {traceback.format_exc()}")
+        finally:
+            self.save()
+
+    def nonblock(self) -> None:
+        model, blocks = self.ctx["model"], self.ctx["blocks"]
+        set_blocks(model, self.ctx["all_blocks"], 0)
+        try:
+            m = generate(self.ctx, "dense")
+        finally:
+            set_blocks(model, self.ctx["all_blocks"], blocks)
+        m["step_ms"] = statistics.median(m["step_ms_all"][1:])
+        self.res["nonblock"] = m
+        log(f"{self.shape} nonblock (0 blocks): step {m['step_ms']:.1f} ms")
+
+    def mode(self, key: str, bank) -> None:
+        mode = "dense" if key.startswith("dense") else key
+        m = generate(self.ctx, mode, bank, attention=key[len("dense_"):] if mode == "dense" else "comfyui")
+        entry = check_mode(mode, m, bank, self.recorded)
+        self.res[key] = m
+        if m.get("path_warning"):
+            self.doc["details"]["errors"].append(f"{self.shape} {m['path_warning']}")
+        if entry is not None:
+            self.recorded = entry
+        log(f"{self.shape} {key:15s} gen {m['generation_s']:.2f} s, steps {m['step_ms_all']}, "
+            f"queue block {m['queue_block_s']:.3f} s"
+            + (f", {m['report']['mask_source']}, timings {m['report']['timings']}" if "report" in m else ""))
+        calibrate(self.calib, self.shape, key, m, self.ctx["blocks"], self.ctx["steps"], self.n)
 
 
 def calibrate(calib: dict, shape: str, key: str, m: dict, blocks: int, steps: int, n: int) -> None:
