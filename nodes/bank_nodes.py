@@ -96,7 +96,7 @@ class ChorusMaskBankLoader(io.ComfyNode):
                         "masks recorded from earlier generations, indexed by request signature.",
             inputs=[
                 io.Combo.Input("bank", options=[NEW_BANK, *existing_banks()], tooltip="An existing bank, or create a new one named below."),
-                io.String.Input("new_bank_name", default="wan21_i2v", tooltip="Name of the bank to create when 'bank' is '(create new bank)'."),
+                io.String.Input("new_bank_name", default="wan21_i2v", tooltip="Name of the bank to create when 'bank' is '(create new bank)': a plain folder name, at most 255 bytes."),
                 io.Boolean.Input("read_only", default=False, tooltip="Match against the bank but never add entries (shared or curated banks)."),
             ],
             outputs=[MaskBankType.Output(display_name="mask_bank")],
@@ -149,7 +149,7 @@ class ChorusSimilarityMatch(io.ComfyNode):
             description="Finds the most similar earlier request in the mask bank (CLIP-vision image embedding, "
                         "text conditioning, start-frame layout). A hit lets the sampler reuse its sparse attention masks.",
             inputs=[
-                MaskBankType.Input("mask_bank"),
+                MaskBankType.Input("mask_bank", tooltip="From Chorus Mask Bank Loader."),
                 io.Model.Input("model", tooltip="Only masks recorded with this exact model (fingerprint) are candidates."),
                 io.ClipVisionOutput.Input("clip_vision_output", tooltip="From CLIP Vision Encode of the start image."),
                 io.Conditioning.Input("positive", tooltip="Positive conditioning from WanImageToVideo (its start-frame latent gives the layout)."),
