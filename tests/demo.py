@@ -25,9 +25,16 @@ from chorus_core.comfyui_process import ComfyServer, prepare_base_directory  # n
 from workflows import TESTBED_MODEL_NAME, chorus_i2v_prompt  # noqa: E402
 
 REQUESTS = [
-    ("first request (pan, subject 0, layout 0)", dict(template="pan", subject=0, layout=0, seed=1)),
-    ("similar request (pan, subject 1, layout 0)", dict(template="pan", subject=1, layout=0, seed=2)),
-    ("dissimilar request (orbit, subject 3, layout 5)", dict(template="orbit", subject=3, layout=5, seed=3)),
+    ("first request (pan, subject 0, layout 0)", dict(template="pan", subject=0, layout=0, seed=1),
+     "The bank is empty, so this is a miss: masks are predicted online from pooled q/k at every step, and\n"
+     "   the run's own masks are recorded into the bank afterwards. Its time includes starting the model\n"
+     "   (loading the checkpoint, first-call set-up), which the later requests do not pay again."),
+    ("similar request (pan, subject 1, layout 0)", dict(template="pan", subject=1, layout=0, seed=2),
+     "Same effect template and layout, another subject: similar enough to the first request's entry, so\n"
+     "   this is a hit: it runs with that entry's recorded masks and predicts nothing."),
+    ("dissimilar request (orbit, subject 3, layout 5)", dict(template="orbit", subject=3, layout=5, seed=3),
+     "Another template and layout: below the similarity threshold of every entry, so a dissimilar miss:\n"
+     "   online prediction again, and its masks become a second entry."),
 ]
 
 
@@ -37,19 +44,41 @@ def install_testbed_model(models_dir: Path) -> None:
     shutil.copyfile(REPO_ROOT / "tests" / "testbed" / TESTBED_MODEL_NAME, target)
 
 
-def print_report(title: str, record: dict, seconds: float) -> None:
+def kept_density(report: dict) -> float | None:
+    """Share of key blocks kept on the sparse steps (dense warm-up excluded; dense layers count as 1)."""
+    layers = report.get("layers", [])
+    kept = [row["density"] if row["sparse_share"] > 0 and row["density"] is not None else 1.0 for row in layers]
+    return sum(kept) / len(kept) if kept and any(row["sparse_share"] > 0 for row in layers) else None
+
+
+def match_line(report: dict) -> str:
+    if report["mode"] == "hit":
+        return (f"HIT: entry {report['entry_id']} matched with similarity {report['similarity']:.3f} "
+                "(weighted cosine of image, text and layout signatures)")
+    if not report.get("components"):  # no compatible entry was compared
+        return "MISS: the bank has no entries yet for this model and latent size, so there was nothing to match"
+    return (f"MISS: the most similar entry scored {report['similarity']:.3f}, below the threshold, "
+            "so no entry was reused")
+
+
+def print_report(title: str, explanation: str, record: dict, seconds: float, first: bool) -> None:
     status = record.get("status", {}).get("status_str")
-    print(f"\n== {title}: {status} in {seconds:.1f}s")
+    print(f"\n== {title}: {status} in {seconds:.1f}s{' (includes loading the model)' if first else ''}")
+    print(f"   {explanation}")
     for node_output in record.get("outputs", {}).values():
         for report in node_output.get("chorus_report", []):
+            print(f"   {match_line(report)}")
+            print(f"   mask source: {report.get('mask_source') or '-'} (where this run's sparse masks came from)")
+            density = kept_density(report)
+            shown = "-" if density is None else f"{density:.0%}"
+            print(f"   kept density: {shown} of key blocks on the sparse steps (the dense warm-up step excluded; "
+                  f"{'' if density is None else f'about {1 - density:.0%} of the attention blocks skipped'})")
             layers = " ".join(f"L{l['layer']}:{l['sparse_share']:.0%}" for l in report["layers"])
-            similarity = report.get("similarity")
-            similarity = "-" if similarity is None else f"{similarity:.3f}"
-            print(f"   mode={report['mode']} entry={report.get('entry_id')} similarity={similarity}")
-            print(f"   density={report.get('density')} per-layer sparse share: {layers}")
-            print(f"   timings: {json.dumps(report.get('timings', {}))}")
+            print(f"   share of each layer's attention calls that ran sparse: {layers}")
+            timings = report.get("timings", {})
+            print(f"   sampling took {timings.get('sampling_s', 0):.2f}s; all timings (ms unless _s): {json.dumps(timings)}")
             if report.get("recorded_entry_id"):
-                print(f"   recorded new bank entry {report['recorded_entry_id']}")
+                print(f"   recorded new bank entry {report['recorded_entry_id']}: a later similar request can hit it")
             for warning in report.get("warnings", []):
                 print(f"   warning: {warning}")
 
@@ -68,11 +97,11 @@ def main(argv=None) -> int:
     print(f"ComfyUI {comfyui}\nbase directory {base}")
     with ComfyServer(base, comfyui=comfyui) as server:
         print(f"server on {server.url} (log: {server.log_path})")
-        for title, request in REQUESTS:
+        for index, (title, request, explanation) in enumerate(REQUESTS):
             started = time.monotonic()
             record = server.run_prompt(chorus_i2v_prompt(bank="demo_bank", model=TESTBED_MODEL_NAME, steps=8, **request),
                                        timeout=600)
-            print_report(title, record, time.monotonic() - started)
+            print_report(title, explanation, record, time.monotonic() - started, first=index == 0)
             if record.get("status", {}).get("status_str") != "success":
                 print(server.log_tail(), file=sys.stderr)
                 return 1

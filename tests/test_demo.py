@@ -1,0 +1,42 @@
+"""The demo's report explains each line: miss, hit, dissimilar miss, mask source, kept density."""
+
+from demo import REQUESTS, kept_density, match_line, print_report
+
+LAYERS = [{"layer": 0, "sparse_share": 0.0, "density": None}, {"layer": 1, "sparse_share": 0.875, "density": 0.3}]
+
+
+def _record(**report):
+    base = {"mode": "miss", "steps": 8, "mask_source": "online prediction", "entry_id": None, "similarity": 0.0,
+            "components": {}, "layers": LAYERS, "timings": {"sampling_s": 1.5}, "recorded_entry_id": None,
+            "warnings": []}
+    return {"status": {"status_str": "success"}, "outputs": {"3": {"chorus_report": [{**base, **report}]}}}
+
+
+def test_an_empty_bank_says_no_entries_yet_instead_of_a_similarity():
+    report = _record()["outputs"]["3"]["chorus_report"][0]
+    assert match_line(report) == ("MISS: the bank has no entries yet for this model and latent size, so there was "
+                                  "nothing to match")
+
+
+def test_a_hit_and_a_dissimilar_miss_say_what_they_mean():
+    assert match_line({"mode": "hit", "entry_id": "abc", "similarity": 0.9712, "components": {"clip": 1.0}}) == (
+        "HIT: entry abc matched with similarity 0.971 (weighted cosine of image, text and layout signatures)")
+    assert match_line({"mode": "miss", "similarity": 0.5, "components": {"clip": 0.4}}) == (
+        "MISS: the most similar entry scored 0.500, below the threshold, so no entry was reused")
+
+
+def test_kept_density_leaves_the_warm_up_out_and_counts_dense_layers_as_dense():
+    assert kept_density({"layers": LAYERS}) == (1.0 + 0.3) / 2
+    assert kept_density({"layers": [{"layer": 0, "sparse_share": 0.0, "density": None}]}) is None
+
+
+def test_the_first_request_line_says_its_time_includes_loading(capsys):
+    title, _, explanation = REQUESTS[0]
+    print_report(title, explanation, _record(recorded_entry_id="e1"), 6.25, first=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == f"== {title}: success in 6.2s (includes loading the model)"
+    assert "   mask source: online prediction (where this run's sparse masks came from)" in lines
+    assert ("   kept density: 65% of key blocks on the sparse steps (the dense warm-up step excluded; about 35% of "
+            "the attention blocks skipped)") in lines
+    assert "   recorded new bank entry e1: a later similar request can hit it" in lines
+    assert [r[0].split(" (")[0] for r in REQUESTS] == ["first request", "similar request", "dissimilar request"]
