@@ -11,7 +11,14 @@ euler / simple, cfg 5, same seed for every mode. Quality is final latents vs the
 Rows with ``selection: random`` pick the same number of cells at random (the criterion's
 evidence: smoothest-first vs chance at equal token savings). ``hit`` rows run a static
 block-sparse map (same frame + first frame + neighbouring frames) standing in for a bank hit.
-The ``flops_estimate`` rows are arithmetic, not timings: no GPU was available for this feature.
+The ``flops_estimate`` rows are arithmetic, not timings.
+
+``--dense-fallback`` (CUDA) times one reduced self-attention call at Wan2.1-14B shapes instead
+(40 heads of 128, bf16, batch 1, half the tokens pooled in 1x2x2 cells): the size-biased dense
+call as it ran before (a float ``log(cell size)`` mask, which keeps SDPA off its flash kernel),
+as it runs now (pooled keys repeated, no mask), the unbiased floor, the full-resolution call and
+a block-sparse reduced call at density 0.15; plus each biased variant's error against a float64
+reference. Writes ``feature_reuse_dense_fallback_h200.{json,md}`` (or into ``--out``).
 """
 
 from __future__ import annotations
@@ -27,12 +34,14 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if "--dense-fallback" not in sys.argv:  # the GPU timing must run the compiled kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = Path(__file__).resolve().parents[2]
 for path in (ROOT, ROOT / "tests"):
     sys.path.insert(0, str(path))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 RESULTS = ROOT / "tests" / "benchmarks" / "results"
 TESTBED = ROOT / "tests" / "testbed" / "chorus_testbed_wan21_i2v.safetensors"
@@ -68,11 +77,134 @@ def hit_provider(grid, block=128):
                                                  for layer in range(64)}, (block, block)), float(keep.float().mean())
 
 
+# --------------------------------------------------------------------------------------------
+# --dense-fallback: one reduced self-attention call on the GPU
+# --------------------------------------------------------------------------------------------
+
+FALLBACK_NAME = "feature_reuse_dense_fallback_h200"
+SHAPES_14B = (("480p", (21, 30, 52)), ("720p", (21, 45, 80)))
+HEADS_14B, HEAD_DIM = 40, 128
+
+
+def half_pooled_layout(grid):
+    """Every other column of 1x2x2 cells pooled: half the tokens, N' = 5/8 N."""
+    from chorus_core.feature_reuse import TokenLayout, cell_grid
+
+    region_map = torch.zeros(cell_grid(grid, (1, 2, 2)), dtype=torch.bool)
+    region_map[:, :, ::2] = True
+    return TokenLayout(region_map, grid, (1, 2, 2))
+
+
+def cuda_ms(fn, warmup=3, reps=10) -> tuple[float, float, float]:
+    """Median, min and max milliseconds of ``fn()`` over ``reps`` runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2], times[0], times[-1]
+
+
+def flash_takes_a_float_mask(q, k, v, bias) -> bool:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return True
+    except RuntimeError:
+        return False
+
+
+def fallback_rows(name, grid, density=0.15):
+    """Timings and errors of one reduced call's variants at one 14B shape."""
+    from kernels.block_sparse import block_map_to_mask, block_sparse_attention
+
+    layout = half_pooled_layout(grid)
+    n, n_red, dev = layout.n_full, layout.n_reduced, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    shape = (1, HEADS_14B, n_red, HEAD_DIM)
+    q, k, v = (torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    qf, kf, vf = (torch.randn((1, HEADS_14B, n, HEAD_DIM), generator=g, device=dev, dtype=torch.bfloat16)
+                  for _ in range(3))
+    bias = layout.key_bias(dev, q.dtype)[None]  # [1, 1, 1, N'], as ComfyUI's attention_pytorch passes it
+    variants = {
+        "full_resolution_dense": lambda: F.scaled_dot_product_attention(qf, kf, vf),
+        "reduced_unbiased": lambda: F.scaled_dot_product_attention(q, k, v),
+        "reduced_float_bias_before": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+        "reduced_repeated_keys_now": lambda: F.scaled_dot_product_attention(
+            q, layout.expand_keys(k, True), layout.expand_keys(v, True)),
+    }
+    nb = math.ceil(n_red / 128)
+    live = torch.rand(1, HEADS_14B, nb, nb, generator=g, device=dev) < density
+    mask = block_map_to_mask(live | torch.eye(nb, dtype=torch.bool, device=dev), 128, 128, n_red)
+    variants[f"reduced_sparse_{density}"] = lambda: block_sparse_attention(q, k, v, mask, HEADS_14B, True, True)
+    rows = []
+    for variant, fn in variants.items():
+        median, low, high = cuda_ms(fn)
+        rows.append(dict(shape=name, N=n, N_reduced=n_red, variant=variant, ms=round(median, 3),
+                         ms_min=round(low, 3), ms_max=round(high, 3)))
+    # error of the biased variants on 256 queries against a float64 softmax with the bias written out
+    rows_q = slice(0, 256)
+    sizes = layout.key_bias(dev, torch.float64)[0, 0]
+    scores = q[:, :, rows_q].double() @ k.double().transpose(-1, -2) / math.sqrt(HEAD_DIM) + sizes
+    reference = scores.softmax(-1) @ v.double()
+    for row in rows:
+        if row["variant"] in ("reduced_float_bias_before", "reduced_repeated_keys_now", "reduced_unbiased"):
+            got = variants[row["variant"]]()[:, :, rows_q].double()
+            row["max_abs_error_vs_biased_fp64"] = float((got - reference).abs().max())
+    rows[0]["flash_takes_a_float_mask"] = flash_takes_a_float_mask(q, k, v, bias)
+    rows[0]["extra_bytes_repeated_kv"] = 2 * (n - n_red) * HEADS_14B * HEAD_DIM * 2
+    return rows
+
+
+def dense_fallback(out_dir: Path) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("--dense-fallback needs a CUDA GPU")
+    rows = [row for name, grid in SHAPES_14B for row in fallback_rows(name, grid)]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    doc = dict(benchmark="bench_feature_reuse --dense-fallback", date=datetime.datetime.now().isoformat(timespec="seconds"),
+               machine=f"{torch.cuda.get_device_name()}, torch {torch.__version__}", git_commit=commit,
+               heads=HEADS_14B, head_dim=HEAD_DIM, dtype="bfloat16", batch=1, pooled_token_share=0.5, cell="1x2x2",
+               timing="CUDA events, median of 10 after 3 warm-ups", rows=rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{FALLBACK_NAME}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    cols = ["shape", "N", "N_reduced", "variant", "ms", "ms_min", "ms_max", "max_abs_error_vs_biased_fp64"]
+    lines = [f"# bench_feature_reuse --dense-fallback: {FALLBACK_NAME}", "",
+             f"{doc['date']}, {doc['machine']}, commit {commit[:10]}", "",
+             "`python tests/benchmarks/bench_feature_reuse.py --dense-fallback`", "",
+             "One reduced self-attention call at Wan2.1-14B shapes: 40 heads x 128, bf16, batch 1, every other "
+             "column of 1x2x2 cells pooled (half the tokens, N' = 5/8 N). `float_bias_before`: the float "
+             "log(cell size) mask Feature Reuse passed until now; `repeated_keys_now`: pooled keys and values "
+             "repeated once per token of their cell, no mask (what it passes now; the gather is timed too). "
+             "Errors: 256 queries against a float64 softmax with the bias written out.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in rows:
+        lines.append("| " + " | ".join("" if row.get(c) is None else str(row.get(c)) for c in cols) + " |")
+    for row in rows:
+        if "flash_takes_a_float_mask" in row:
+            lines.append(f"\n{row['shape']}: SDPA's flash kernel takes a float mask: {row['flash_takes_a_float_mask']}; "
+                         f"repeated keys and values add {row['extra_bytes_repeated_kv'] / 2**30:.2f} GiB per call "
+                         "(transient, batch 1).")
+    (out_dir / f"{FALLBACK_NAME}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--template", default="pan")
+    parser.add_argument("--dense-fallback", action="store_true", help="time one reduced attention call on CUDA")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.dense_fallback:
+        return dense_fallback(args.out)
 
     from chorus_core.comfyui_locator import locate_comfyui, prepare_in_process
 
