@@ -32,10 +32,11 @@ not in any mode's numbers.
 Measured per mode: ``generation_s`` = match + prepare + sampling + finish (dense: sampling);
 ``step_ms`` = median of the steady steps (dense: all but step 0; Chorus: all but the warm-up
 and the first sparse step), with min and max; ``queue_block_s`` = last step callback to
-``finish()`` returning (when ComfyUI could start the next prompt); on a recording miss then
+``finish()`` returning (when ComfyUI could start the next prompt: the sampler's own tail, then
+``finish()``); on a recording miss then
 the wait for the background writer (``chorus_core.bank_writer``, if present) and the entry's
 ``blob_bytes``; ``overhead_s`` = per-request Chorus time on the prompt's thread not overlapped
-with sampling = match + prepare + finish + first-sparse-step stall (its excess over the steady
+with sampling = match + prepare + ``finish()`` + first-sparse-step stall (its excess over the steady
 median) + warm-up-step stall (its excess over the dense ComfyUI run's step 0), and
 ``overhead_share`` = overhead_s / generation_s; ``extra_vram_gb`` = peak
 ``torch.cuda.max_memory_allocated`` over the start of the request minus the same for dense
@@ -209,6 +210,7 @@ def generate(ctx, mode: str, bank=None, attention: str = "comfyui") -> dict:
             out = comfy.sample.sample(sampled, noise, steps, CFG, SAMPLER, SCHEDULER, positive, negative, latent,
                                       callback=callback, disable_pbar=True, seed=0)
         sync(cuda)
+        t_sampled = time.perf_counter()
         report = run.finish() if run is not None else None
         t_end = time.perf_counter()
         flush = bank_writer_flush() if mode == "miss_recording" else None
@@ -221,12 +223,12 @@ def generate(ctx, mode: str, bank=None, attention: str = "comfyui") -> dict:
         raise RuntimeError(f"{mode}: the sampler called back {len(stamps)} times for {steps} steps")
     times = [(b - a) * 1e3 for a, b in zip([t_sample] + stamps[:-1], stamps)]
     m.update(step_ms_all=[round(t, 2) for t in times], generation_s=t_end - t_start,
-             queue_block_s=t_end - stamps[-1], finite=bool(torch.isfinite(out).all()),
+             queue_block_s=t_end - stamps[-1], sampler_tail_s=t_sampled - stamps[-1], finite=bool(torch.isfinite(out).all()),
              host_ram_bytes=rss.peak - rss.start, host_rss_start_bytes=rss.start, ru_maxrss_delta_bytes=rss.maxrss_delta,
              peak_bytes=(torch.cuda.max_memory_allocated() - base) if cuda else None)
     if run is not None:
         stats = get_run_stats(sampled)
-        m.update(match_s=t_matched - t_start, prepare_s=t_prepared - t_matched, finish_s=t_end - stamps[-1],
+        m.update(match_s=t_matched - t_start, prepare_s=t_prepared - t_matched, finish_s=t_end - t_sampled,
                  flush_s=(t_flushed - t_end) if flush is not None else None, report=report.to_json(),
                  sparse_calls=stats.sparse_calls if stats else 0, dense_calls=stats.dense_calls if stats else 0,
                  layers=len(ctx["model"].diffusion_model.blocks))
@@ -303,7 +305,8 @@ def derive_row(shape: str, key: str, m: dict, res: dict, blocks: int, steps: int
                attention=key.split("_", 1)[1] if mode == "dense" else "block_sparse", blocks=blocks, steps=steps,
                generation_s=round(m["generation_s"], 3), step_ms=round(statistics.median(st), 1),
                step_ms_min=round(min(st), 1), step_ms_max=round(max(st), 1), steady_steps=len(st),
-               queue_block_s=round(m["queue_block_s"], 3), host_ram_gb=round(m["host_ram_bytes"] / 2**30, 3),
+               queue_block_s=round(m["queue_block_s"], 3), sampler_tail_ms=round(m["sampler_tail_s"] * 1e3, 1),
+               host_ram_gb=round(m["host_ram_bytes"] / 2**30, 3),
                entry_bytes=m.get("entry_bytes"), finite=m["finite"])
     if m.get("peak_bytes") is not None and dense_ref and dense_ref.get("peak_bytes") is not None:
         row["extra_vram_gb"] = round((m["peak_bytes"] - dense_ref["peak_bytes"]) / 2**30, 3)
@@ -436,7 +439,7 @@ def targets(rows: list[dict]) -> list[str]:
 COLUMNS = ["shape", "N", "blocks", "steps", "mode", "attention", "density", "generation_s", "step_ms", "step_ms_min",
            "step_ms_max", "speedup_whole_generation", "overhead_share", "queue_block_s", "extra_vram_gb",
            "host_ram_gb", "entry_bytes", "decode_ms"]
-DETAIL_COLUMNS = ["shape", "mode", "attention", "match_ms", "prepare_ms", "finish_ms", "first_sparse_stall_ms",
+DETAIL_COLUMNS = ["shape", "mode", "attention", "match_ms", "prepare_ms", "sampler_tail_ms", "finish_ms", "first_sparse_stall_ms",
                   "warmup_stall_ms", "load_ms", "prefetch_wait_ms", "writer_flush_s", "recorded_step_ms", "unrecorded_step_ms", "measured_density",
                   "mask_source"]
 PROJECTION_COLUMNS = ["shape", "mode", "attention", "step_ms_40", "generation_s_40", "speedup_whole_generation_40",
@@ -481,8 +484,11 @@ def caveats(doc: dict) -> list[str]:
            f"{d['blocks']} of 40 blocks were run; the *_40 and *_40x40 columns are projections (a + 40 x per-block time; "
            "time outside the steps scaled by 40 / L, an upper bound for match and the sampler tail)",
            "one sampling run per mode; spread = min/max of its steady steps",
-           "the hit is served from the entry the recording miss just wrote; the prior is built from that one entry "
-           "(the bank holds nothing else), so a bank of many compatible entries may cost more to build it",
+           "the hit is served from the entry the recording miss just wrote; the prior is made from that one entry "
+           "(the bank holds nothing else); with up to 8 compatible entries, making it reads more of them",
+           "match_ms is build_match_request (signature, model fingerprint, layout) + match_request, as the Similarity "
+           "Match node runs them; finish_ms is ReuseRun.finish() alone; queue_block_s adds the sampler's own tail "
+           "after its last step (sampler_tail_ms, inside which Chorus' OUTER_SAMPLE wrapper closes the run)",
            "extra_vram_gb is measured at the blocks run; the part that grows with layers (masks, accumulators) "
            "would be larger at 40",
            "host_ram_gb: resident memory of this process only (a writer in another process is not counted)",
