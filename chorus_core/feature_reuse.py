@@ -384,7 +384,11 @@ class TokenLayout:
 
         ``softmax(q.k_j + log s_j)`` over the ``N'`` keys equals plain softmax attention over the
         expanded keys (``s_j`` equal terms are ``s_j`` times one), so the size-biased attention
-        runs with no mask, on SDPA's fast kernels, for ``N / N'`` times the keys.
+        runs with no mask, through whatever attention function ComfyUI picked (SDPA: its flash
+        kernel), for ``N / N'`` times the keys. On an H200 at 14B shapes with half the tokens
+        pooled that is 1.11-1.15x the float-mask call it replaces (SDPA's flash kernel takes no
+        float mask, so that one ran 1.41x the unbiased call);
+        ``tests/benchmarks/results/feature_reuse_dense_fallback_h200.md``.
         """
         return x.index_select(2 if skip_reshape else 1, self._on(x.device)["key_source"])
 
