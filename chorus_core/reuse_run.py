@@ -134,6 +134,7 @@ class RunReport:
     timings: dict = field(default_factory=dict)
     recorded_entry_id: str | None = None  # known at once; the entry is written in the background
     recording: str | None = None  # "queued" when this run's masks were handed to the bank writer
+    backend: str | None = None  # block-sparse kernel backend and why (e.g. "fa4 (FlashAttention-4 ...)")
     warnings: list = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -389,6 +390,7 @@ class ReuseRun:
             self.report.layers, self.report.density = _layer_rows(stats), _mean_density(stats)
             self.report.timings["sampling_s"] = round(stats.seconds or 0.0, 3)
             self.report.warnings.extend(stats.warnings)
+            self.report.backend = stats.backend
         if self.entry_provider is not None and self.entry_provider.failure is not None:
             self._report_fallback(self.entry_provider.failure)
         if self.prefetch is not None:

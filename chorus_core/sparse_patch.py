@@ -165,6 +165,7 @@ class RunStats:
     seconds: float = 0.0
     finished: bool = False  # sampling returned normally
     warnings: list[str] = field(default_factory=list)  # why some calls fell back to dense
+    backend: Optional[str] = None  # the block-sparse kernel backend and why it was chosen
 
     @property
     def total_steps(self) -> int:
@@ -188,6 +189,7 @@ class RunStats:
             "dense_calls": self.dense_calls,
             "layers": {layer: s.as_dict() for layer, s in sorted(self.layers.items())},
             "warnings": list(self.warnings),
+            "backend": self.backend,
         }
 
 
@@ -309,6 +311,7 @@ class _Run:
                 self.record(layer, None)
                 return None
             stage = "block-sparse attention failed"
+            self._note_backend(call, prepared)
             out = _block_sparse().block_sparse_attention(
                 call.q, call.k, call.v, prepared.mask, call.heads,
                 skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape,
@@ -332,6 +335,11 @@ class _Run:
         self._disable("Triton is not available on this CUDA machine, so block-sparse attention would be "
                       "slower than dense; this run is dense. Install triton (Linux) or triton-windows.")
         return False
+
+    def _note_backend(self, call: "_AttentionCall", prepared: PreparedMask) -> None:
+        """Name the kernel backend in the run's statistics (chosen again per call; probes are cached)."""
+        if self.stats.backend is None:
+            self.stats.backend = str(_block_sparse().select_backend(call.q, prepared.mask))
 
     def _disable(self, reason: str) -> None:
         self._disabled = True

@@ -122,6 +122,12 @@ class BlockSparseMask:
         _validate_mask(self)
         return True
 
+    def assume_valid(self) -> "BlockSparseMask":
+        """Skip :meth:`validate` for this mask: for masks valid by construction (a bank entry's
+        live-block lists, checked on the host before upload), whose check would cost host syncs."""
+        self.__dict__["_validated"] = True  # pre-fills the cached property
+        return self
+
     def validate(self) -> None:
         """Raise ValueError if the mask is malformed (empty query block, bad ids, unsorted)."""
         self._validated  # noqa: B018  (the cached property raises; evaluated once per mask)

@@ -94,7 +94,9 @@ class ChorusSparseWanSampler(io.ComfyNode):
         run = ReuseRun(model, match, options, SamplingSettings(steps, sampler_name, scheduler))
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patched = run.prepare(on_step=lambda payload: _send(STEP_EVENT, {"node": node_id, **payload}))
-        _send(RUN_START_EVENT, {"node": node_id, "mode": run.report.mode, "steps": steps})
+        _send(RUN_START_EVENT, {"node": node_id, "mode": run.report.mode, "steps": steps,
+                                "mask_source": run.report.mask_source, "entry_id": run.report.entry_id,
+                                "similarity": run.report.similarity})
         (latent,) = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, positive,
                                                 negative, latent_image, denoise=denoise)
         report = run.finish()
