@@ -841,3 +841,27 @@ def test_verify_exit_codes(tmp_path):
     (bank.root / "bank.sqlite").write_bytes(os.urandom(4096))
     code, out, err = cli("verify", bank.root)
     assert code == 2 and "Restore bank.sqlite" in err and "Traceback" not in err
+
+
+def test_prune_racing_a_writer_of_the_same_masks_keeps_the_new_entry(tmp_path, monkeypatch):
+    """The writer has written blob X (same masks as entry A) but not yet committed its row
+    when a prune removes A: X is unlinked as unreferenced, and the writer, under the lock,
+    writes it again before committing, so the new entry is healthy and never quarantined."""
+    from chorus_core.bank import store
+    bank, (old,) = new_bank(tmp_path, n=1)
+    pruner = MaskBank.open(tmp_path / "bank")
+    add_toy(pruner, seed=5)  # newer entry: prune keeps it, evicts `old`
+    path = blob_of(bank, old)
+    real_fault = store._fault
+
+    def prune_between_blob_and_row(point):
+        if point == "add-blob-written":
+            assert pruner.prune(max_entries=1) == [old] and not path.exists()
+        real_fault(point)
+
+    monkeypatch.setattr(store, "_fault", prune_between_blob_and_row)
+    new = add_toy(bank, seed=0)  # the same masks as `old`: the same blob X
+    assert bank.show(new)["blob_name"] == path.name and path.exists()
+    report = pruner.verify()
+    assert (report["ok"], report["quarantined"]) == (2, [])
+    assert (bank.load_masks(new).block_map_numpy(2, 1) == toy_masks(0)[2, 1]).all()
