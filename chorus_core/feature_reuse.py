@@ -64,9 +64,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .mask_provider import step_bucket_of
+from .mask_provider import match_batch, step_bucket_of
 from .sparse_patch import (  # one definition of each, shared
-    _AttentionCall, _block_sparse, _mark_own, _match_batch, _unwrap_own, schedule_step)
+    _AttentionCall, _block_sparse, _mark_own, _unwrap_own, schedule_step)
 
 __all__ = [
     "FeatureReuseSettings",
@@ -597,7 +597,7 @@ def _reduced_mask(provider, layer: int, step: int, cond_or_uncond: list, call: _
     if block_map is None:
         return None
     block_q, block_k = serving.block_size
-    block_map = _match_batch(block_map, len(cond_or_uncond), call.batch).to(call.q.device)
+    block_map = match_batch(block_map, len(cond_or_uncond), call.batch).to(call.q.device)
     full, reduced = ((call.heads, math.ceil(n / block_q), math.ceil(n / block_k)) for n in (layout.n_full, layout.n_reduced))
     shape = tuple(block_map.shape[1:]) if block_map.dim() == 4 else None
     if shape == full:
