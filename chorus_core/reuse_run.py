@@ -436,9 +436,9 @@ class ReuseRun:
         def write():
             # Its own connection: SQLite connections are not shared between threads mid-transaction.
             with MaskBank.open(bank.root) as writer_bank:
-                writer_bank.add_entry(  # TODO(lead): PackedBlockMaps through store validation
+                writer_bank.add_entry(
 fingerprint=request.fingerprint, layout=request.layout, schedule=schedule,
-                                      masks=masks.unpacked(), signature=request.signature, density=recorded.density,
+                                      masks=masks, signature=request.signature, density=recorded.density,
                                       recall=recorded.mean_recall, tags=list(o.tags), entry_id=entry_id)
                 load_prior(writer_bank, request.fingerprint, request.layout, o.min_density, o.max_density)
 

@@ -144,10 +144,6 @@ class PackedBlockMaps:
     def shape(self) -> tuple[int, ...]:
         return (*self.packed.shape[:-1], self.nk)
 
-    def unpacked(self) -> np.ndarray:
-        """bool ``[S, L, H, nq, nk]`` (all of it: 1.7 GB at 720p-14B)."""
-        return np.unpackbits(self.packed, axis=-1, count=self.nk).astype(bool)
-
     def layer_set(self, bucket: int, layer: int) -> np.ndarray:
         """bool ``[H, nq, nk]`` of one step bucket and layer."""
         return np.unpackbits(self.packed[bucket, layer], axis=-1, count=self.nk).astype(bool)

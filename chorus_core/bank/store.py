@@ -45,7 +45,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from . import schema, validation
-from .encoding import CODEC, decode_block_map, encode_masks
+from .encoding import CODEC, PackedBlockMaps, decode_block_map, encode_masks
 from .errors import (BankEntryCorrupt, BankError, BankIncompatible, BankInvalidArgument,
                      BankReadOnly)
 from .fingerprint import ModelFingerprint
@@ -618,7 +618,7 @@ class MaskBank:
         :param fingerprint: model the masks were recorded on (:func:`fingerprint_model`)
         :param layout: latent layout (grid, token order, block size)
         :param schedule: sampling schedule; one mask set per step bucket
-        :param masks: bool ``[S, L, H, nq, nk]`` torch tensor or numpy array
+        :param masks: bool ``[S, L, H, nq, nk]`` torch tensor or numpy array, or ``PackedBlockMaps``
         :param signature: request signature (:func:`build_signature`)
         :param density: share of key blocks kept (0..1)
         :param recall: measured attention recall of the masks, if known
@@ -631,6 +631,9 @@ class MaskBank:
             the OS's own message is in the text)
         """
         self._check_writable()
+        if entry_id is not None and not validation.is_entry_id(entry_id):
+            raise BankInvalidArgument(f"entry_id must be 32 lowercase hex characters, got {entry_id!r}; "
+                                      "leave it out to get a new one.")
         masks = _as_bool_array(masks)
         self._check_shape(masks, fingerprint, layout, schedule)
         try:
@@ -1077,7 +1080,9 @@ def _insert(conn: sqlite3.Connection, row: dict) -> None:
                  list(row.values()))
 
 
-def _as_bool_array(masks) -> np.ndarray:
+def _as_bool_array(masks):
+    if isinstance(masks, PackedBlockMaps):  # a recording: unpacked layer by layer by the encoder
+        return masks
     if hasattr(masks, "detach"):  # torch tensor, without importing torch here
         masks = masks.detach().cpu().numpy()
     masks = np.asarray(masks)

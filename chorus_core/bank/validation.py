@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .encoding import CODEC
+from .encoding import CODEC, PackedBlockMaps
 from .fingerprint import ModelFingerprint
 from .records import LatentLayout, Schedule
 from .signature import COMPONENTS, DIM
@@ -108,9 +108,10 @@ def check_block_map(maps: np.ndarray, shape) -> None:
                          f"(first: head {head}, query block {row})")
 
 
-def check_masks(masks: np.ndarray) -> None:
-    """Masks handed to ``add_entry``: bool ``[S, L, H, nq, nk]`` with no empty query row."""
-    empty = ~masks.any(axis=-1)
+def check_masks(masks) -> None:
+    """Masks handed to ``add_entry``: bool ``[S, L, H, nq, nk]`` (or PackedBlockMaps) with no empty query row."""
+    # Packing pads with zero bits, so a row of packed bytes is all zero exactly when the row keeps nothing.
+    empty = ~(masks.packed if isinstance(masks, PackedBlockMaps) else masks).any(axis=-1)
     if empty.any():
         s, layer, head, row = (int(x) for x in np.argwhere(empty)[0])
         raise ValueError(f"{int(empty.sum())} query rows keep no key block (first: bucket {s}, "
