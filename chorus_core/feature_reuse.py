@@ -65,8 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from .mask_provider import match_batch, step_bucket_of
-from .sparse_patch import (  # one definition of each, shared
-    _AttentionCall, _block_sparse, _mark_own, _unwrap_own, schedule_step)
+from .hooks import AttentionCall, block_sparse, mark_own, schedule_step, unwrap_own
 
 __all__ = [
     "FeatureReuseSettings",
@@ -518,7 +517,7 @@ class _Run:
 
     # ---- sparse reduced calls
 
-    def attend_sparse(self, reduced: "_ReducedCall", call: _AttentionCall) -> Optional[torch.Tensor]:
+    def attend_sparse(self, reduced: "_ReducedCall", call: AttentionCall) -> Optional[torch.Tensor]:
         """Block-sparse reduced self-attention, or None when this call runs dense.
 
         Counted in the sparse run's statistics either way. Any exception (mask source, mapping,
@@ -530,7 +529,7 @@ class _Run:
             try:
                 mask = self.sparse_mask(sparse_run, layer, reduced.options, call, reduced.layout)
                 if mask is not None:
-                    out = _block_sparse().block_sparse_attention(
+                    out = block_sparse().block_sparse_attention(
                         call.q, call.k, call.v, mask, call.heads, skip_reshape=call.skip_reshape,
                         skip_output_reshape=call.skip_output_reshape)
                     density = mask.density
@@ -542,12 +541,12 @@ class _Run:
             self.stats.sparse_reduced_calls += 1
         return out
 
-    def _sparse_usable(self, sparse_run, call: _AttentionCall) -> bool:
+    def _sparse_usable(self, sparse_run, call: AttentionCall) -> bool:
         """False once a reduced call failed, once the sparse run went dense (it says why), or on
         a GPU without Triton (the torch reference would be slower than dense attention)."""
-        if self._sparse_failed or getattr(sparse_run, "_disabled", False):
+        if self._sparse_failed or getattr(sparse_run, "disabled", False):
             return False
-        return not call.q.is_cuda or _block_sparse().triton_available()
+        return not call.q.is_cuda or block_sparse().triton_available()
 
     def _fail(self, layer: int, step: Optional[int], exc: Exception) -> None:
         self._sparse_failed = True
@@ -577,7 +576,7 @@ class _Run:
         self._sigmas = None
 
 
-def _reduced_mask(provider, layer: int, step: int, cond_or_uncond: list, call: _AttentionCall,
+def _reduced_mask(provider, layer: int, step: int, cond_or_uncond: list, call: AttentionCall,
                   layout: TokenLayout):
     """Show the mask source this reduced call, ask for its map and convert it to a mask over ``N'`` tokens.
 
@@ -607,7 +606,7 @@ def _reduced_mask(provider, layer: int, step: int, cond_or_uncond: list, call: _
                          f"{tuple(block_map.shape)} for layer {layer}; this call needs [*, {', '.join(map(str, full))}] "
                          f"over the {layout.n_full} full-resolution tokens or [*, {', '.join(map(str, reduced))}] "
                          f"over the {layout.n_reduced} reduced ones")
-    return _block_sparse().block_map_to_mask(block_map, block_q, block_k, layout.n_reduced)
+    return block_sparse().block_map_to_mask(block_map, block_q, block_k, layout.n_reduced)
 
 
 def _wrapped(provider):
@@ -660,7 +659,7 @@ class _ReducedCall:
     options: dict
     seen: bool = False
 
-    def claims(self, call: _AttentionCall) -> bool:
+    def claims(self, call: AttentionCall) -> bool:
         """The block's first attention with q and k over all N' tokens is its self-attention."""
         if self.seen or not (call.seq_len == call.kv_len == self.layout.n_reduced):
             return False
@@ -710,7 +709,7 @@ def _make_block_patch(key: str, index: int, previous: Optional[Callable], sparse
         out["img"] = layout.restore(x, x_reduced, out["img"], blend=run.state.settings.blend)
         return out
 
-    return _mark_own(chorus_feature_reuse_block_patch, key, previous)
+    return mark_own(chorus_feature_reuse_block_patch, key, previous)
 
 
 def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable:
@@ -724,7 +723,7 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
         reduced = options.get(call_key)
         if reduced is None:
             return call_next(func, args, kwargs)
-        call = _AttentionCall.parse(args, kwargs)
+        call = AttentionCall.parse(args, kwargs)
         if call is None or not reduced.claims(call):
             return call_next(func, args, kwargs)
         run, layout = reduced.run, reduced.layout
@@ -740,7 +739,7 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
         k, v = (layout.expand_keys(named.pop(n), call.skip_reshape) for n in ("k", "v"))
         return call_next(func, (q, k, v, heads), named)
 
-    return _mark_own(chorus_feature_reuse_attention, key, previous)
+    return mark_own(chorus_feature_reuse_attention, key, previous)
 
 
 def _make_outer_sample_wrapper(holder: FeatureReuseState, num_layers: int) -> Callable:
@@ -786,11 +785,11 @@ def install_feature_reuse(model_patcher, region_map: torch.Tensor, grid: Sequenc
     num_layers = len(patched.model.diffusion_model.blocks)
     existing = patched.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
     for index in range(num_layers):
-        previous = _unwrap_own(existing.get(("double_block", index)), key)
+        previous = unwrap_own(existing.get(("double_block", index)), key)
         patched.set_model_patch_replace(_make_block_patch(key, index, previous, settings.sparse_key),
                                         "dit", "double_block", index)
     options = patched.model_options["transformer_options"]
-    options[OVERRIDE_KEY] = _make_attention_override(key, _unwrap_own(options.get(OVERRIDE_KEY), key))
+    options[OVERRIDE_KEY] = _make_attention_override(key, unwrap_own(options.get(OVERRIDE_KEY), key))
     patched.remove_wrappers_with_key(OUTER_SAMPLE, key)
     patched.add_wrapper_with_key(OUTER_SAMPLE, key, _make_outer_sample_wrapper(holder, num_layers))
     patched.set_attachments(key, holder)

@@ -40,7 +40,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .sparse_patch import _mark_own, _unwrap_own, schedule_step  # shared with the sparse patch
+from .hooks import mark_own, schedule_step, unwrap_own
 
 __all__ = [
     "METHODS",
@@ -232,7 +232,7 @@ def _make_attention_override(key: str, strength: float, previous: Optional[Calla
         run.stats.scaled_cross_attention += 1
         return scale_cross_attention(out, strength)
 
-    return _mark_own(chorus_guidance_attention, key, previous)
+    return mark_own(chorus_guidance_attention, key, previous)
 
 
 def _make_outer_sample_wrapper(holder: GuidanceState) -> Callable:
@@ -283,7 +283,7 @@ def _remove_earlier_install(patched, key: str) -> None:
         patched.model_options["sampler_post_cfg_function"] = [f for f in post if getattr(f, "chorus_key", None) != key]
     options = patched.model_options.get("transformer_options", {})
     if OVERRIDE_KEY in options:
-        options[OVERRIDE_KEY] = _unwrap_own(options[OVERRIDE_KEY], key)
+        options[OVERRIDE_KEY] = unwrap_own(options[OVERRIDE_KEY], key)
         if options[OVERRIDE_KEY] is None:
             del options[OVERRIDE_KEY]
     patched.remove_wrappers_with_key(OUTER_SAMPLE, key)

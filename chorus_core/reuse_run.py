@@ -391,6 +391,7 @@ class ReuseRun:
             self.report.timings["sampling_s"] = round(stats.seconds or 0.0, 3)
             self.report.warnings.extend(stats.warnings)
             self.report.backend = stats.backend
+        self.report.warnings.extend(_feature_reuse_warnings(self.patched))
         if self.entry_provider is not None and self.entry_provider.failure is not None:
             self._report_fallback(self.entry_provider.failure)
         if self.prefetch is not None:
@@ -445,6 +446,14 @@ fingerprint=request.fingerprint, layout=request.layout, schedule=schedule,
         return bank_writer.PendingWrite(bank_root=str(bank.root), entry_id=entry_id,
                                         compat=compat_key(request.fingerprint, request.layout),
                                         signature=request.signature, write=write)
+
+
+def _feature_reuse_warnings(patched) -> list[str]:
+    from .feature_reuse import get_feature_reuse_state  # the optional node's state, if it is installed
+
+    state = get_feature_reuse_state(patched) if patched is not None else None
+    stats = getattr(state, "stats", None)
+    return list(getattr(stats, "warnings", None) or [])
 
 
 def _layer_rows(stats) -> list[dict]:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._siblings import import_sibling
+from .hooks import AttentionCall, block_sparse, mark_own, schedule_step, unwrap_own
 from .mask_provider import MaskProvider, PreparedMask, match_batch, serve_prepared_mask, step_bucket_of
 
 __all__ = [
@@ -51,19 +51,6 @@ _KNOWN_VARIANTS = {
     "HumoWanModel": "HuMo",
     "AnimateWanModel": "Wan 2.2 Animate",
 }
-
-
-def schedule_step(sigmas: torch.Tensor, schedule: torch.Tensor) -> int:
-    """Index of the current sigma in the sampler's schedule (closest match; one host sync).
-
-    Shared by every Chorus hook; each calls it once per model call and caches the answer.
-    """
-    return int((schedule.to(sigmas.device) - sigmas.flatten()[0]).abs().argmin())
-
-
-def _block_sparse():
-    """The kernels' block_sparse module, imported at call time (see _siblings)."""
-    return import_sibling("kernels.block_sparse")
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,6 +224,11 @@ class _Run:
         self._disabled = False  # set when masks cannot be had: the rest of the run is dense
         self._triton: Optional[bool] = None
 
+    @property
+    def disabled(self) -> bool:
+        """True once something on the sparse path failed: the rest of the run is dense."""
+        return self._disabled
+
     # ---- steps
 
     def step_of(self, transformer_options: dict) -> Optional[int]:
@@ -292,7 +284,7 @@ class _Run:
 
     # ---- the attention call
 
-    def attend(self, layer: int, transformer_options: dict, call: "_AttentionCall") -> Optional[torch.Tensor]:
+    def attend(self, layer: int, transformer_options: dict, call: "AttentionCall") -> Optional[torch.Tensor]:
         """Block-sparse self-attention, or None when this call runs dense.
 
         Any failure on the sparse path (mask source, conversion, validation, kernel compile or
@@ -312,7 +304,7 @@ class _Run:
                 return None
             stage = "block-sparse attention failed"
             self._note_backend(call, prepared)
-            out = _block_sparse().block_sparse_attention(
+            out = block_sparse().block_sparse_attention(
                 call.q, call.k, call.v, prepared.mask, call.heads,
                 skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape,
             )
@@ -324,22 +316,22 @@ class _Run:
         self.record(layer, prepared.density)
         return out
 
-    def _kernel_usable(self, call: "_AttentionCall") -> bool:
+    def _kernel_usable(self, call: "AttentionCall") -> bool:
         """On a GPU without Triton the torch reference would be slower than dense: stay dense."""
         if not call.q.is_cuda:
             return True
         if self._triton is None:  # looked up once per run, not per call
-            self._triton = _block_sparse().triton_available()
+            self._triton = block_sparse().triton_available()
         if self._triton:
             return True
         self._disable("Triton is not available on this CUDA machine, so block-sparse attention would be "
                       "slower than dense; this run is dense. Install triton (Linux) or triton-windows.")
         return False
 
-    def _note_backend(self, call: "_AttentionCall", prepared: PreparedMask) -> None:
+    def _note_backend(self, call: "AttentionCall", prepared: PreparedMask) -> None:
         """Name the kernel backend in the run's statistics (chosen again per call; probes are cached)."""
         if self.stats.backend is None:
-            self.stats.backend = str(_block_sparse().select_backend(call.q, prepared.mask))
+            self.stats.backend = str(block_sparse().select_backend(call.q, prepared.mask))
 
     def _disable(self, reason: str) -> None:
         self._disabled = True
@@ -347,7 +339,7 @@ class _Run:
             self.stats.warnings.append(reason)
             logging.warning("Chorus: %s", reason)
 
-    def observe(self, layer, step, cond_or_uncond, call: "_AttentionCall") -> None:
+    def observe(self, layer, step, cond_or_uncond, call: "AttentionCall") -> None:
         """Show q and k to a provider that wants them (online prediction, recording) before it is asked."""
         observer = getattr(self.provider, "observe", None)
         if observer is not None:
@@ -368,49 +360,9 @@ class _Run:
 _NO_BUCKET = object()
 
 
-_match_batch = match_batch  # old name, still imported by feature_reuse.py
-
-
 # --------------------------------------------------------------------------------------------
 # What one attention call is
 # --------------------------------------------------------------------------------------------
-
-_ATTENTION_PARAMS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
-
-
-@dataclass
-class _AttentionCall:
-    """The arguments of an ``optimized_attention`` call that matter here."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    heads: int
-    mask: Any
-    skip_reshape: bool
-    skip_output_reshape: bool
-    named: dict = field(default_factory=dict, repr=False)  # every argument by name, to pass on changed
-
-    @classmethod
-    def parse(cls, args, kwargs) -> Optional["_AttentionCall"]:
-        named = dict(zip(_ATTENTION_PARAMS, args)) | kwargs
-        if not all(name in named for name in ("q", "k", "v", "heads")):
-            return None
-        return cls(named["q"], named["k"], named["v"], int(named["heads"]), named.get("mask"),
-                   bool(named.get("skip_reshape", False)), bool(named.get("skip_output_reshape", False)), named)
-
-    @property
-    def seq_len(self) -> int:
-        return self.q.shape[2] if self.skip_reshape else self.q.shape[1]
-
-    @property
-    def kv_len(self) -> int:
-        return self.k.shape[2] if self.skip_reshape else self.k.shape[1]
-
-    @property
-    def batch(self) -> int:
-        return self.q.shape[0]
-
 
 @dataclass
 class _BlockCall:
@@ -420,7 +372,7 @@ class _BlockCall:
     seq_len: int
     self_attention_seen: bool = False
 
-    def claims(self, call: _AttentionCall) -> bool:
+    def claims(self, call: AttentionCall) -> bool:
         """True for the block's self-attention when it can run sparse.
 
         The first attention of a Wan block with q and k both over all of the block's tokens is
@@ -447,19 +399,6 @@ def _block_key(key: str) -> str:
     return f"{key}_sparse_block"
 
 
-def _mark_own(function, key: str, previous):
-    function.chorus_key = key
-    function.chorus_previous = previous
-    return function
-
-
-def _unwrap_own(function, key: str):
-    """What our own earlier install chained to, so installing twice does not stack two patches."""
-    while function is not None and getattr(function, "chorus_key", None) == key:
-        function = function.chorus_previous
-    return function
-
-
 def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable:
     run_key, block_key = _run_key(key), _block_key(key)
 
@@ -467,7 +406,7 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
         options = kwargs.get("transformer_options") or {}
         run, block = options.get(run_key), options.get(block_key)
         if run is not None and block is not None:
-            call = _AttentionCall.parse(args, kwargs)
+            call = AttentionCall.parse(args, kwargs)
             if call is not None and block.claims(call):
                 out = run.attend(block.layer, options, call)
                 if out is not None:
@@ -476,7 +415,7 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
             return previous(func, *args, **kwargs)
         return func(*args, **kwargs)
 
-    return _mark_own(chorus_attention_override, key, previous)
+    return mark_own(chorus_attention_override, key, previous)
 
 
 def _make_block_patch(key: str, index: int, previous: Optional[Callable]) -> Callable:
@@ -492,7 +431,7 @@ def _make_block_patch(key: str, index: int, previous: Optional[Callable]) -> Cal
             return previous(args, extra)
         return extra["original_block"](args)
 
-    return _mark_own(chorus_block_patch, key, previous)
+    return mark_own(chorus_block_patch, key, previous)
 
 
 def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
@@ -537,11 +476,11 @@ def install_sparse_attention(model_patcher, provider: MaskProvider, key: str = "
 
     existing_blocks = patched.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
     for index in range(len(patched.model.diffusion_model.blocks)):
-        previous = _unwrap_own(existing_blocks.get(("double_block", index)), key)
+        previous = unwrap_own(existing_blocks.get(("double_block", index)), key)
         patched.set_model_patch_replace(_make_block_patch(key, index, previous), "dit", "double_block", index)
 
     options = patched.model_options["transformer_options"]
-    options[OVERRIDE_KEY] = _make_attention_override(key, _unwrap_own(options.get(OVERRIDE_KEY), key))
+    options[OVERRIDE_KEY] = _make_attention_override(key, unwrap_own(options.get(OVERRIDE_KEY), key))
 
     patched.remove_wrappers_with_key(OUTER_SAMPLE, key)
     patched.add_wrapper_with_key(OUTER_SAMPLE, key, _make_outer_sample_wrapper(holder))
@@ -552,7 +491,7 @@ def install_sparse_attention(model_patcher, provider: MaskProvider, key: str = "
 def _require_kernels() -> None:
     """Fail at the node, with what to do, rather than in the middle of sampling."""
     try:
-        _block_sparse()
+        block_sparse()
     except ImportError as error:
         raise RuntimeError(
             f"Chorus could not import its block-sparse kernels ({error}); reinstall the Chorus pack "
