@@ -585,6 +585,7 @@ def parse_args(argv):
                    help="skip a mode (cleanly, noted in the results) when it would end past this many seconds")
     p.add_argument("--extra-site", default=None, help="folder of carried pure-Python packages (appended to sys.path)")
     p.add_argument("--git-commit", default=None)
+    p.add_argument("--keep-banks", default=None, help="keep each shape's bank in DIR/<shape> (for bench_codec.py)")
     p.add_argument("--command", default=None, help="the command line to record (default: argv)")
     args = p.parse_args(argv)
     if args.steps is None:
@@ -658,7 +659,7 @@ def main(argv=None):
     calib: dict = {}
     for shape in shapes:
         ctx = dict(cuda=cuda, model=model, patcher=patcher, all_blocks=all_blocks, blocks=blocks, steps=args.steps,
-                   budget_s=args.budget_s, req=make_request(shape_thw[shape]))
+                   budget_s=args.budget_s, req=make_request(shape_thw[shape]), keep_banks=args.keep_banks)
         ShapeRun(doc, shape, math.prod(token_grid(shape_thw[shape])), ctx, calib, save).run()
         del ctx
         if cuda:
@@ -695,6 +696,8 @@ class ShapeRun:
         if self.fits("nonblock"):
             self.attempt("nonblock", self.nonblock)
         with tempfile.TemporaryDirectory(prefix="chorus-bank-") as tmp:
+            if self.ctx.get("keep_banks"):  # kept for bench_codec.py: the masks this run recorded
+                tmp = str(Path(self.ctx.get("keep_banks")) / self.shape)
             bank = MaskBank.open(tmp)
             try:
                 for key in ("dense_comfyui", "dense_cudnn") + MODES[1:]:
