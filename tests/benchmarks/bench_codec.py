@@ -2,6 +2,8 @@
 
     python tests/benchmarks/bench_codec.py --bank DIR [--out DIR] [--name NAME]
 
+    python tests/benchmarks/bench_codec.py --synthetic 480p [--layers 8] [--out DIR]
+
 Every entry of the bank at DIR (for example the one ``bench_reuse_loop.py --keep-bank DIR``
 records at Wan2.1-14B shapes, or a testbed bank) is decoded to its bool block maps and then
 re-encoded with each candidate:
@@ -9,6 +11,10 @@ re-encoded with each candidate:
 - ``rowshift-zlib-v1`` (the bank's codec) at zlib levels 9 (shipped), 6 and 1;
 - ``packbits-xor-zlib``: bucket 0 as packed bits, later buckets as packed XOR with bucket 0,
   zlib level 6 or 1 (decode is inflate + unpackbits, no per-row loop).
+
+``--synthetic`` measures instead one entry of ``bench_end_to_end.structured_block_map`` masks
+(local 3D windows, global key columns, noise; what real video-DiT masks look like, as far as
+random-weight runs can show) at density 0.15, 3 step buckets, ``--layers`` layers, 40 heads.
 
 Decode is timed to bool maps for every (bucket, layer), and for the shipped codec also to the
 kernel's live-block lists (what a hit's prefetch worker does). Writes ``codec_<name>.json`` / ``.md``.
@@ -30,6 +36,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
 
 from chorus_core.bank import MaskBank  # noqa: E402
 from chorus_core.bank.encoding import decode_block_map, encode_masks  # noqa: E402
@@ -84,6 +91,16 @@ def entry_maps(bank: MaskBank, entry_id: str) -> np.ndarray:
     return np.stack([np.stack([entry.block_map(s, l).numpy() for l in range(layers)]) for s in range(s_count)])
 
 
+def synthetic_maps(shape: str, layers: int) -> np.ndarray:
+    import torch
+
+    from bench_end_to_end import SHAPES, structured_block_map, token_grid
+
+    grid = token_grid(SHAPES[shape])
+    return np.stack([np.stack([structured_block_map(grid, 40, 0.15, seed=1000 * b + l, device="cpu")[0].numpy()
+                               for l in range(layers)]) for b in range(3)])
+
+
 def measure(maps: np.ndarray) -> list[dict]:
     rows = []
     for name, (encode, decode) in CANDIDATES.items():
@@ -119,19 +136,24 @@ def machine() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bank", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--bank", help="a bank whose entries were recorded")
+    source.add_argument("--synthetic", choices=("480p", "720p"), help="structured synthetic masks instead")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the synthetic entry")
     parser.add_argument("--out", default=str(REPO / "tests" / "benchmarks" / "results"))
     parser.add_argument("--name", default="recorded")
     parser.add_argument("--shape", default="", help="label for the rows, e.g. 720p")
     args = parser.parse_args(argv)
     rows = []
-    with MaskBank.open(args.bank, read_only=True) as bank:
-        for entry in bank.entries():
-            maps = entry_maps(bank, entry["id"])
-            for row in measure(maps):
-                rows.append({"shape": args.shape, "entry": entry["id"], "masks": "x".join(map(str, maps.shape)),
-                             "density": round(float(maps.mean()), 4), **row})
-                print(json.dumps(rows[-1]))
+    sources = [(args.synthetic, "synthetic", synthetic_maps(args.synthetic, args.layers))] if args.synthetic else []
+    if args.bank:
+        with MaskBank.open(args.bank, read_only=True) as bank:
+            sources = [(args.shape, e["id"], entry_maps(bank, e["id"])) for e in bank.entries()]
+    for shape, entry, maps in sources:
+        for row in measure(maps):
+            rows.append({"shape": shape, "entry": entry, "masks": "x".join(map(str, maps.shape)),
+                         "density": round(float(maps.mean()), 4), **row})
+            print(json.dumps(rows[-1]))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     doc = {"benchmark": "bench_codec", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(),
            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "git_commit": commit or None, "rows": rows}
