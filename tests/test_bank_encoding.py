@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from chorus_core.bank import decode_block_map, encode_masks
-from chorus_core.bank.encoding import coarsen_maps
+from chorus_core.bank.encoding import CODECS, PACKBITS, ROWSHIFT, coarsen_maps
+
+both_codecs = pytest.mark.parametrize("codec", CODECS)
 
 
 def banded(heads=3, n=40, seed=0):
@@ -22,8 +24,9 @@ def decode_all(tensors, meta, shape):
                      for s in range(shape[0])])
 
 
+@both_codecs
 @pytest.mark.parametrize("kind", ["random", "banded", "empty", "full"])
-def test_lossless_round_trip(kind):
+def test_lossless_round_trip(kind, codec):
     rng = np.random.default_rng(1)
     if kind == "random":
         masks = rng.random((3, 2, 3, 37, 41)) < 0.2
@@ -31,24 +34,44 @@ def test_lossless_round_trip(kind):
         masks = np.stack([np.stack([banded(seed=s * 2 + l) for l in range(2)]) for s in range(3)])
     else:
         masks = np.full((2, 2, 3, 16, 16), kind == "full")
-    tensors, meta = encode_masks(masks)
+    tensors, meta = encode_masks(masks, codec=codec)
+    assert meta["codec"] == codec
     assert (decode_all(tensors, meta, masks.shape) == masks).all()
     assert all(t.dtype == np.uint8 for t in tensors.values())
 
 
-def test_similar_buckets_are_stored_as_deltas():
+@pytest.mark.parametrize("codec, names", [(ROWSHIFT, ["b0.l0.c", "b0.l0.d", "b0.l0.e", "b1.l0.x"]),
+                                          (PACKBITS, ["b0.l0.p", "b1.l0.q"])])
+def test_similar_buckets_are_stored_as_deltas(codec, names):
     base = banded(seed=3)
     later = base.copy()
     later[0, 5, 30] ^= True
     masks = np.stack([base[None], later[None]])
-    tensors, meta = encode_masks(masks)
-    assert sorted(tensors) == ["b0.l0.c", "b0.l0.d", "b0.l0.e", "b1.l0.x"]
+    tensors, meta = encode_masks(masks, codec=codec)
+    assert sorted(tensors) == names
     assert (decode_block_map(tensors, meta, 1, 0) == later).all()
+    if codec == PACKBITS:  # one flipped block: the delta compresses to far less than the base
+        assert tensors["b1.l0.q"].size < tensors["b0.l0.p"].size
 
 
-def test_coarsened_storage_is_a_superset():
+def test_new_entries_use_the_packed_bits_codec():
+    assert encode_masks(np.ones((1, 1, 1, 4, 4), bool))[1]["codec"] == PACKBITS
+
+
+@pytest.mark.parametrize("size, message", [(3, "inflates to 3 bytes"), (10_000, "inflates to more than")])
+def test_packed_bits_of_the_wrong_size_are_refused(size, message):
+    import zlib
+
+    tensors, meta = encode_masks(np.ones((1, 1, 2, 8, 8), bool))
+    tensors["b0.l0.p"] = np.frombuffer(zlib.compress(bytes(size)), np.uint8)
+    with pytest.raises(ValueError, match=message):
+        decode_block_map(tensors, meta, 0, 0)
+
+
+@both_codecs
+def test_coarsened_storage_is_a_superset(codec):
     masks = banded(seed=4)[None, None]
-    tensors, meta = encode_masks(masks, coarsen=2)
+    tensors, meta = encode_masks(masks, coarsen=2, codec=codec)
     out = decode_block_map(tensors, meta, 0, 0)
     assert out.shape == masks.shape[2:] and (out >= masks[0, 0]).all()
     assert (coarsen_maps(out, 2) == coarsen_maps(masks[0, 0], 2)).all()

@@ -250,7 +250,7 @@ def test_import_refuses_huge_members_without_reading_them(tmp_path):
     ("fingerprint", "{}", "architecture must be text"),
     ("fingerprint", "[1]", "fingerprint is not a JSON model fingerprint"),
     ("sig_clip", "AAAA", "sig_clip must be 256 float32 values"),
-    ("codec", "pickle", "codec 'pickle' is not rowshift-zlib-v1"),
+    ("codec", "pickle", "codec 'pickle' is not one of packbits-xor-zlib-v1, rowshift-zlib-v1"),
 ])
 def test_import_refuses_bad_row_values(tmp_path, field, value, message):
     src, ids = new_bank(tmp_path, n=1, name="src")
@@ -623,10 +623,11 @@ print(outcome)
 """
 
 
-def test_zlib_bomb_is_quarantined_with_bounded_memory(tmp_path):
+@pytest.mark.parametrize("codec, part", [("packbits-xor-zlib-v1", "b0.l0.p"), ("rowshift-zlib-v1", "b0.l0.d")])
+def test_zlib_bomb_is_quarantined_with_bounded_memory(tmp_path, codec, part):
     bank = MaskBank.open(tmp_path / "bank")
-    tensors, meta = encode_masks(toy_masks(0))
-    tensors["b0.l0.d"] = np.frombuffer(zlib.compress(b"\0" * (64 * 2 ** 20), 9), np.uint8)
+    tensors, meta = encode_masks(toy_masks(0), codec=codec)
+    tensors[part] = np.frombuffer(zlib.compress(b"\0" * (64 * 2 ** 20), 9), np.uint8)
     data = st_save(tensors, metadata=_blob_metadata(meta))
     assert len(data) < 200_000
     entry, path = raw_entry(bank, data=data)

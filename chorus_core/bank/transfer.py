@@ -26,7 +26,7 @@ from pathlib import Path
 from safetensors.numpy import load as st_load
 
 from . import validation
-from .encoding import CODEC, decode_block_map
+from .encoding import CODECS, decode_block_map
 from .errors import BankError, BankInvalidArgument
 from .store import _fault, _insert, compat_key, read_regular_file
 
@@ -199,8 +199,8 @@ def rebuild_row(raw) -> tuple[dict, validation.EntrySpec]:
     if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= spec.max_blob_bytes:
         raise ValueError(f"blob_bytes {str(size)[:40]!r} is not within 1..{spec.max_blob_bytes} "
                          "(the most its layout allows)")
-    if raw.get("codec") != CODEC:
-        raise ValueError(f"codec {str(raw.get('codec'))[:40]!r} is not {CODEC}")
+    if raw.get("codec") not in CODECS:  # the blob's own header is checked against its codec later
+        raise ValueError(f"codec {str(raw.get('codec'))[:40]!r} is not one of {', '.join(CODECS)}")
     created = validation.finite(raw.get("created", time.time()), "created", 0.0)
     layout, schedule = spec.layout, spec.schedule
     row = {
@@ -214,7 +214,7 @@ def rebuild_row(raw) -> tuple[dict, validation.EntrySpec]:
         "density": validation.finite(raw.get("density"), "density", 0.0, 1.0),
         "recall": validation.finite(raw.get("recall"), "recall", 0.0, 1.0, optional=True),
         "tags": validation.tags_json(raw.get("tags")), "status": "ok", "status_reason": None,
-        "codec": CODEC, "blob_name": validation.blob_name(sha), "blob_bytes": size,
+        "codec": raw["codec"], "blob_name": validation.blob_name(sha), "blob_bytes": size,
         "blob_sha256": sha,
         **{k: _signature(raw.get(k), k) for k in validation.SIGNATURE_COLUMNS},
     }

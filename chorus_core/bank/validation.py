@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .encoding import CODEC, PackedBlockMaps
+from .encoding import CODECS, PART_NAMES, PackedBlockMaps
 from .fingerprint import ModelFingerprint
 from .records import LatentLayout, Schedule
 from .signature import COMPONENTS, DIM
@@ -33,7 +33,7 @@ MAX_LAYERS = 256
 MAX_HEADS = 256
 MAX_LAYER_ELEMENTS = 2 ** 28  # one decoded [H, nq, nk] bool map: at most 256 MiB
 MAX_HEADER_BYTES = 16 * 2 ** 20
-_TENSOR_NAME = re.compile(r"b(\d+)\.l(\d+)\.([cdex])")
+_TENSOR_NAME = re.compile(r"b(\d+)\.l(\d+)\.([cdexpq])")
 
 
 def is_entry_id(value) -> bool:
@@ -158,7 +158,7 @@ def check_header(header: dict, shape) -> dict:
         spans.append(tuple(offsets))
         names.setdefault((int(match[1]), int(match[2])), set()).add(match[3])
     _check_spans(sorted(spans), data_bytes)
-    _check_parts(names, shape)
+    _check_parts(names, shape, meta["codec"])
     return meta
 
 
@@ -172,9 +172,9 @@ def _chorus_meta(raw, shape) -> dict:
         meta = json.loads(raw["chorus"])
     except (TypeError, KeyError, json.JSONDecodeError):
         raise ValueError("blob metadata has no Chorus record") from None
-    if not isinstance(meta, dict) or meta.get("codec") != CODEC:
+    if not isinstance(meta, dict) or meta.get("codec") not in CODECS:
         raise ValueError(f"blob codec {meta.get('codec') if isinstance(meta, dict) else None!r} "
-                         f"is not {CODEC}")
+                         f"is not one of {', '.join(CODECS)}")
     declared = ",".join(map(str, shape))
     if meta.get("shape") != declared:
         raise ValueError(f"blob declares mask shape {str(meta.get('shape'))[:80]!r}, "
@@ -200,18 +200,19 @@ def _check_spans(spans, data_bytes: int) -> None:
         raise ValueError(f"tensors cover {end} bytes, the blob holds {data_bytes}")
 
 
-def _check_parts(names: dict, shape) -> None:
+def _check_parts(names: dict, shape, codec: str) -> None:
     s_count, layers = shape[0], shape[1]
+    first, later = PART_NAMES[codec]
     for (s, layer), parts in names.items():
         if s >= s_count or layer >= layers:
             raise ValueError(f"tensor for bucket {s} / layer {layer} is outside shape {tuple(shape)}")
     for layer in range(layers):
-        if names.get((0, layer)) != set("cde"):
-            raise ValueError(f"bucket 0 of layer {layer} lacks its c/d/e parts")
+        if names.get((0, layer)) != first:
+            raise ValueError(f"bucket 0 of layer {layer} lacks its {'/'.join(sorted(first))} parts")
         for s in range(1, s_count):
-            if names.get((s, layer)) not in ({"x"}, set("cde")):
-                raise ValueError(f"bucket {s} of layer {layer} has parts "
-                                 f"{sorted(names.get((s, layer), ()))}, expected x or c/d/e")
+            if names.get((s, layer)) not in later:
+                raise ValueError(f"bucket {s} of layer {layer} has parts {sorted(names.get((s, layer), ()))}, "
+                                 f"expected {' or '.join('/'.join(sorted(p)) for p in later)}")
 
 
 # ---- rows -------------------------------------------------------------------------------
