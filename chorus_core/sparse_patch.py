@@ -7,8 +7,17 @@ How it hooks in (never by copying ``forward_orig``, never by module-level monkey
 * ``transformer_options["optimized_attention_override"]`` runs a block's self-attention
   block-sparse with the provider's mask; everything else (cross-attention, layers the provider
   leaves dense) goes to the override that was there before, or to ComfyUI's own function;
+* a keyed ``DIFFUSION_MODEL`` wrapper counts the video tokens of each model call, so a block
+  whose sequence carries extra tokens (a reference latent at the start, extra frames or context
+  latents at the end) is recognised; its self-attention runs dense with one warning, since the
+  masks cover the video tokens only;
 * a keyed ``OUTER_SAMPLE`` wrapper creates the per-run state (step tracking, mask cache,
-  statistics) and drops it in ``finally``.
+  statistics) and drops it in ``finally``; it also refuses a model that core's "Model Sparse
+  Attention" node patches too, and re-chains above a "Model Attention Backend" applied later.
+
+Works with ComfyUI 0.3.64 and with the newer attention API (q/k/v in single-use
+``AttentionTensorContainer`` objects; ``block_index`` and ``grid_sizes`` in
+``transformer_options``): see ``hooks.AttentionCall``.
 
 The model passed in is never changed. Statistics of the current or last run:
 ``get_run_stats(patched)``; per-step events: ``get_sparse_state(patched).on_step(callback)``.
@@ -17,6 +26,7 @@ The model passed in is never changed. Statistics of the current or last run:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -24,11 +34,12 @@ from typing import Any, Optional
 
 import torch
 
-from .hooks import AttentionCall, block_sparse, mark_own, schedule_step, unwrap_own
+from .hooks import AttentionCall, block_sparse, container_function_of, mark_own, schedule_step, unwrap_own
 from .mask_provider import MaskProvider, PreparedMask, match_batch, serve_prepared_mask, step_bucket_of
 
 __all__ = [
     "UnsupportedModelError",
+    "CompetingAttentionError",
     "LayerStats",
     "StepStats",
     "RunStats",
@@ -40,6 +51,8 @@ __all__ = [
 ]
 
 OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE (checked in tests)
+DIFFUSION_MODEL = "diffusion_model"  # comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL (checked in tests)
+ON_PREPARE_STATE = "on_prepare_state"  # comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE
 OVERRIDE_KEY = "optimized_attention_override"
 SUPPORTED = "Wan 2.1 image-to-video and text-to-video (comfy.model_base.WAN21 running a WanModel)"
 
@@ -62,6 +75,48 @@ class UnsupportedModelError(ValueError):
     """The model is not one Chorus can make sparse; the message names it and what is supported."""
 
 
+class CompetingAttentionError(ValueError):
+    """Another sparse-attention method patches the same model; two would silently stack."""
+
+
+CORE_SPARSE_NODE = "Model Sparse Attention (BlockSparseAttention)"
+CORE_SPARSE_CALLBACK_KEY = "block_sparse_attention"  # its ON_PREPARE_STATE callback reinstalls it every step
+ATTENTION_BACKEND_NODE = "Model Attention Backend (ModelAttentionBackend)"
+
+
+def is_core_sparse_override(function) -> bool:
+    """Core's Model Sparse Attention override (comfy_extras/nodes_sparse_attention.py, newer ComfyUI)."""
+    return (getattr(function, "__module__", "") or "").endswith("nodes_sparse_attention") or \
+        getattr(function, "__qualname__", "") == "make_attention_override.<locals>.override"
+
+
+def is_attention_backend_override(function) -> bool:
+    """The override ModelPatcher.set_model_optimized_attention installs (Model Attention Backend)."""
+    return getattr(function, "__qualname__", "") == \
+        "ModelPatcher.set_model_optimized_attention.<locals>.optimized_attention_override"
+
+
+def check_no_competing_sparse_attention(model_patcher, transformer_options: dict) -> None:
+    """Refuse a model that core's Model Sparse Attention also patches, whichever was applied first.
+
+    Core's node reinstalls its override on top of any other at every step and makes sparse
+    whatever it accepts; Chorus would then run sparse only what core declines: two methods
+    stacked, neither measured. One of the two has to go.
+    """
+    callbacks = (getattr(model_patcher, "callbacks", None) or {}).get(ON_PREPARE_STATE, {})
+    override = transformer_options.get(OVERRIDE_KEY)
+    found = CORE_SPARSE_CALLBACK_KEY in callbacks
+    while override is not None and not found:
+        found = is_core_sparse_override(override)
+        override = getattr(override, "chorus_previous", None)
+    if found:
+        raise CompetingAttentionError(
+            f"Chorus sparse attention and core's {CORE_SPARSE_NODE} node patch the same model: both would make "
+            "self-attention sparse, each with its own masks. Remove one of the two nodes from the MODEL path "
+            "(a Model Attention Backend node is fine: Chorus runs its dense calls through it)."
+        )
+
+
 def check_supported_model(model_patcher) -> None:
     """Raise UnsupportedModelError unless the patcher holds a Wan 2.1 I2V/T2V model."""
     import comfy.ldm.wan.model
@@ -70,11 +125,33 @@ def check_supported_model(model_patcher) -> None:
     model = getattr(model_patcher, "model", None)
     diffusion_model = getattr(model, "diffusion_model", None)
     if type(model) is comfy.model_base.WAN21 and type(diffusion_model) is comfy.ldm.wan.model.WanModel:
-        return
+        variant = _wan21_variant(model, diffusion_model)
+        if variant is None:
+            return
+        raise UnsupportedModelError(
+            f"Chorus sparse attention does not support {variant}: {_describe_model(model, diffusion_model)}. "
+            f"Supported: {SUPPORTED}. Its masks would be filed with, and matched against, plain I2V entries. "
+            "Leave Chorus out of this workflow."
+        )
     raise UnsupportedModelError(
         f"Chorus sparse attention does not support this model: {_describe_model(model, diffusion_model)}. "
         f"Supported: {SUPPORTED}. Load a Wan 2.1 I2V or T2V checkpoint, or leave Chorus out of this workflow."
     )
+
+
+def _wan21_variant(model, diffusion_model) -> Optional[str]:
+    """A Wan 2.1 variant that loads as a plain WAN21/WanModel but is not I2V or T2V, or None.
+
+    FunControl (``WAN21_FunControl2V``) has 48 input channels; FLF2V (first-last-frame) has the
+    CLIP position embedding ``img_emb.emb_pos`` for its two images.
+    """
+    config = type(getattr(model, "model_config", None)).__name__
+    in_dim = getattr(diffusion_model, "in_dim", None)
+    if config == "WAN21_FunControl2V" or in_dim == 48:
+        return "Wan 2.1 Fun Control (WAN21_FunControl2V, 48 input channels)"
+    if getattr(getattr(diffusion_model, "img_emb", None), "emb_pos", None) is not None:
+        return "Wan 2.1 FLF2V (first-last-frame to video)"
+    return None
 
 
 def _describe_model(model, diffusion_model) -> str:
@@ -316,8 +393,23 @@ class _Run:
         self.record(layer, prepared.density)
         return out
 
+    def dense_for_extra_tokens(self, layer: int, block: "_BlockCall") -> None:
+        """A sequence with tokens besides the video's: the masks do not cover them, so dense."""
+        reason = (f"the model's sequence holds {block.extra_tokens} tokens besides its {block.video_tokens} "
+                  "video tokens (a reference latent, extra frames or context latents); Chorus masks cover the "
+                  "video tokens only, so self-attention runs dense in this run")
+        if reason not in self.stats.warnings:
+            self.stats.warnings.append(reason)
+            logging.warning("Chorus: %s", reason)
+        self.record(layer, None)
+
     def _kernel_usable(self, call: "AttentionCall") -> bool:
-        """On a GPU without Triton the torch reference would be slower than dense: stay dense."""
+        """On a GPU without Triton, or on MPS/XPU, the torch reference would be slower than dense: stay dense."""
+        device = call.q.device.type
+        if device not in ("cuda", "cpu"):
+            self._disable(f"block-sparse attention has no kernel for {device.upper()} devices (the per-block "
+                          "reference would be slower than dense); this run is dense")
+            return False
         if not call.q.is_cuda:
             return True
         if self._triton is None:  # looked up once per run, not per call
@@ -366,11 +458,16 @@ _NO_BUCKET = object()
 
 @dataclass
 class _BlockCall:
-    """Handed down to one block call: its layer and token count."""
+    """Handed down to one block call: its layer, token count and how many of them are video."""
 
     layer: int
     seq_len: int
+    video_tokens: Optional[int] = None  # None: not known (no wrapper ran), taken as all of them
     self_attention_seen: bool = False
+
+    @property
+    def extra_tokens(self) -> int:
+        return 0 if self.video_tokens is None else self.seq_len - self.video_tokens
 
     def claims(self, call: AttentionCall) -> bool:
         """True for the block's self-attention when it can run sparse.
@@ -382,7 +479,9 @@ class _BlockCall:
         if self.self_attention_seen or not (call.seq_len == call.kv_len == self.seq_len):
             return False
         self.self_attention_seen = True
-        return call.mask is None  # an attention mask we would drop: leave it to ComfyUI
+        # An attention mask, a custom scale or grouped KV heads: the kernel would drop them.
+        named = call.named
+        return call.mask is None and "scale" not in named and not named.get("enable_gqa", False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,33 +498,78 @@ def _block_key(key: str) -> str:
     return f"{key}_sparse_block"
 
 
+def _video_key(key: str) -> str:
+    return f"{key}_sparse_video_tokens"
+
+
 def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable:
+    """The override; it also declares ``container_function`` when ``previous`` has one.
+
+    Newer ComfyUI calls an override's ``container_function`` with the q/k/v containers and no
+    ``func``; so only an override whose fallback takes containers itself can declare one, and
+    declaring it keeps that fallback's memory-saving container path (e.g. Model Attention
+    Backend's int8 kernel). Without one, wrap_attn unwraps the containers before calling us.
+    """
     run_key, block_key = _run_key(key), _block_key(key)
 
-    def chorus_attention_override(func, *args, **kwargs):
+    def sparse_answer(args, kwargs):
+        """(block-sparse output or None, the parsed call or None)."""
         options = kwargs.get("transformer_options") or {}
         run, block = options.get(run_key), options.get(block_key)
-        if run is not None and block is not None:
-            call = AttentionCall.parse(args, kwargs)
-            if call is not None and block.claims(call):
-                out = run.attend(block.layer, options, call)
-                if out is not None:
-                    return out
+        if run is None or block is None:
+            return None, None
+        call = AttentionCall.parse(args, kwargs)
+        if call is None or not block.claims(call):
+            return None, call
+        if block.extra_tokens:
+            run.dense_for_extra_tokens(block.layer, block)
+            return None, call
+        return run.attend(block.layer, options, call), call
+
+    def chorus_attention_override(func, *args, **kwargs):
+        out, call = sparse_answer(args, kwargs)
+        if call is not None and call.containers is not None:
+            # Containers reached the plain path (a caller that does not unwrap them): answer or
+            # unwrap them here, as wrap_attn does for an override without container_function.
+            args, kwargs = _unwrapped(args, kwargs, call)
+            call.consume()
+        if out is not None:
+            return out
         if previous is not None:
             return previous(func, *args, **kwargs)
         return func(*args, **kwargs)
 
+    previous_containers = container_function_of(previous)
+    if previous_containers is not None:
+        def chorus_attention_containers(*args, **kwargs):
+            out, call = sparse_answer(args, kwargs)
+            if out is None:
+                return previous_containers(*args, **kwargs)  # containers still unconsumed
+            call.consume()
+            return out
+
+        chorus_attention_override.container_function = chorus_attention_containers
     return mark_own(chorus_attention_override, key, previous)
 
 
+def _unwrapped(args: tuple, kwargs: dict, call: AttentionCall) -> tuple[tuple, dict]:
+    """The call's arguments with q, k, v as tensors, wherever (by position or name) they came."""
+    tensors = {"q": call.q, "k": call.k, "v": call.v}
+    positional = min(len(args), 3)
+    args = tuple(tensors[name] for name in ("q", "k", "v")[:positional]) + tuple(args[3:])
+    kwargs = {name: tensors.get(name, value) if name in tensors else value for name, value in kwargs.items()}
+    return args, kwargs
+
+
 def _make_block_patch(key: str, index: int, previous: Optional[Callable]) -> Callable:
-    run_key, block_key = _run_key(key), _block_key(key)
+    run_key, block_key, video_key = _run_key(key), _block_key(key), _video_key(key)
 
     def chorus_block_patch(args, extra):
         options = args.get("transformer_options")
         if options is not None and run_key in options:
             layer = options.get("block_index", index)  # newer ComfyUI sets it; trust it first
-            options = {**options, "block_index": layer, block_key: _BlockCall(layer, args["img"].shape[1])}
+            block = _BlockCall(layer, args["img"].shape[1], _video_tokens(options, video_key))
+            options = {**options, "block_index": layer, block_key: block}
             args = {**args, "transformer_options": options}
         if previous is not None:
             return previous(args, extra)
@@ -434,13 +578,39 @@ def _make_block_patch(key: str, index: int, previous: Optional[Callable]) -> Cal
     return mark_own(chorus_block_patch, key, previous)
 
 
+def _video_tokens(options: dict, video_key: str) -> Optional[int]:
+    """Video tokens of this model call: counted by our wrapper, else newer ComfyUI's grid_sizes."""
+    counted = options.get(video_key)
+    if counted is not None:
+        return counted
+    grid = options.get("grid_sizes")
+    return math.prod(int(g) for g in grid) if grid is not None else None
+
+
+def _make_video_tokens_wrapper(key: str) -> Callable:
+    """DIFFUSION_MODEL wrapper: the video latent's token count, before any extra token is added."""
+    run_key, video_key = _run_key(key), _video_key(key)
+
+    def chorus_video_tokens(executor, x, *args, **kwargs):
+        options = kwargs.get("transformer_options", args[4] if len(args) > 4 else None)
+        if isinstance(options, dict) and run_key in options:  # a per-call copy: safe to write
+            patch = getattr(executor.class_obj, "patch_size", (1, 2, 2))
+            options[video_key] = math.prod(math.ceil(n / p) for n, p in zip(x.shape[2:], patch))
+        return executor(x, *args, **kwargs)
+
+    return chorus_video_tokens
+
+
 def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
     run_key = _run_key(holder.key)
 
     def chorus_outer_sample(executor, *args, **kwargs):
         # The guider's model_options are a per-sample copy here, so the run never leaks into
         # the patcher's own options.
-        options = executor.class_obj.model_options.setdefault("transformer_options", {})
+        guider = executor.class_obj
+        options = guider.model_options.setdefault("transformer_options", {})
+        check_no_competing_sparse_attention(getattr(guider, "model_patcher", None), options)
+        _chain_above_later_backend(options, holder.key)
         run = holder.start_run()
         options[run_key] = run
         try:
@@ -452,6 +622,24 @@ def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
             run.release()
 
     return chorus_outer_sample
+
+
+def _chain_above_later_backend(options: dict, key: str) -> None:
+    """A Model Attention Backend applied after Chorus replaced its override: put ours back on top.
+
+    Its override only picks the dense function; chained below ours it still runs every call
+    Chorus leaves dense, which is what the same two nodes in the other order do.
+    """
+    top = options.get(OVERRIDE_KEY)
+    walk = top
+    while walk is not None:
+        if getattr(walk, "chorus_key", None) == key:
+            return  # ours is in the chain
+        walk = getattr(walk, "chorus_previous", None)
+    if is_attention_backend_override(top):
+        logging.info("Chorus: %s was applied after Chorus; Chorus runs above it and uses it for dense calls",
+                     ATTENTION_BACKEND_NODE)
+        options[OVERRIDE_KEY] = _make_attention_override(key, top)
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,8 +655,10 @@ def install_sparse_attention(model_patcher, provider: MaskProvider, key: str = "
     :param key: namespace of the wrapper, attachment and transformer_options entries; installing
         again with the same key replaces the earlier install instead of stacking on it.
     :raises UnsupportedModelError: for any model other than Wan 2.1 I2V/T2V.
+    :raises CompetingAttentionError: when core's Model Sparse Attention patches the model too.
     """
     check_supported_model(model_patcher)
+    check_no_competing_sparse_attention(model_patcher, model_patcher.model_options.get("transformer_options", {}))
     _check_provider(provider)
     _require_kernels()
     patched = model_patcher.clone()
@@ -484,6 +674,8 @@ def install_sparse_attention(model_patcher, provider: MaskProvider, key: str = "
 
     patched.remove_wrappers_with_key(OUTER_SAMPLE, key)
     patched.add_wrapper_with_key(OUTER_SAMPLE, key, _make_outer_sample_wrapper(holder))
+    patched.remove_wrappers_with_key(DIFFUSION_MODEL, key)
+    patched.add_wrapper_with_key(DIFFUSION_MODEL, key, _make_video_tokens_wrapper(key))
     patched.set_attachments(key, holder)
     return patched
 
