@@ -81,3 +81,51 @@ def migrate(db) -> int:
         MIGRATIONS[target](conn)
         conn.execute(f"PRAGMA user_version = {target}")
     return found
+
+
+# ---- PostgreSQL ---------------------------------------------------------------------------
+# One bank per PostgreSQL schema; the version lives in its meta table (key "schema_version").
+# Statements use "{s}" for the schema name (checked as a plain identifier by bank_url.parse).
+# ``rowid`` is a sequence assigned under the bank's write lock (an advisory lock), so rows
+# become visible in rowid order: a reader that appends "rowid > last seen" misses none.
+PG_SCHEMA_VERSION = 1
+PG_TABLES = {"entries", "blobs", "meta"}
+
+_PG_V1 = (
+    """CREATE TABLE {s}.entries (
+       rowid BIGSERIAL UNIQUE, id TEXT PRIMARY KEY, created DOUBLE PRECISION NOT NULL,
+       last_hit DOUBLE PRECISION, hits INTEGER NOT NULL DEFAULT 0, compat TEXT NOT NULL,
+       fingerprint TEXT, grid_t INTEGER, grid_h INTEGER, grid_w INTEGER, token_order TEXT,
+       block_q INTEGER, block_k INTEGER, steps INTEGER, sampler TEXT, scheduler TEXT,
+       shift DOUBLE PRECISION, step_buckets TEXT, density DOUBLE PRECISION,
+       recall DOUBLE PRECISION, tags TEXT NOT NULL DEFAULT '[]',
+       status TEXT NOT NULL DEFAULT 'ok', status_reason TEXT, codec TEXT,
+       sig_clip BYTEA, sig_text BYTEA, sig_layout BYTEA,
+       blob_name TEXT, blob_bytes BIGINT, blob_sha256 TEXT)""",
+    # Content-addressed blobs: one row per sha256, shared by every entry with equal masks.
+    "CREATE TABLE {s}.blobs (sha256 TEXT PRIMARY KEY, size BIGINT NOT NULL, data BYTEA NOT NULL)",
+    # Blobs that failed verification, kept for inspection (the entries point at them no more).
+    """CREATE TABLE {s}.quarantine (id BIGSERIAL PRIMARY KEY, entry_id TEXT, sha256 TEXT,
+       reason TEXT, moved DOUBLE PRECISION NOT NULL, data BYTEA)""",
+    "CREATE TABLE {s}.meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE INDEX ON {s}.entries (compat, status, rowid)",
+    "CREATE INDEX ON {s}.entries (blob_sha256)",
+    "CREATE INDEX ON {s}.entries (last_hit)",
+)
+
+PG_MIGRATIONS = {1: _PG_V1}  # target version -> statements from the version before
+
+
+def pg_migrate(conn, schema: str, found: int) -> None:
+    """Bring a bank schema from version ``found`` (0: empty) to :data:`PG_SCHEMA_VERSION`;
+    call inside the bank's write transaction (psycopg connection, schema name checked)."""
+    for target in range(found + 1, PG_SCHEMA_VERSION + 1):
+        for statement in PG_MIGRATIONS[target]:
+            conn.execute(statement.format(s=schema))
+        if target == 1:
+            conn.execute(f"INSERT INTO {schema}.meta (key, value) VALUES ('bank_id', %s), "
+                         "('generation', '0'), ('removals', '0'), ('schema_version', '1')",
+                         [secrets.token_hex(8)])
+        else:
+            conn.execute(f"UPDATE {schema}.meta SET value = %s WHERE key = 'schema_version'",
+                         [str(target)])

@@ -46,6 +46,7 @@ from safetensors.numpy import save as st_save
 
 from . import schema, validation
 from .encoding import CODEC, PackedBlockMaps, decode_block_map, encode_masks
+from .bank_url import is_bank_url
 from .errors import (BankEntryCorrupt, BankError, BankIncompatible, BankInvalidArgument,
                      BankReadOnly)
 from .fingerprint import ModelFingerprint
@@ -198,17 +199,14 @@ def _os_error(root: Path, exc: OSError, what: str) -> BankError:
 
 
 def _guarded(method):
-    """Turn sqlite3 and OS errors escaping a public method into a BankError: callers treat
-    every BankError as "no masks from the bank" and never see a traceback."""
+    """Turn database and OS errors escaping a public method into a BankError (each backend's
+    ``_guard`` knows its own errors): callers treat every BankError as "no masks from the
+    bank" and never see a traceback."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        try:
+        with self._guard(method.__name__.strip("_").replace("_", " ")):
             return method(self, *args, **kwargs)
-        except sqlite3.Error as exc:
-            raise _database_error(self.root, exc) from exc
-        except OSError as exc:
-            raise _os_error(self.root, exc, method.__name__.strip("_").replace("_", " ")) from exc
 
     return wrapper
 
@@ -266,8 +264,265 @@ class EntryMasks:
         return torch.from_numpy(self.block_map_numpy(bucket_index, layer))
 
 
-class MaskBank:
-    """A folder of recorded block-sparse attention masks, indexed by request signature."""
+class BankStorage:
+    """What every mask bank backend offers, and the logic they share.
+
+    Public API (the same on every backend): ``open`` (via :meth:`MaskBank.open`, which picks
+    the backend from the location), ``add_entry``, ``match``, ``load_masks``,
+    ``compatible_entries``, ``quarantine``, ``verify``, ``delete``, ``prune``,
+    ``eviction_order``, ``stats``, ``entries``, ``recent``, ``show``, ``export``,
+    ``import_file``, ``content_token``, ``close``; attributes ``read_only``, ``label`` (the
+    location as it may be shown: never a password) and ``root`` (the bank folder, or None for
+    a bank without one, such as PostgreSQL: caches that need files keep them in memory then).
+
+    A backend provides: ``db`` (``query(sql, params)`` with ``?`` placeholders over its own
+    connection), ``_guard(what)`` (turns its errors into BankError), ``_write(bump, removal)``
+    (one serialised write transaction), ``_bump``, ``_meta``, ``_get_row``,
+    ``_read_blob(sha, size) -> (data, reason)``, ``_store_entry(row, data)``, ``_record_hit``,
+    ``_quarantine_row``, ``_skip_key`` and ``_check_writable``.
+    """
+
+    root: Path | None
+    read_only: bool
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _problem(self, row: dict):
+        """``(None, (spec, data, meta))`` for a healthy entry, else ``(reason, None)``.
+
+        Checks, cheapest first: id, digest and records of the row; size against the row and
+        the layout; the blob's type (a file's), size and digest; the safetensors header against the shape
+        the row's model, layout and schedule imply.
+        """
+        if not validation.is_entry_id(row.get("id")):
+            return "invalid entry id (not 32 lowercase hex digits)", None
+        sha = row.get("blob_sha256")
+        if not validation.is_sha256(sha):
+            return "invalid blob sha256 in its row", None
+        try:
+            spec = validation.entry_spec(row)
+        except ValueError as exc:
+            return f"row unreadable: {exc}", None
+        if row.get("compat") != compat_key(spec.fingerprint, spec.layout):
+            return "row's compatibility key does not match its model and layout", None
+        size = row.get("blob_bytes")
+        if not isinstance(size, int) or not 0 < size <= spec.max_blob_bytes:
+            return (f"row declares a blob of {size} bytes; its layout allows at most "
+                    f"{spec.max_blob_bytes}"), None
+        data, reason = self._read_blob(sha, size)
+        if reason is not None:
+            return reason, None
+        if hashlib.sha256(data).hexdigest() != sha:
+            return "blob sha256 mismatch", None
+        try:
+            meta = validation.check_header(validation.read_header(data), spec.shape)
+        except ValueError as exc:
+            return f"blob cannot serve its layout: {exc}", None
+        return None, (spec, data, meta)
+
+    # ---- adding --------------------------------------------------------------------------
+    @_guarded
+    def add_entry(self, fingerprint: ModelFingerprint, layout: LatentLayout, schedule: Schedule,
+                  masks, signature: Signature, density: float, recall: float | None = None,
+                  tags=(), coarsen: int = 1, entry_id: str | None = None) -> str:
+        """Store recorded masks and return the new entry's id.
+
+        :param fingerprint: model the masks were recorded on (:func:`fingerprint_model`)
+        :param layout: latent layout (grid, token order, block size)
+        :param schedule: sampling schedule; one mask set per step bucket
+        :param masks: bool ``[S, L, H, nq, nk]`` torch tensor or numpy array, or ``PackedBlockMaps``
+        :param signature: request signature (:func:`build_signature`)
+        :param density: share of key blocks kept (0..1)
+        :param recall: measured attention recall of the masks, if known
+        :param tags: user tags, e.g. the effect template's name
+        :param coarsen: store at ``coarsen`` x coarser blocks (OR-pooled; 1 = lossless)
+        :param entry_id: the id to use (32 hex characters, as ``uuid.uuid4().hex`` makes); new by default
+        :raises BankIncompatible: when the masks' shape does not fit the other arguments, or a
+            query row keeps no key block
+        :raises BankError: when the disk is full or the bank cannot be written (the
+            database's or the OS's own message is in the text)
+        """
+        self._check_writable()
+        if entry_id is not None and not validation.is_entry_id(entry_id):
+            raise BankInvalidArgument(f"entry_id must be 32 lowercase hex characters, got {entry_id!r}; "
+                                      "leave it out to get a new one.")
+        masks = _as_bool_array(masks)
+        self._check_shape(masks, fingerprint, layout, schedule)
+        try:
+            validation.check_masks(masks)
+        except ValueError as exc:
+            raise BankIncompatible(f"masks not stored: {exc}; every query block must attend to "
+                                   "at least one key block (keep the diagonal).") from None
+        tensors, meta = encode_masks(masks, coarsen=coarsen)
+        data = st_save(tensors, metadata=_blob_metadata(meta))
+        sha = hashlib.sha256(data).hexdigest()
+        entry_id = entry_id or uuid.uuid4().hex  # a background write names its entry up front
+        row = self._row(entry_id, fingerprint, layout, schedule, signature, density, recall,
+                        tags, validation.blob_name(sha), len(data), sha)
+        self._store_entry(row, data)
+        return entry_id
+
+    @staticmethod
+    def _check_shape(masks, fingerprint, layout, schedule) -> None:
+        want = validation.expected_shape(schedule, fingerprint, layout)
+        if tuple(masks.shape) != want:
+            raise BankIncompatible(
+                f"masks have shape {tuple(masks.shape)} but the fingerprint, layout and schedule "
+                f"ask for {want} (buckets, layers, heads, query blocks, key blocks); record one "
+                "block map per step bucket, layer and head.")
+        try:
+            validation.check_shape_bounds(want)
+        except ValueError as exc:
+            raise BankIncompatible(f"masks not stored: {exc}.") from None
+
+    @staticmethod
+    def _row(entry_id, fingerprint, layout, schedule, signature, density, recall, tags,
+             name, size, sha) -> dict:
+        now = time.time()
+        sigs = {f"sig_{c}": (signature.components[c].astype(np.float32).tobytes()
+                             if c in signature.components else None) for c in COMPONENTS}
+        return {
+            "id": entry_id, "created": now, "last_hit": None, "hits": 0,
+            "compat": compat_key(fingerprint, layout), "fingerprint": fingerprint.key(),
+            "grid_t": layout.grid[0], "grid_h": layout.grid[1], "grid_w": layout.grid[2],
+            "token_order": layout.token_order,
+            "block_q": layout.block_size[0], "block_k": layout.block_size[1],
+            "steps": schedule.steps, "sampler": schedule.sampler,
+            "scheduler": schedule.scheduler, "shift": schedule.shift,
+            "step_buckets": json.dumps(schedule.step_buckets),
+            "density": float(density), "recall": None if recall is None else float(recall),
+            "tags": json.dumps(sorted(set(tags))), "status": "ok", "status_reason": None,
+            "codec": CODEC, "blob_name": name, "blob_bytes": size, "blob_sha256": sha, **sigs,
+        }
+
+    @_guarded
+    def match(self, signature: Signature, fingerprint: ModelFingerprint, layout: LatentLayout,
+              threshold: float = 0.9, top_k: int = 1, weights=None) -> MatchResult:
+        """Most similar compatible entry; a hit when its similarity >= ``threshold``.
+
+        :param signature: the request's signature
+        :param fingerprint: the model about to run
+        :param layout: the request's latent layout
+        :param threshold: least weighted cosine similarity for a hit
+        :param top_k: how many best entries to list in ``MatchResult.top``
+        :param weights: per-component weights, e.g. ``{"clip": 0.5, "text": 0.3, "layout": 0.2}``
+        :raises BankError: the index is damaged or not a Chorus bank (treat as a miss)
+        """
+        self._index.refresh(self.db, *self._counters())
+        compat, top_k = compat_key(fingerprint, layout), max(1, top_k)
+        skipped = self._skipped()
+        if not skipped:
+            return self._index.match(self.db, compat, signature, threshold, top_k, weights)
+        result = self._index.match(self.db, compat, signature, threshold,
+                                   top_k + len(skipped), weights)
+        return self._without_skipped(result, skipped, signature, threshold, top_k)
+
+    def _counters(self) -> tuple[int, int]:
+        """(generation, removals): what the in-process signature matrices are refreshed by."""
+        return int(self._meta("generation")), int(self._meta("removals"))
+
+    def _verify_entries(self, rows: list[dict], report: dict) -> None:
+        """Check each healthy row's blob; quarantine failures (read-only: report them)."""
+        for row in rows:
+            report["checked"] += 1
+            reason = self._problem(row)[0]
+            outcome = None if reason is None else self._quarantine_row(row, reason, recheck=True,
+                                                                        warn=False)
+            if outcome is True or (reason is not None and outcome is None):  # None: read-only
+                report["quarantined"].append({"id": row["id"], "reason": reason})
+            elif outcome == "gone":
+                report["checked"] -= 1  # pruned or quarantined by another process meanwhile
+            else:
+                report["ok"] += 1
+
+    def _skipped(self) -> dict[str, str]:
+        return _READ_ONLY_SKIPS.get(self._skip_key, {}) if self.read_only else {}
+
+    def _without_skipped(self, result, skipped, signature, threshold, top_k) -> MatchResult:
+        """``result`` without the entries this process found damaged in a read-only bank."""
+        top = [(i, s) for i, s in result.top if i not in skipped]
+        if not top:
+            return MatchResult(False, None, 0.0, {}, result.candidates, [])
+        best, sim = top[0]
+        comps = result.components
+        if best != result.entry_id:
+            row = next(self.db.query("SELECT sig_clip, sig_text, sig_layout FROM entries "
+                                     "WHERE id = ?", [best]))
+            vec = stack_vectors([row])[0]
+            comps = {c: float(vec[j * DIM:(j + 1) * DIM] @ signature.vector(c))
+                     for j, c in enumerate(COMPONENTS) if c in signature.components}
+        return MatchResult(sim >= threshold, best, sim, comps, result.candidates, top[:top_k])
+
+    @_guarded
+    def compatible_entries(self, fingerprint: ModelFingerprint, layout: LatentLayout, limit: int = 8) -> list[str]:
+        """Ids of healthy entries interchangeable with this model and layout, most recently used first.
+
+        :param limit: at most this many ids
+        """
+        skipped = self._skipped()
+        rows = self.db.query("SELECT id FROM entries WHERE compat = ? AND status = 'ok' "
+                             "ORDER BY COALESCE(last_hit, created) DESC LIMIT ?",
+                             [compat_key(fingerprint, layout), int(limit) + len(skipped)])
+        return [row["id"] for row in rows if row["id"] not in skipped][:int(limit)]
+
+    @_guarded
+    def load_masks(self, entry_id: str, record_hit: bool = True) -> EntryMasks:
+        """Load an entry's masks and, unless ``record_hit`` is False, record a hit.
+
+        :param entry_id: an id from :meth:`match` or :meth:`add_entry`
+        :param record_hit: count this load as a hit (a population prior's reads are not hits)
+        :raises BankEntryCorrupt: blob missing, damaged or unfit for its layout (the entry is
+            quarantined first; in a read-only bank it is skipped for the rest of the process)
+        :raises BankError: no such entry, or it is quarantined
+        """
+        if entry_id in self._skipped():
+            raise BankEntryCorrupt(entry_id, self._skipped()[entry_id], moved=False)
+        row = self._get_row(entry_id)
+        if row["status"] != "ok":
+            raise BankError(f"Entry {entry_id} is quarantined ({row['status_reason']}); "
+                            "run dense for this request and record it again.")
+        reason, loaded = self._problem(row)
+        if reason is not None:
+            self._found_corrupt(row, reason, recheck=True)
+        spec, data, meta = loaded
+        try:
+            tensors = st_load(data)
+        except Exception as exc:  # safetensors raises its own error types
+            self._found_corrupt(row, f"blob unreadable: {exc}", recheck=False)
+        if record_hit and not self.read_only:
+            self._record_hit(entry_id)
+        return EntryMasks(entry_id, spec.schedule, spec.layout, tensors, meta,
+                          on_corrupt=functools.partial(self._found_corrupt, row, recheck=False))
+
+    def _found_corrupt(self, row: dict, reason: str, recheck: bool):
+        """Quarantine (or, read-only, skip) the entry of ``row`` and raise BankEntryCorrupt."""
+        outcome = self._quarantine_row(row, reason, recheck)
+        if outcome == "gone":
+            raise BankError(f"No entry {row['id']} any more: another process removed or "
+                            "quarantined it while it was being read; run this request as a miss.")
+        if outcome is False:
+            raise BankError(f"Entry {row['id']} could not be read ({reason}), but its blob is "
+                            "healthy again (another process rewrote it); retry the request.")
+        raise BankEntryCorrupt(row["id"], reason, moved=outcome is True)
+
+    def recent(self, n: int = 20) -> list[dict]:
+        """The ``n`` most recently added entries, newest first."""
+        return self.entries(limit=n)
+
+    @_guarded
+    def show(self, entry_id: str) -> dict:
+        """One entry as a dict, without signature vectors."""
+        row = self._get_row(entry_id)
+        return _decode_row({k: v for k, v in row.items() if not k.startswith("sig_") and k != "rowid"})
+
+
+class MaskBank(BankStorage):
+    """A folder of recorded block-sparse attention masks, indexed by request signature (the
+    embedded default backend); :meth:`open` also opens PostgreSQL banks (``postgresql://``)."""
 
     def __init__(self, root: Path, conn: sqlite3.Connection, read_only: bool):
         self.root, self.conn, self.read_only = root, conn, read_only
@@ -281,16 +536,22 @@ class MaskBank:
 
     # ---- opening -------------------------------------------------------------------------
     @classmethod
-    def open(cls, path, read_only: bool = False, create: bool = True) -> "MaskBank":
-        """Open (and by default create) the bank in folder ``path``.
+    def open(cls, path, read_only: bool = False, create: bool = True) -> "BankStorage":
+        """Open (and by default create) the bank in folder ``path``, or at a PostgreSQL URL.
 
-        :param path: folder holding ``bank.sqlite`` and ``blobs/``
+        :param path: folder holding ``bank.sqlite`` and ``blobs/``, or a bank URL
+            ``postgresql://USER@HOST:PORT/DATABASE?schema=NAME`` (see :mod:`.bank_url`); a
+            URL gives a :class:`~chorus_core.bank.pg_store.PostgresBank`
         :param read_only: open without ever writing (no hit counts either); a bank on a
             read-only folder or mount opens this way
         :param create: create the folder and database when missing
         :raises BankError: when the bank is missing, damaged, not a Chorus bank, or newer
         :raises BankReadOnly: when a writable bank was asked for on a read-only location
         """
+        if is_bank_url(path):
+            from .pg_store import PostgresBank  # psycopg is needed only for PostgreSQL banks
+
+            return PostgresBank.open(path, read_only=read_only, create=create)
         root = Path(path).expanduser()
         db_path = root / DB_NAME
         exists = cls._check_db_file(db_path)
@@ -443,11 +704,53 @@ class MaskBank:
         """Close the database connection."""
         self.conn.close()
 
-    def __enter__(self):
-        return self
+    # ---- backend hooks (see BankStorage) -------------------------------------------------
+    @property
+    def label(self) -> str:
+        return str(self.root)
 
-    def __exit__(self, *exc):
-        self.close()
+    @property
+    def _skip_key(self) -> str:
+        return self._real_root
+
+    @contextlib.contextmanager
+    def _guard(self, what: str):
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise _database_error(self.root, exc) from exc
+        except OSError as exc:
+            raise _os_error(self.root, exc, what) from exc
+
+    def _read_blob(self, sha: str, size: int) -> tuple[bytes | None, str | None]:
+        path = self._blob_path(sha)
+        if path is None:
+            return None, "blob path leaves the bank folder"
+        return read_regular_file(path, size)
+
+    def _store_entry(self, row: dict, data: bytes) -> None:
+        """Blob file first (temp + fsync + rename), then the row in one transaction."""
+        self._write_blob(data, row["blob_sha256"])
+        _fault("add-blob-written")
+        with self._write():
+            self._ensure_blob(data, row["blob_sha256"])
+            _insert(self.conn, row)
+            _fault("add-before-commit")
+
+    def _has_entry(self, entry_id: str) -> bool:
+        return self.conn.execute("SELECT 1 FROM entries WHERE id = ?", [entry_id]).fetchone() is not None
+
+    def _stage_blob(self, data: bytes, sha: str) -> None:
+        """Before an import's transaction: content-addressed, harmless if the import fails."""
+        self._write_blob(data, sha)
+
+    def _import_row(self, row: dict, read_data) -> None:
+        """Inside an import's transaction: the row, its blob re-written from ``read_data()``
+        when it was removed or damaged since :meth:`_stage_blob`."""
+        data, _ = read_regular_file(self._blob_path(row["blob_sha256"]), row["blob_bytes"])
+        if data is None or hashlib.sha256(data).hexdigest() != row["blob_sha256"]:
+            self._write_blob(read_data(), row["blob_sha256"])
+        _insert(self.conn, row)
 
     # ---- transactions and counters -------------------------------------------------------
     def _check_writable(self) -> None:
@@ -572,163 +875,7 @@ class MaskBank:
                           f"({exc.strerror or exc}); it stays where it is.", stacklevel=4)
             return False
 
-    def _problem(self, row: dict):
-        """``(None, (spec, data, meta))`` for a healthy entry, else ``(reason, None)``.
-
-        Checks, cheapest first: id, digest and records of the row; size against the row and
-        the layout; the file's type, size and digest; the safetensors header against the shape
-        the row's model, layout and schedule imply.
-        """
-        if not validation.is_entry_id(row.get("id")):
-            return "invalid entry id (not 32 lowercase hex digits)", None
-        sha = row.get("blob_sha256")
-        if not validation.is_sha256(sha):
-            return "invalid blob sha256 in its row", None
-        try:
-            spec = validation.entry_spec(row)
-        except ValueError as exc:
-            return f"row unreadable: {exc}", None
-        if row.get("compat") != compat_key(spec.fingerprint, spec.layout):
-            return "row's compatibility key does not match its model and layout", None
-        size = row.get("blob_bytes")
-        if not isinstance(size, int) or not 0 < size <= spec.max_blob_bytes:
-            return (f"row declares a blob of {size} bytes; its layout allows at most "
-                    f"{spec.max_blob_bytes}"), None
-        path = self._blob_path(sha)
-        if path is None:
-            return "blob path leaves the bank folder", None
-        data, reason = read_regular_file(path, size)
-        if reason is not None:
-            return reason, None
-        if hashlib.sha256(data).hexdigest() != sha:
-            return "blob sha256 mismatch", None
-        try:
-            meta = validation.check_header(validation.read_header(data), spec.shape)
-        except ValueError as exc:
-            return f"blob cannot serve its layout: {exc}", None
-        return None, (spec, data, meta)
-
-    # ---- adding --------------------------------------------------------------------------
-    @_guarded
-    def add_entry(self, fingerprint: ModelFingerprint, layout: LatentLayout, schedule: Schedule,
-                  masks, signature: Signature, density: float, recall: float | None = None,
-                  tags=(), coarsen: int = 1, entry_id: str | None = None) -> str:
-        """Store recorded masks and return the new entry's id.
-
-        :param fingerprint: model the masks were recorded on (:func:`fingerprint_model`)
-        :param layout: latent layout (grid, token order, block size)
-        :param schedule: sampling schedule; one mask set per step bucket
-        :param masks: bool ``[S, L, H, nq, nk]`` torch tensor or numpy array, or ``PackedBlockMaps``
-        :param signature: request signature (:func:`build_signature`)
-        :param density: share of key blocks kept (0..1)
-        :param recall: measured attention recall of the masks, if known
-        :param tags: user tags, e.g. the effect template's name
-        :param coarsen: store at ``coarsen`` x coarser blocks (OR-pooled; 1 = lossless)
-        :param entry_id: the id to use (32 hex characters, as ``uuid.uuid4().hex`` makes); new by default
-        :raises BankIncompatible: when the masks' shape does not fit the other arguments, or a
-            query row keeps no key block
-        :raises BankError: when the disk is full or the bank cannot be written (SQLite's or
-            the OS's own message is in the text)
-        """
-        self._check_writable()
-        if entry_id is not None and not validation.is_entry_id(entry_id):
-            raise BankInvalidArgument(f"entry_id must be 32 lowercase hex characters, got {entry_id!r}; "
-                                      "leave it out to get a new one.")
-        masks = _as_bool_array(masks)
-        self._check_shape(masks, fingerprint, layout, schedule)
-        try:
-            validation.check_masks(masks)
-        except ValueError as exc:
-            raise BankIncompatible(f"masks not stored: {exc}; every query block must attend to "
-                                   "at least one key block (keep the diagonal).") from None
-        tensors, meta = encode_masks(masks, coarsen=coarsen)
-        data = st_save(tensors, metadata=_blob_metadata(meta))
-        sha = hashlib.sha256(data).hexdigest()
-        name = self._write_blob(data, sha)
-        _fault("add-blob-written")
-        entry_id = entry_id or uuid.uuid4().hex  # a background write names its entry up front
-        row = self._row(entry_id, fingerprint, layout, schedule, signature, density, recall,
-                        tags, name, len(data), sha)
-        with self._write():
-            self._ensure_blob(data, sha)
-            _insert(self.conn, row)
-            _fault("add-before-commit")
-        return entry_id
-
-    @staticmethod
-    def _check_shape(masks, fingerprint, layout, schedule) -> None:
-        want = validation.expected_shape(schedule, fingerprint, layout)
-        if tuple(masks.shape) != want:
-            raise BankIncompatible(
-                f"masks have shape {tuple(masks.shape)} but the fingerprint, layout and schedule "
-                f"ask for {want} (buckets, layers, heads, query blocks, key blocks); record one "
-                "block map per step bucket, layer and head.")
-        try:
-            validation.check_shape_bounds(want)
-        except ValueError as exc:
-            raise BankIncompatible(f"masks not stored: {exc}.") from None
-
-    @staticmethod
-    def _row(entry_id, fingerprint, layout, schedule, signature, density, recall, tags,
-             name, size, sha) -> dict:
-        now = time.time()
-        sigs = {f"sig_{c}": (signature.components[c].astype(np.float32).tobytes()
-                             if c in signature.components else None) for c in COMPONENTS}
-        return {
-            "id": entry_id, "created": now, "last_hit": None, "hits": 0,
-            "compat": compat_key(fingerprint, layout), "fingerprint": fingerprint.key(),
-            "grid_t": layout.grid[0], "grid_h": layout.grid[1], "grid_w": layout.grid[2],
-            "token_order": layout.token_order,
-            "block_q": layout.block_size[0], "block_k": layout.block_size[1],
-            "steps": schedule.steps, "sampler": schedule.sampler,
-            "scheduler": schedule.scheduler, "shift": schedule.shift,
-            "step_buckets": json.dumps(schedule.step_buckets),
-            "density": float(density), "recall": None if recall is None else float(recall),
-            "tags": json.dumps(sorted(set(tags))), "status": "ok", "status_reason": None,
-            "codec": CODEC, "blob_name": name, "blob_bytes": size, "blob_sha256": sha, **sigs,
-        }
-
     # ---- matching and loading ------------------------------------------------------------
-    @_guarded
-    def match(self, signature: Signature, fingerprint: ModelFingerprint, layout: LatentLayout,
-              threshold: float = 0.9, top_k: int = 1, weights=None) -> MatchResult:
-        """Most similar compatible entry; a hit when its similarity >= ``threshold``.
-
-        :param signature: the request's signature
-        :param fingerprint: the model about to run
-        :param layout: the request's latent layout
-        :param threshold: least weighted cosine similarity for a hit
-        :param top_k: how many best entries to list in ``MatchResult.top``
-        :param weights: per-component weights, e.g. ``{"clip": 0.5, "text": 0.3, "layout": 0.2}``
-        :raises BankError: the index is damaged or not a Chorus bank (treat as a miss)
-        """
-        self._index.refresh(self.db, int(self._meta("generation")), int(self._meta("removals")))
-        compat, top_k = compat_key(fingerprint, layout), max(1, top_k)
-        skipped = self._skipped()
-        if not skipped:
-            return self._index.match(self.db, compat, signature, threshold, top_k, weights)
-        result = self._index.match(self.db, compat, signature, threshold,
-                                   top_k + len(skipped), weights)
-        return self._without_skipped(result, skipped, signature, threshold, top_k)
-
-    def _skipped(self) -> dict[str, str]:
-        return _READ_ONLY_SKIPS.get(self._real_root, {}) if self.read_only else {}
-
-    def _without_skipped(self, result, skipped, signature, threshold, top_k) -> MatchResult:
-        """``result`` without the entries this process found damaged in a read-only bank."""
-        top = [(i, s) for i, s in result.top if i not in skipped]
-        if not top:
-            return MatchResult(False, None, 0.0, {}, result.candidates, [])
-        best, sim = top[0]
-        comps = result.components
-        if best != result.entry_id:
-            row = next(self.db.query("SELECT sig_clip, sig_text, sig_layout FROM entries "
-                                     "WHERE id = ?", [best]))
-            vec = stack_vectors([row])[0]
-            comps = {c: float(vec[j * DIM:(j + 1) * DIM] @ signature.vector(c))
-                     for j, c in enumerate(COMPONENTS) if c in signature.components}
-        return MatchResult(sim >= threshold, best, sim, comps, result.candidates, top[:top_k])
-
     def _get_row(self, entry_id: str) -> dict:
         if not validation.is_entry_id(entry_id):
             raise BankInvalidArgument(
@@ -740,47 +887,6 @@ class MaskBank:
                             "list entries with `python -m chorus_core.bank list PATH`.")
         return rows[0]
 
-    @_guarded
-    def compatible_entries(self, fingerprint: ModelFingerprint, layout: LatentLayout, limit: int = 8) -> list[str]:
-        """Ids of healthy entries interchangeable with this model and layout, most recently used first.
-
-        :param limit: at most this many ids
-        """
-        skipped = self._skipped()
-        rows = self.db.query("SELECT id FROM entries WHERE compat = ? AND status = 'ok' "
-                             "ORDER BY COALESCE(last_hit, created) DESC LIMIT ?",
-                             [compat_key(fingerprint, layout), int(limit) + len(skipped)])
-        return [row["id"] for row in rows if row["id"] not in skipped][:int(limit)]
-
-    @_guarded
-    def load_masks(self, entry_id: str, record_hit: bool = True) -> EntryMasks:
-        """Load an entry's masks and, unless ``record_hit`` is False, record a hit.
-
-        :param entry_id: an id from :meth:`match` or :meth:`add_entry`
-        :param record_hit: count this load as a hit (a population prior's reads are not hits)
-        :raises BankEntryCorrupt: blob missing, damaged or unfit for its layout (the entry is
-            quarantined first; in a read-only bank it is skipped for the rest of the process)
-        :raises BankError: no such entry, or it is quarantined
-        """
-        if entry_id in self._skipped():
-            raise BankEntryCorrupt(entry_id, self._skipped()[entry_id], moved=False)
-        row = self._get_row(entry_id)
-        if row["status"] != "ok":
-            raise BankError(f"Entry {entry_id} is quarantined ({row['status_reason']}); "
-                            "run dense for this request and record it again.")
-        reason, loaded = self._problem(row)
-        if reason is not None:
-            self._found_corrupt(row, reason, recheck=True)
-        spec, data, meta = loaded
-        try:
-            tensors = st_load(data)
-        except Exception as exc:  # safetensors raises its own error types
-            self._found_corrupt(row, f"blob unreadable: {exc}", recheck=False)
-        if record_hit and not self.read_only:
-            self._record_hit(entry_id)
-        return EntryMasks(entry_id, spec.schedule, spec.layout, tensors, meta,
-                          on_corrupt=functools.partial(self._found_corrupt, row, recheck=False))
-
     def _record_hit(self, entry_id: str) -> None:
         """Hit counters are statistics: a locked or full database must not fail the load."""
         try:
@@ -789,17 +895,6 @@ class MaskBank:
                                   [time.time(), entry_id])
         except (sqlite3.Error, BankError) as exc:
             warnings.warn(f"Chorus mask bank: hit of {entry_id} not counted ({exc}).", stacklevel=3)
-
-    def _found_corrupt(self, row: dict, reason: str, recheck: bool):
-        """Quarantine (or, read-only, skip) the entry of ``row`` and raise BankEntryCorrupt."""
-        outcome = self._quarantine_row(row, reason, recheck)
-        if outcome == "gone":
-            raise BankError(f"No entry {row['id']} any more: another process removed or "
-                            "quarantined it while it was being read; run this request as a miss.")
-        if outcome is False:
-            raise BankError(f"Entry {row['id']} could not be read ({reason}), but its blob is "
-                            "healthy again (another process rewrote it); retry the request.")
-        raise BankEntryCorrupt(row["id"], reason, moved=outcome is True)
 
     # ---- maintenance ---------------------------------------------------------------------
     @_guarded
@@ -866,17 +961,7 @@ class MaskBank:
                 f"the index fails SQLite's quick_check ({'; '.join(check)[:300]}); orphan blobs "
                 "were not removed. Restore bank.sqlite from a backup.")
         rows = list(self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE status = 'ok'"))
-        for row in rows:
-            report["checked"] += 1
-            reason = self._problem(row)[0]
-            outcome = None if reason is None else self._quarantine_row(row, reason, recheck=True,
-                                                                        warn=False)
-            if outcome is True or (reason is not None and outcome is None):  # None: read-only
-                report["quarantined"].append({"id": row["id"], "reason": reason})
-            elif outcome == "gone":
-                report["checked"] -= 1  # pruned or quarantined by another process meanwhile
-            else:
-                report["ok"] += 1
+        self._verify_entries(rows, report)
         if not self.read_only and not report["problems"]:
             report["orphans_removed"] = self._remove_orphans(report["problems"])
         return report
@@ -1013,7 +1098,7 @@ class MaskBank:
         ok = self.conn.execute("SELECT COUNT(*), COALESCE(SUM(blob_bytes), 0), "
                                "COALESCE(SUM(hits), 0) FROM entries WHERE status = 'ok'").fetchone()
         bad = self.conn.execute("SELECT COUNT(*) FROM entries WHERE status != 'ok'").fetchone()[0]
-        return {"path": str(self.root), "entries": ok[0], "bytes": ok[1], "hits": ok[2],
+        return {"path": str(self.root), "backend": "folder", "entries": ok[0], "bytes": ok[1], "hits": ok[2],
                 "quarantined": bad, "schema_version": schema.schema_version(self.conn),
                 "content_token": self.content_token()}
 
@@ -1035,16 +1120,6 @@ class MaskBank:
             params.append(tag)
         sql += f" ORDER BY {order}" + (f" LIMIT {int(limit)}" if limit else "")
         return [_decode_row(r) for r in self.db.query(sql, params)]
-
-    def recent(self, n: int = 20) -> list[dict]:
-        """The ``n`` most recently added entries, newest first."""
-        return self.entries(limit=n)
-
-    @_guarded
-    def show(self, entry_id: str) -> dict:
-        """One entry as a dict, without signature vectors."""
-        row = self._get_row(entry_id)
-        return _decode_row({k: v for k, v in row.items() if not k.startswith("sig_") and k != "rowid"})
 
 
 _SUMMARY = ("id, created, last_hit, hits, status, status_reason, tags, density, recall, "
@@ -1157,5 +1232,5 @@ def _import(self, in_path) -> dict:
     return import_entries(self, in_path)
 
 
-MaskBank.export = _guarded(_export)
-MaskBank.import_file = _guarded(_import)
+BankStorage.export = _guarded(_export)
+BankStorage.import_file = _guarded(_import)

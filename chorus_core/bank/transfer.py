@@ -28,7 +28,7 @@ from safetensors.numpy import load as st_load
 from . import validation
 from .encoding import CODECS, decode_block_map
 from .errors import BankError, BankInvalidArgument
-from .store import _fault, _insert, compat_key, read_regular_file
+from .store import _fault, compat_key
 
 FORMAT = "chorus-bank-export-v1"
 ROWS_NAME = "entries.json"
@@ -289,7 +289,7 @@ def import_entries(bank, in_path) -> dict:
                 check_blob(data, sha, spec)
             except ValueError as exc:
                 raise export._bad(f"the blob of entry {row['id']} {exc}") from None
-            bank._write_blob(data, sha)  # content-addressed: harmless if the import fails
+            bank._stage_blob(data, sha)  # a folder writes it now (content-addressed: harmless)
         return _insert_rows(bank, export, rows)
     finally:
         export.close()
@@ -299,16 +299,12 @@ def _insert_rows(bank, export: _ExportFile, rows) -> dict:
     added = skipped = 0
     with bank._write(bump=False):
         for row, _ in rows:
-            if bank.conn.execute("SELECT 1 FROM entries WHERE id = ?", [row["id"]]).fetchone():
+            if bank._has_entry(row["id"]):
                 skipped += 1
                 continue
-            path = bank._blob_path(row["blob_sha256"])
-            data, _ = read_regular_file(path, row["blob_bytes"])
-            if data is None or hashlib.sha256(data).hexdigest() != row["blob_sha256"]:
-                # removed or damaged since we wrote it: write it again, under the lock
-                bank._write_blob(export.read(f"blobs/{row['blob_name']}", row["blob_bytes"],
-                                             row["blob_bytes"]), row["blob_sha256"])
-            _insert(bank.conn, row)
+            # the backend stores row and blob; a folder re-writes a blob removed meanwhile
+            bank._import_row(row, lambda row=row: export.read(
+                f"blobs/{row['blob_name']}", row["blob_bytes"], row["blob_bytes"]))
             added += 1
         _fault("import-before-commit")
         if added:

@@ -1,0 +1,496 @@
+"""The mask bank in PostgreSQL: one bank per schema, index rows and mask blobs in one engine.
+
+Tables (schema.py, versioned in ``meta``): ``entries`` (the same columns as the folder bank's
+index), ``blobs`` (content-addressed: ``sha256`` -> ``bytea``, shared by equal masks),
+``quarantine`` (blobs that failed verification, kept for inspection) and ``meta`` (bank id,
+schema version, generation and removal counters).
+
+Safety rules, the folder bank's promises in one engine:
+
+* Every write is one transaction that first takes the bank's advisory lock, so writers from
+  any number of processes and machines are serialised, a row and its blob commit together,
+  and a writer killed mid-transaction leaves nothing (the server rolls it back).
+* A blob is size-checked before its bytes are fetched and digest-verified before use, exactly
+  like a folder blob; a bad one is moved to ``quarantine`` and its entries marked.
+* Signatures are matched in this process: the compatible rows are filtered in SQL and kept in
+  the same in-memory matrix as the folder bank, refreshed when ``generation`` changes (one
+  small query per match, so a new entry from another worker is a hit on the next request).
+* A lost connection (server restart) fails the current call with a BankError (the generation
+  runs as a miss) and the next call reconnects. No message ever shows the password.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+import time
+import warnings
+
+import psycopg
+from psycopg.rows import dict_row
+
+from . import bank_url, schema, validation
+from .errors import BankError, BankInvalidArgument, BankReadOnly
+from .matching import SignatureIndex
+from .store import (_SUMMARY, BankStorage, _check_limit, _decode_row, _doomed, _fault,
+                    _guarded)
+
+CONNECT_TIMEOUT_S = 5
+LOCK_TIMEOUT_S = 60
+CLI = "python -m chorus_core.bank"
+_ORDER_COLUMNS = ("created", "last_hit", "hits", "density", "recall", "blob_bytes")
+
+
+class _PgDatabase:
+    """``query(sql, params)`` with ``?`` placeholders, as the shared code and the signature
+    index call it on the folder bank; tables resolve through the bank's search_path."""
+
+    def __init__(self, bank: "PostgresBank"):
+        self._bank = bank
+
+    def query(self, sql: str, params=()):
+        with self._bank._connection().cursor(row_factory=dict_row) as cur:
+            cur.execute(sql.replace("?", "%s"), list(params))
+            return [{k: bytes(v) if isinstance(v, memoryview) else v for k, v in row.items()}
+                    for row in cur.fetchall()]
+
+    def execute(self, sql: str, params=()):
+        return self._bank._connection().execute(sql.replace("?", "%s"), list(params))
+
+
+class PostgresBank(BankStorage):
+    """A mask bank in one schema of a PostgreSQL database (psycopg 3)."""
+
+    root = None  # no folder: caches that need one (population priors) stay in memory
+
+    def __init__(self, url: bank_url.BankURL, read_only: bool):
+        self.url, self.read_only = url, read_only
+        self.db = _PgDatabase(self)
+        self._conn: psycopg.Connection | None = None
+        self._lock = threading.RLock()  # one connection: one caller at a time
+        self._index = SignatureIndex()
+        digest = hashlib.sha256(f"chorus-bank:{url.schema}".encode()).digest()
+        self._lock_key = int.from_bytes(digest[:8], "big", signed=True)
+
+    @property
+    def label(self) -> str:
+        return self.url.label
+
+    @property
+    def _skip_key(self) -> str:
+        return self.url.label
+
+    # ---- opening -------------------------------------------------------------------------
+    @classmethod
+    def open(cls, url: str, read_only: bool = False, create: bool = True) -> "PostgresBank":
+        """Open (and by default create) the bank at ``url``.
+
+        :raises BankError: the server cannot be reached (the message names its host, never
+            the password), the schema is not a Chorus bank, or it is newer than this Chorus
+        """
+        bank = cls(bank_url.parse(url), read_only)
+        try:
+            with bank._guard("open the bank"):
+                bank._prepare(create)
+        except BaseException:
+            bank.close()
+            raise
+        return bank
+
+    def _connect(self) -> psycopg.Connection:
+        options = f"-c search_path={self.url.schema} -c lock_timeout={LOCK_TIMEOUT_S * 1000}"
+        if self.read_only:
+            options += " -c default_transaction_read_only=on"
+        try:
+            return psycopg.connect(self.url.conninfo, autocommit=True, options=options,
+                                   connect_timeout=CONNECT_TIMEOUT_S,
+                                   application_name="chorus-mask-bank")
+        except psycopg.Error as exc:
+            raise BankError(
+                f"Cannot reach the PostgreSQL mask bank at {self._where()} "
+                f"({self._scrub(exc)}). Check that the server runs and accepts connections from "
+                "this machine, and the user, password (PGPASSWORD or ~/.pgpass) and database; "
+                "until then generations run without the bank (dense attention).") from None
+
+    def _connection(self) -> psycopg.Connection:
+        """The open connection, reconnecting after a lost one (e.g. a server restart)."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            self._drop_connection()
+            self._conn = conn = self._connect()
+        return conn
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _where(self) -> str:
+        port = f":{self.url.port}" if self.url.port else ""
+        return f"{self.url.host}{port} (database {self.url.database}, schema {self.url.schema})"
+
+    def _scrub(self, exc) -> str:
+        return self.url.scrub(str(exc).strip().replace("\n", " "))
+
+    def _tables(self) -> set[str]:
+        rows = self.db.query("SELECT table_name FROM information_schema.tables "
+                             "WHERE table_schema = ?", [self.url.schema])
+        return {r["table_name"] for r in rows}
+
+    def _found_version(self, tables: set) -> int:
+        if not tables:
+            return 0
+        missing = schema.PG_TABLES - tables
+        if missing:
+            raise BankError(
+                f"Schema {self.url.schema} at {self._where()} is not a Chorus bank: it lacks the "
+                f"{', '.join(sorted(missing))} table(s). Nothing was changed. Use another "
+                "?schema= in the URL, or restore the bank from a backup.")
+        rows = self.db.query("SELECT value FROM meta WHERE key = 'schema_version'")
+        if not rows or not str(rows[0]["value"]).isdigit():
+            raise BankError(f"The bank at {self.label} has no schema version in its meta table: "
+                            "it is damaged. Restore it from a backup.")
+        return int(rows[0]["value"])
+
+    def _prepare(self, create: bool) -> None:
+        found = self._found_version(self._tables())
+        if found == 0 and (self.read_only or not create):
+            raise BankError(f"No mask bank at {self.label}. Create one with "
+                            f"`{CLI} init '{self.label}'` or open with create=True.")
+        if found > schema.PG_SCHEMA_VERSION:
+            raise BankError(f"The bank at {self.label} has schema version {found}, newer than "
+                            f"this Chorus ({schema.PG_SCHEMA_VERSION}); upgrade Chorus to use it.")
+        if found == schema.PG_SCHEMA_VERSION:
+            return
+        if self.read_only:
+            raise BankError(f"The bank at {self.label} has schema version {found}, this Chorus "
+                            f"reads {schema.PG_SCHEMA_VERSION}; open it once without read_only "
+                            "to migrate it.")
+        conn = self._connection()
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", [self._lock_key])
+            conn.execute(f"CREATE SCHEMA IF NOT EXISTS {self.url.schema}")
+            found = self._found_version(self._tables())  # another worker may have migrated
+            schema.pg_migrate(conn, self.url.schema, found)
+
+    def close(self) -> None:
+        """Close the connection (a later call would reconnect)."""
+        with self._lock:
+            self._drop_connection()
+
+    # ---- errors, transactions and counters -----------------------------------------------
+    @contextlib.contextmanager
+    def _guard(self, what: str):
+        with self._lock:
+            try:
+                yield
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                if isinstance(exc, psycopg.errors.DiskFull):
+                    raise self._database_error(exc) from None
+                self._drop_connection()  # the next call reconnects
+                raise BankError(
+                    f"Lost the connection to the PostgreSQL mask bank at {self._where()} while "
+                    f"trying to {what} ({self._scrub(exc)}); nothing half-done was kept. This "
+                    "request runs as a miss; the next one reconnects.") from None
+            except psycopg.Error as exc:
+                raise self._database_error(exc) from None
+
+    def _database_error(self, exc: psycopg.Error) -> BankError:
+        text = self._scrub(exc)
+        if isinstance(exc, psycopg.errors.DiskFull):
+            return BankError(f"The disk of the PostgreSQL server holding the mask bank "
+                             f"{self.label} is full ({text}); nothing was stored. Free space on "
+                             f"the server, or prune the bank (`{CLI} prune '{self.label}' "
+                             "--max-bytes 20G`), and retry.")
+        if isinstance(exc, (psycopg.errors.ReadOnlySqlTransaction,
+                            psycopg.errors.InsufficientPrivilege)):
+            return BankReadOnly(f"Cannot write the bank at {self.label} ({text}); grant the "
+                                "user write access to its schema, or open with read_only=True.")
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            return BankError(f"The mask bank {self.label} stayed locked by another worker for "
+                             f"more than {LOCK_TIMEOUT_S} s ({text}); retry when it has finished.")
+        return BankError(f"The mask bank {self.label} cannot be used ({text}); nothing was "
+                         "changed. Check that its schema is a Chorus bank (restore it from a "
+                         "backup if it was damaged).")
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise BankReadOnly(f"The bank at {self.label} was opened read-only; "
+                               "open it with read_only=False to change it.")
+
+    @contextlib.contextmanager
+    def _write(self, bump: bool = True, removal: bool = False):
+        """One transaction holding the bank's advisory lock (writers are serialised, so rows
+        appear in rowid order); bumps the counters when asked; rolled back on any error."""
+        self._check_writable()
+        conn = self._connection()
+        with self._lock, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", [self._lock_key])
+            yield
+            if bump:
+                self._bump("generation")
+            if removal:
+                self._bump("removals")
+
+    def _bump(self, key: str) -> None:
+        self.db.execute("UPDATE meta SET value = (value::bigint + 1)::text WHERE key = ?", [key])
+
+    def _meta(self, key: str) -> str:
+        rows = self.db.query("SELECT value FROM meta WHERE key = ?", [key])
+        if not rows:
+            raise BankError(f"The bank at {self.label} lacks its {key!r} record: it is damaged. "
+                            "Restore it from a backup.")
+        return rows[0]["value"]
+
+    def _counters(self) -> tuple[int, int]:
+        rows = {r["key"]: r["value"] for r in self.db.query(
+            "SELECT key, value FROM meta WHERE key IN ('generation', 'removals')")}
+        if len(rows) != 2:
+            raise BankError(f"The bank at {self.label} lacks its change counters: it is "
+                            "damaged. Restore it from a backup.")
+        return int(rows["generation"]), int(rows["removals"])
+
+    @_guarded
+    def content_token(self) -> str:
+        """A string that changes whenever entries are added, removed or quarantined."""
+        rows = {r["key"]: r["value"] for r in self.db.query(
+            "SELECT key, value FROM meta WHERE key IN ('bank_id', 'generation')")}
+        if len(rows) != 2:
+            raise BankError(f"The bank at {self.label} lacks its meta records: it is damaged.")
+        return f"{rows['bank_id']}:{rows['generation']}"
+
+    # ---- rows and blobs ------------------------------------------------------------------
+    def _get_row(self, entry_id: str) -> dict:
+        if not validation.is_entry_id(entry_id):
+            raise BankInvalidArgument(
+                f"{str(entry_id)[:80]!r} is not an entry id (32 lowercase hex digits); list "
+                f"entries with `{CLI} list '{self.label}'`.")
+        rows = self.db.query("SELECT * FROM entries WHERE id = ?", [entry_id])
+        if not rows:
+            raise BankError(f"No entry {entry_id} in the bank at {self.label}; "
+                            f"list entries with `{CLI} list URL`.")
+        return rows[0]
+
+    def _has_entry(self, entry_id: str) -> bool:
+        return bool(self.db.query("SELECT 1 FROM entries WHERE id = ?", [entry_id]))
+
+    def _read_blob(self, sha: str, size: int) -> tuple[bytes | None, str | None]:
+        """The blob's bytes, fetched only when its stored size is the row's."""
+        rows = self.db.query("SELECT octet_length(data) AS n, CASE WHEN octet_length(data) = ? "
+                             "THEN data END AS data FROM blobs WHERE sha256 = ?", [size, sha])
+        if not rows:
+            return None, "blob missing"
+        if rows[0]["n"] != size:
+            return None, f"blob truncated or resized ({rows[0]['n']} of {size} bytes)"
+        return rows[0]["data"], None
+
+    def _put_blob(self, data: bytes, sha: str) -> None:
+        """Inside a write: the blob row holds ``data`` (an existing damaged copy is replaced)."""
+        self.db.execute(
+            "INSERT INTO blobs (sha256, size, data) VALUES (?, ?, ?) ON CONFLICT (sha256) DO "
+            "UPDATE SET data = EXCLUDED.data, size = EXCLUDED.size WHERE blobs.size <> "
+            "EXCLUDED.size OR encode(sha256(blobs.data), 'hex') <> blobs.sha256",
+            [sha, len(data), data])
+
+    def _insert(self, row: dict) -> None:
+        cols = ", ".join(row)
+        self.db.execute(f"INSERT INTO entries ({cols}) VALUES ({', '.join('?' * len(row))})",
+                        list(row.values()))
+
+    def _store_entry(self, row: dict, data: bytes) -> None:
+        with self._write():
+            self._put_blob(data, row["blob_sha256"])
+            _fault("add-blob-written")
+            self._insert(row)
+            _fault("add-before-commit")
+
+    def _stage_blob(self, data: bytes, sha: str) -> None:
+        """Nothing to do before an import's transaction: the blob goes in with its row."""
+
+    def _import_row(self, row: dict, read_data) -> None:
+        self._put_blob(read_data(), row["blob_sha256"])
+        self._insert(row)
+
+    def _record_hit(self, entry_id: str) -> None:
+        """Hit counters are statistics: a failed update must not fail the load."""
+        try:
+            self.db.execute("UPDATE entries SET hits = hits + 1, last_hit = ? WHERE id = ?",
+                            [time.time(), entry_id])
+        except psycopg.Error as exc:
+            if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
+                self._drop_connection()
+            warnings.warn(f"Chorus mask bank: hit of {entry_id} not counted "
+                          f"({self._scrub(exc)}).", stacklevel=3)
+
+    # ---- maintenance ---------------------------------------------------------------------
+    @_guarded
+    def quarantine(self, entry_id: str, reason: str) -> None:
+        """Mark an entry (and every entry sharing its blob) quarantined and move the blob to
+        the quarantine table; read-only: warn and skip it in this process."""
+        self._quarantine_row(self._get_row(entry_id), reason, recheck=False)
+
+    def _quarantine_row(self, row: dict, reason: str, recheck: bool, warn: bool = True):
+        """True: quarantined; None: read-only, skipped in this process; False: ``recheck``
+        found the blob healthy under the lock; "gone": deleted or quarantined meanwhile."""
+        from .store import _READ_ONLY_SKIPS
+
+        label = row.get("id") if validation.is_entry_id(row.get("id")) else f"(row {row['rowid']})"
+        if self.read_only:
+            _READ_ONLY_SKIPS.setdefault(self._skip_key, {})[row.get("id")] = reason
+            if warn:
+                warnings.warn(f"Chorus mask bank: would quarantine entry {label}: {reason}. The "
+                              "bank is read-only, so nothing was moved; this process skips the "
+                              "entry and falls back to dense attention for it.", stacklevel=4)
+            return None
+        with self._write(bump=False):
+            current = self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE rowid = ? "
+                                    "AND id IS NOT DISTINCT FROM ?", [row["rowid"], row.get("id")])
+            if not current or current[0]["status"] != "ok":
+                return "gone"
+            if recheck and self._problem(current[0])[0] is None:
+                return False
+            self._mark_quarantined(current[0], reason)
+            self._bump("generation")
+            self._bump("removals")
+            _fault("quarantine-moved")
+        if warn:
+            warnings.warn(f"Chorus mask bank: quarantining entry {label}: {reason}. "
+                          "Requests that matched it fall back to dense attention.", stacklevel=4)
+        return True
+
+    def _mark_quarantined(self, row: dict, reason: str) -> None:
+        sha = row["blob_sha256"]
+        if not validation.is_sha256(sha):
+            self.db.execute("UPDATE entries SET status = 'quarantined', status_reason = ? "
+                            "WHERE rowid = ?", [reason, row["rowid"]])
+            return
+        # every row sharing the blob shares its damage; a re-add writes a fresh blob
+        self.db.execute("UPDATE entries SET status = 'quarantined', status_reason = ? "
+                        "WHERE blob_sha256 = ? AND status = 'ok'", [reason, sha])
+        self.db.execute("INSERT INTO quarantine (entry_id, sha256, reason, moved, data) "
+                        "SELECT ?, sha256, ?, ?, data FROM blobs WHERE sha256 = ?",
+                        [row["id"], reason, time.time(), sha])
+        self.db.execute("DELETE FROM blobs WHERE sha256 = ?", [sha])
+
+    @_guarded
+    def verify(self) -> dict:
+        """Recompute every blob digest and check every header; quarantine failures; drop
+        blobs no entry uses (when the index can be trusted).
+
+        :return: ``{"checked", "ok", "quarantined": [{"id", "reason"}], "orphans_removed",
+            "problems": [text], "read_only"}``
+        """
+        report = {"checked": 0, "ok": 0, "quarantined": [], "orphans_removed": 0,
+                  "problems": [], "read_only": self.read_only}
+        rows = self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE status = 'ok' "
+                             "ORDER BY rowid")
+        self._verify_entries(rows, report)
+        if not self.read_only:
+            report["orphans_removed"] = self._remove_orphans(report["problems"])
+        return report
+
+    def _remove_orphans(self, problems: list) -> int:
+        """Blobs no row names (only a hand-edited index leaves them: writes are atomic).
+        Refused when the index has no rows at all but blobs remain: it looks lost."""
+        with self._write(bump=False):
+            rows = self.db.query("SELECT (SELECT COUNT(*) FROM entries) AS rows, "
+                                 "(SELECT COUNT(*) FROM blobs) AS blobs")[0]
+            if rows["blobs"] and rows["rows"] == 0:
+                problems.append(f"the index has no entries but the blobs table holds "
+                                f"{rows['blobs']} blob(s): the index looks lost, so no orphan "
+                                "was removed. Restore the bank from a backup.")
+                return 0
+            cur = self.db.execute("DELETE FROM blobs b WHERE NOT EXISTS (SELECT 1 FROM entries e "
+                                  "WHERE e.blob_sha256 = b.sha256)")
+            return cur.rowcount
+
+    def _delete_rows(self, ids: list[str]) -> int:
+        """Inside a write: the rows, then every blob they used that no row uses any more;
+        returns how many rows went."""
+        gone = self.db.execute("DELETE FROM entries WHERE id = ANY(?) RETURNING blob_sha256",
+                               [ids]).fetchall()
+        shas = sorted({r[0] for r in gone if r[0]})
+        if shas:
+            self.db.execute("DELETE FROM blobs b WHERE sha256 = ANY(?) AND NOT EXISTS "
+                            "(SELECT 1 FROM entries e WHERE e.blob_sha256 = b.sha256)", [shas])
+        return len(gone)
+
+    @_guarded
+    def delete(self, entry_ids) -> int:
+        """Delete entries and the blobs no other entry uses, in one transaction; returns how
+        many rows went."""
+        ids = [str(i) for i in entry_ids]
+        if not ids:
+            return 0
+        with self._write(removal=True):
+            count = self._delete_rows(ids)
+            _fault("delete-before-commit")
+        return count
+
+    @_guarded
+    def eviction_order(self) -> list[dict]:
+        """Rows in the order :meth:`prune` removes them: quarantined first, then least
+        recently used (creation time counts as a use), fewer hits first on ties."""
+        return self.db.query(
+            "SELECT id, blob_bytes, hits, COALESCE(last_hit, created) AS last_use FROM entries "
+            "ORDER BY status = 'ok', last_use, hits, created")
+
+    @_guarded
+    def prune(self, max_bytes: int | None = None, max_entries: int | None = None,
+              dry_run: bool = False) -> list[str]:
+        """Evict entries until the bank fits ``max_bytes`` and ``max_entries`` (see
+        :meth:`MaskBank.prune`); choosing and deleting happen in one transaction."""
+        if not dry_run:
+            self._check_writable()
+        max_bytes = _check_limit("max_bytes", max_bytes)
+        max_entries = _check_limit("max_entries", max_entries)
+        if dry_run:
+            return _doomed(self.eviction_order(), max_bytes, max_entries)
+        with self._write(bump=False):
+            doomed = _doomed(self.eviction_order(), max_bytes, max_entries)
+            if doomed:
+                self._delete_rows(doomed)
+                self._bump("generation")
+                self._bump("removals")
+            _fault("prune-before-commit")
+        return doomed
+
+    # ---- reading -------------------------------------------------------------------------
+    @_guarded
+    def stats(self) -> dict:
+        """Counts and sizes: ``entries``, ``quarantined``, ``bytes``, ``hits``, ``schema_version``."""
+        row = self.db.query(
+            "SELECT COUNT(*) FILTER (WHERE status = 'ok') AS entries, "
+            "COALESCE(SUM(blob_bytes) FILTER (WHERE status = 'ok'), 0) AS bytes, "
+            "COALESCE(SUM(hits) FILTER (WHERE status = 'ok'), 0) AS hits, "
+            "COUNT(*) FILTER (WHERE status <> 'ok') AS quarantined FROM entries")[0]
+        return {"path": self.label, "backend": "postgresql", "entries": row["entries"],
+                "bytes": int(row["bytes"]), "hits": int(row["hits"]),
+                "quarantined": row["quarantined"],
+                "schema_version": int(self._meta("schema_version")),
+                "content_token": self.content_token()}
+
+    @_guarded
+    def entries(self, tag: str | None = None, limit: int | None = None,
+                order: str = "created DESC") -> list[dict]:
+        """Entry rows (without signature vectors), optionally only those carrying ``tag``.
+
+        :param order: ``<column> [ASC|DESC]`` over created, last_hit, hits, density, recall,
+            blob_bytes (missing values sort first, as in the folder bank)
+        """
+        column, _, direction = order.strip().partition(" ")
+        direction = direction.strip().upper() or "ASC"
+        if column.lower() not in _ORDER_COLUMNS or direction not in ("ASC", "DESC"):
+            raise BankInvalidArgument(f"order {order[:60]!r} must be one of created, last_hit, "
+                                      "hits, density, recall, blob_bytes, optionally ASC/DESC.")
+        nulls = "NULLS FIRST" if direction == "ASC" else "NULLS LAST"
+        sql, params = f"SELECT {_SUMMARY} FROM entries", []
+        if tag is not None:
+            sql += (" WHERE EXISTS (SELECT 1 FROM json_array_elements_text(entries.tags::json) "
+                    "AS t(value) WHERE t.value = ?)")
+            params.append(tag)
+        sql += f" ORDER BY {column.lower()} {direction} {nulls}, rowid {direction}"
+        sql += f" LIMIT {int(limit)}" if limit else ""
+        return [_decode_row(r) for r in self.db.query(sql, params)]
