@@ -422,3 +422,58 @@ def test_mps_and_xpu_run_dense_with_one_line(comfy_runtime, device):
     assert run.stats.warnings == [
         f"block-sparse attention has no kernel for {device.upper()} devices (the per-block reference would be "
         "slower than dense); this run is dense"]
+
+
+# --------------------------------------------------------------------------------------------
+# Text-to-video: a signature of text (and the latent grid) records and hits
+# --------------------------------------------------------------------------------------------
+
+
+def t2v_run(patcher, match):
+    import comfy.sample
+
+    from chorus_core.reuse_run import ReuseOptions, ReuseRun, SamplingSettings
+
+    positive, negative, latent = t2v_request()
+    run = ReuseRun(patcher, match, ReuseOptions(dense_warmup_steps=1), SamplingSettings(4, "euler", "simple"),
+                   block_size=BLOCK)
+    noise = comfy.sample.prepare_noise(latent["samples"], 0)
+    comfy.sample.sample(run.prepare(), noise, 4, 5.0, "euler", "simple", positive, negative, latent["samples"],
+                        seed=0, disable_pbar=True)
+    return run.finish()
+
+
+def t2v_match(bank, patcher, subject=0):
+    from chorus_core.reuse_run import build_match_request, match_request
+
+    positive, _, latent = t2v_request(subject)
+    request = build_match_request(patcher, None, positive, latent, None, 0.9, {}, BLOCK)
+    return match_request(bank, request)
+
+
+def test_t2v_without_clip_vision_records_a_miss_and_then_hits_it(tmp_path, tiny_t2v_file):
+    import comfy.sd
+
+    from chorus_core import bank_writer
+    from chorus_core.bank import MaskBank
+
+    patcher = comfy.sd.load_diffusion_model(str(tiny_t2v_file))
+    assert type(patcher.model.model_config).__name__ == "WAN21_T2V"
+    bank = MaskBank.open(tmp_path / "bank")
+    miss = t2v_match(bank, patcher)
+    assert sorted(miss.request.signature.components) == ["text"]
+    assert (miss.result.hit, miss.result.candidates) == (False, 0)
+
+    recorded = t2v_run(patcher, miss)
+    assert (recorded.mode, recorded.recording) == ("miss", "queued")
+    assert bank_writer.default_writer().flush(60)
+    assert bank_writer.default_writer().outcome(recorded.recorded_entry_id).error is None
+
+    hit = t2v_match(bank, patcher)
+    assert (hit.result.hit, hit.result.entry_id) == (True, recorded.recorded_entry_id)
+    assert hit.result.components == {"text": pytest.approx(1.0, abs=1e-5)}
+    assert t2v_match(bank, patcher, subject=5).result.entry_id == recorded.recorded_entry_id  # same grid, other text
+    report = t2v_run(patcher, hit)
+    assert (report.mode, report.entry_id, report.recording) == ("hit", recorded.recorded_entry_id, None)
+    assert report.density is not None and report.density < 1.0
+    bank.close()
