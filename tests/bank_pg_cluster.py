@@ -86,7 +86,9 @@ class Cluster:
         return f"t_{uuid.uuid4().hex[:16]}"
 
     def restart(self) -> None:
-        self._run(f"{self.bin}/pg_ctl", "-D", self.data, "-m", "fast", "-w", "restart")
+        # -l as at start: without it the server would write to (and hold open) our stdout pipe
+        self._run(f"{self.bin}/pg_ctl", "-D", self.data, "-m", "fast", "-w",
+                  "-l", os.path.join(self.dir, "server.log"), "restart")
 
     def stop(self, mode: str = "fast") -> None:
         self._run(f"{self.bin}/pg_ctl", "-D", self.data, "-m", mode, "-w", "stop", check=False)
