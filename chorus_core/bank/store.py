@@ -978,14 +978,14 @@ class MaskBank(BankStorage):
         blobs, candidates = 0, []
         for shard in _scandir(self.blobs):
             if shard.name.startswith(".tmp-") and shard.is_file(follow_symlinks=False):
-                if shard.stat(follow_symlinks=False).st_mtime < cutoff:
+                if _mtime(shard) < cutoff:
                     candidates.append((Path(shard.path), None))
             elif _is_shard(shard):
                 for entry in _scandir(shard.path):
                     if _is_blob_file(shard.name, entry):
                         blobs += 1
                         sha = entry.name[:64]
-                        if sha not in known and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        if sha not in known and _mtime(entry) < cutoff:
                             candidates.append((Path(entry.path), sha))
         unknown = sum(1 for _, sha in candidates if sha)
         if blobs and rows == 0:
@@ -1135,6 +1135,15 @@ def _scandir(path):
             return list(it)
     except OSError:
         return []
+
+
+def _mtime(entry) -> float:
+    """Modification time of a scanned entry; +inf (never stale) when a concurrent prune or
+    writer removed or renamed it since the scan."""
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime
+    except FileNotFoundError:
+        return float("inf")
 
 
 def _is_shard(entry) -> bool:
