@@ -12,7 +12,7 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 FRONTEND_NEW := 1.58.1
 FRONTEND_NEW_STAMP := $(VENV)/frontend-$(FRONTEND_NEW)/.chorus-installed
 
-.PHONY: setup test demo clean browser
+.PHONY: setup test demo clean browser postgres
 
 setup: $(STAMP) $(FRONTEND_NEW_STAMP)
 
@@ -34,8 +34,16 @@ browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 
-test: setup browser
-	$(VPY) -m pytest tests
+# Debian's PostgreSQL server, for the PostgreSQL mask bank tests (needs root to install). The
+# tests start their own throwaway cluster from these binaries on loopback, under a temporary
+# folder, and remove it at the end; the package's own cluster is not used.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql)
+
+# CHORUS_REQUIRE_POSTGRES=1: a missing server fails the PostgreSQL bank tests instead of skipping them.
+test: setup browser postgres
+	CHORUS_REQUIRE_POSTGRES=1 $(VPY) -m pytest tests
 
 demo: setup
 	$(VPY) tests/demo.py
