@@ -25,7 +25,8 @@ from .masks import MaskRecorder
 from .model_identity import fingerprint_patcher  # noqa: F401  (also imported from here by benchmarks)
 from .online_predictor import predict_block_map
 from .prior_store import PRIOR_ENTRIES, load_prior
-from .sparse_patch import check_supported_model, get_run_stats, get_sparse_state, install_sparse_attention
+from .sparse_patch import (OUTER_SAMPLE, check_no_competing_sparse_attention, check_supported_model, get_run_stats,
+                           get_sparse_state, install_sparse_attention)
 
 log = logging.getLogger("chorus")
 MISS_MODES = ("online", "prior", "dense")
@@ -299,16 +300,24 @@ class ReuseRun:
     def prepare(self, on_step=None):
         """The patched clone to sample with; ``on_step(report_dict)`` is called after every step."""
         started = time.perf_counter()
+        if get_reuse_patch(self.model_patcher) is not None:
+            raise ValueError("This model already went through Chorus Sparse Attention, which runs the reuse itself: "
+                             "sample it with KSampler (or any sampler), or leave that node out and keep the "
+                             "Chorus Sparse Wan Sampler.")
+        self.patched = install_sparse_attention(self.model_patcher, self.choose_provider())
+        if on_step is not None:
+            get_sparse_state(self.patched).on_step(lambda step, run: on_step(self.progress(step, run)))
+        self.report.timings["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 2)
+        return self.patched
+
+    def choose_provider(self):
+        """This run's mask source: the hit's entry or a miss source, behind the dense warm-up, recorded on a miss."""
         provider = self._hit_provider() or self._miss_provider()
         provider = DenseWarmupProvider(provider, self.options.dense_warmup_steps, self.options.dense_layers)
         if self.report.mode == "miss" and self._can_record():
             self.recording = RecordingProvider(provider, self._make_recorder())
             provider = self.recording
-        self.patched = install_sparse_attention(self.model_patcher, provider)
-        if on_step is not None:
-            get_sparse_state(self.patched).on_step(lambda step, run: on_step(self.progress(step, run)))
-        self.report.timings["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 2)
-        return self.patched
+        return provider
 
     def _hit_provider(self):
         if self.match is None:
@@ -446,6 +455,109 @@ fingerprint=request.fingerprint, layout=request.layout, schedule=schedule,
         return bank_writer.PendingWrite(bank_root=str(bank.root), entry_id=entry_id,
                                         compat=compat_key(request.fingerprint, request.layout),
                                         signature=request.signature, write=write)
+
+
+class DeferredProvider:
+    """The mask source of the MODEL patch: set per sampling run by :class:`ReusePatch`; dense without one."""
+
+    def __init__(self, block_size: int):
+        self.block_size = (block_size, block_size)
+        self.inner = None
+
+    def step_bucket(self, step: int):
+        return None if self.inner is None else step_bucket_of(self.inner, step)
+
+    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
+        observer = getattr(self.inner, "observe", None)
+        if observer is not None:
+            observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
+        return None if self.inner is None else self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len,
+                                                                     device)
+
+    def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device):
+        if self.inner is None:
+            return None
+        return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
+
+
+REUSE_KEY = "chorus_reuse"
+
+
+class ReusePatch:
+    """The Chorus Sparse Attention node: :class:`ReuseRun` as a MODEL patch, so any sampler runs it.
+
+    The sparse hooks are installed once, at the node; an ``OUTER_SAMPLE`` wrapper (outside the
+    sparse patch's own) makes one ReuseRun per sampling run from the sigmas it is given (steps),
+    hands its mask source to the hooks, and after a successful run fills the report and queues
+    a miss's recording, as the Sparse Wan Sampler does after ``common_ksampler``.
+
+    :param events: optional object with ``run_start(report)``, ``step(payload)`` and
+        ``finished(report)``, called for the web view
+    """
+
+    def __init__(self, model_patcher, match: ReuseMatch | None, options: ReuseOptions, block_size: int = 128,
+                 events=None):
+        self.model_patcher, self.match, self.options, self.events = model_patcher, match, options, events
+        self.block_size = match.request.layout.block_size[0] if match else block_size
+        self.provider = DeferredProvider(self.block_size)
+        self.patched = None
+        self.current: ReuseRun | None = None
+        self.last_report: RunReport | None = None
+
+    def install(self):
+        """A clone of the model with the hooks and the per-run wrapper; the input model is unchanged."""
+        check_supported_model(self.model_patcher)
+        check_no_competing_sparse_attention(self.model_patcher,
+                                            self.model_patcher.model_options.get("transformer_options", {}))
+        outer = self.model_patcher.clone()
+        outer.remove_wrappers_with_key(OUTER_SAMPLE, REUSE_KEY)
+        outer.add_wrapper_with_key(OUTER_SAMPLE, REUSE_KEY, self._outer_sample)  # first: outside the sparse wrapper
+        self.patched = install_sparse_attention(outer, self.provider)
+        get_sparse_state(self.patched).on_step(self._on_step)
+        self.patched.set_attachments(REUSE_KEY, self)
+        return self.patched
+
+    def _on_step(self, step_stats, run_stats) -> None:
+        if self.current is not None and self.events is not None:
+            self.events.step(self.current.progress(step_stats, run_stats))
+
+    def _outer_sample(self, executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
+        steps = max(1, len(sigmas) - 1)
+        run = ReuseRun(self.model_patcher, self.match, self.options,
+                       SamplingSettings(steps, _sampler_name(sampler), "sigmas"), block_size=self.block_size)
+        run.patched = self.patched  # its statistics live on the holder attached there
+        self.provider.inner, self.current = run.choose_provider(), run
+        if self.events is not None:
+            self.events.run_start(run.report)
+        try:
+            result = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
+        except BaseException:
+            if run.prefetch is not None:
+                run.prefetch.join()  # a failed run records nothing; its worker is still joined
+            raise
+        finally:
+            self.provider.inner, self.current = None, None
+        self.last_report = run.finish()
+        if self.events is not None:
+            self.events.finished(self.last_report)
+        log.info("Chorus: %s run, %s; density %s", self.last_report.mode, self.last_report.mask_source,
+                 self.last_report.density)
+        return result
+
+
+def get_reuse_patch(model_patcher) -> ReusePatch | None:
+    """The ReusePatch a Chorus Sparse Attention node attached to this model (or a clone of it)."""
+    patch = model_patcher.get_attachment(REUSE_KEY)
+    return patch if isinstance(patch, ReusePatch) else None
+
+
+def _sampler_name(sampler) -> str:
+    """k-diffusion sampler name of a KSAMPLER (``sample_euler`` -> ``euler``), else its type."""
+    function = getattr(sampler, "sampler_function", None)
+    name = getattr(function, "__name__", "") or type(sampler).__name__
+    return name.removeprefix("sample_")
 
 
 def _feature_reuse_warnings(patched) -> list[str]:

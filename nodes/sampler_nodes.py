@@ -30,6 +30,33 @@ def _parse_layers(text: str) -> tuple[int, ...]:
         raise ValueError(f"dense_layers must be comma-separated block indices such as '0, 39', got {text!r}") from None
 
 
+def reuse_option_inputs() -> list:
+    """The optional match and the reuse options: shared by this sampler and Chorus Sparse Attention."""
+    return [
+        MatchType.Input("match", optional=True, tooltip="From Chorus Similarity Match. Without it every run is a miss and nothing is recorded."),
+        io.Int.Input("dense_warmup_steps", default=1, min=0, max=10000, tooltip="First steps run dense attention (the web view's kept density leaves them out)."),
+        io.String.Input("dense_layers", default="", tooltip="Comma-separated block indices that always run dense, e.g. '0, 39'."),
+        io.Combo.Input("miss_mode", options=["online", "prior", "dense"], default="online",
+                       tooltip="On a miss: predict masks from pooled q/k each step; or use the bank's population "
+                               "prior (blocks most often kept by compatible entries, no prediction cost; online "
+                               "when the bank has none); or run dense."),
+        io.Float.Input("top_p", default=0.9, min=0.5, max=1.0, step=0.01, tooltip="Attention mass each query block keeps (online prediction and recording)."),
+        io.Float.Input("min_density", default=0.05, min=0.01, max=1.0, step=0.01, tooltip="Least share of key blocks kept per query block (0.01 to 1, not above max_density)."),
+        io.Float.Input("max_density", default=0.5, min=0.01, max=1.0, step=0.01, tooltip="Most share of key blocks kept per query block (0.01 to 1, not below min_density)."),
+        io.Boolean.Input("record_on_miss", default=True, tooltip="Add this run's masks to the bank after a successful miss."),
+        io.String.Input("tag", default="", tooltip="Tag stored with a recorded entry, e.g. the effect template's name."),
+    ]
+
+
+def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag):
+    """ReuseOptions from the inputs of reuse_option_inputs()."""
+    from ..chorus_core.reuse_run import ReuseOptions
+
+    return ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=_parse_layers(dense_layers),
+                        miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
+                        record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else ())
+
+
 class ChorusSparseWanSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -55,18 +82,7 @@ class ChorusSparseWanSampler(io.ComfyNode):
                 io.Combo.Input("scheduler", options=comfy.samplers.KSampler.SCHEDULERS, default="simple",
                                tooltip="Noise schedule, as for KSampler."),
                 io.Float.Input("denoise", default=1.0, min=0.0, max=1.0, step=0.01, tooltip="Share of the schedule to run, as for KSampler."),
-                MatchType.Input("match", optional=True, tooltip="From Chorus Similarity Match. Without it every run is a miss and nothing is recorded."),
-                io.Int.Input("dense_warmup_steps", default=1, min=0, max=10000, tooltip="First steps run dense attention (the web view's kept density leaves them out)."),
-                io.String.Input("dense_layers", default="", tooltip="Comma-separated block indices that always run dense, e.g. '0, 39'."),
-                io.Combo.Input("miss_mode", options=["online", "prior", "dense"], default="online",
-                               tooltip="On a miss: predict masks from pooled q/k each step; or use the bank's population "
-                                       "prior (blocks most often kept by compatible entries, no prediction cost; online "
-                                       "when the bank has none); or run dense."),
-                io.Float.Input("top_p", default=0.9, min=0.5, max=1.0, step=0.01, tooltip="Attention mass each query block keeps (online prediction and recording)."),
-                io.Float.Input("min_density", default=0.05, min=0.01, max=1.0, step=0.01, tooltip="Least share of key blocks kept per query block (0.01 to 1, not above max_density)."),
-                io.Float.Input("max_density", default=0.5, min=0.01, max=1.0, step=0.01, tooltip="Most share of key blocks kept per query block (0.01 to 1, not below min_density)."),
-                io.Boolean.Input("record_on_miss", default=True, tooltip="Add this run's masks to the bank after a successful miss."),
-                io.String.Input("tag", default="", tooltip="Tag stored with a recorded entry, e.g. the effect template's name."),
+                *reuse_option_inputs(),
             ],
             outputs=[io.Latent.Output(display_name="LATENT")],
             hidden=[io.Hidden.unique_id],
@@ -86,11 +102,10 @@ class ChorusSparseWanSampler(io.ComfyNode):
                 match=None) -> io.NodeOutput:
         import nodes as comfy_nodes
 
-        from ..chorus_core.reuse_run import ReuseOptions, ReuseRun, SamplingSettings
+        from ..chorus_core.reuse_run import ReuseRun, SamplingSettings
 
-        options = ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=_parse_layers(dense_layers),
-                               miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
-                               record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else ())
+        options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
+                                record_on_miss, tag)
         run = ReuseRun(model, match, options, SamplingSettings(steps, sampler_name, scheduler))
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patched = run.prepare(on_step=lambda payload: _send(STEP_EVENT, {"node": node_id, **payload}))
@@ -103,4 +118,11 @@ class ChorusSparseWanSampler(io.ComfyNode):
         return io.NodeOutput(latent, ui={"chorus_report": [report.to_json()]})
 
 
-NODES = [ChorusSparseWanSampler]
+def _nodes() -> list:
+    # Chorus Sparse Attention shares this module's inputs; registered here with the sampler.
+    from .sparse_attention_node import ChorusSparseAttention
+
+    return [ChorusSparseWanSampler, ChorusSparseAttention]
+
+
+NODES = _nodes()
