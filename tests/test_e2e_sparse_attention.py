@@ -1,0 +1,40 @@
+"""End to end through a real ComfyUI server: KSampler runs a model patched by Chorus Sparse Attention."""
+
+import pytest
+
+from workflows import chorus_i2v_prompt
+
+pytestmark = pytest.mark.e2e
+STEPS = 4
+
+
+def ksampler_through_the_patch(bank, subject, seed):
+    """The tiny I2V graph with the MODEL patch in front of ComfyUI's own KSampler."""
+    prompt = chorus_i2v_prompt(bank=bank, subject=subject, seed=seed, steps=STEPS)
+    prompt["7"] = {"class_type": "ChorusSparseAttention", "inputs": {
+        "model": ["1", 0], "match": ["6", 0], "dense_warmup_steps": 1, "dense_layers": "", "miss_mode": "online",
+        "top_p": 0.9, "min_density": 0.1, "max_density": 0.6, "record_on_miss": True, "tag": "pan"}}
+    prompt["3"] = {"class_type": "KSampler", "inputs": {
+        "model": ["7", 0], "positive": ["2", 0], "negative": ["2", 1], "latent_image": ["2", 2], "seed": seed,
+        "steps": STEPS, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}}
+    return prompt
+
+
+def run(server, prompt):
+    events = []
+    record = server.run_prompt(prompt, timeout=300, on_event=events.append)
+    assert record["status"]["status_str"] == "success", record["status"]
+    reports = [e["data"]["chorus_report"] for e in events if e.get("type") == "chorus.report"]
+    steps = [e["data"] for e in events if e.get("type") == "chorus.step"]
+    return reports, steps
+
+
+def test_a_ksampler_run_through_the_patch_records_then_hits(comfy_server):
+    (first,), first_steps = run(comfy_server, ksampler_through_the_patch("e2e_patch", subject=0, seed=1))
+    assert (first["mode"], first["steps"], first["recording"]) == ("miss", STEPS, "queued")
+    assert [s["step"] for s in first_steps] == [1, 2, 3, 4] and {s["node"] for s in first_steps} == {"7"}
+
+    (second,), _ = run(comfy_server, ksampler_through_the_patch("e2e_patch", subject=1, seed=2))
+    assert (second["mode"], second["entry_id"]) == ("hit", first["recorded_entry_id"])
+    assert [layer["sparse_share"] for layer in second["layers"]] == [0.75, 0.75]  # warm-up step 0 dense
+    assert second["warnings"] == []
