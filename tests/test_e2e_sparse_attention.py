@@ -38,3 +38,22 @@ def test_a_ksampler_run_through_the_patch_records_then_hits(comfy_server):
     assert (second["mode"], second["entry_id"]) == ("hit", first["recorded_entry_id"])
     assert [layer["sparse_share"] for layer in second["layers"]] == [0.75, 0.75]  # warm-up step 0 dense
     assert second["warnings"] == []
+
+
+def test_the_sampler_custom_advanced_example_graph_is_valid_on_the_server(comfy_server):
+    """Every node and input of the example's API graph exists on the server, with the right link types."""
+    from example_workflow_sparse_attention import wan21_i2v_chorus_model_patch
+
+    info = comfy_server.get_json("/object_info")
+    prompt = wan21_i2v_chorus_model_patch("480p")
+    assert prompt["12"]["class_type"] == "SamplerCustomAdvanced" and prompt["20"]["inputs"]["model"] == ["1", 0]
+    for node_id, node in prompt.items():
+        spec = info[node["class_type"]]["input"]
+        known = {**spec.get("required", {}), **spec.get("optional", {})}
+        assert set(node["inputs"]) <= set(known), f"node {node_id}: unknown inputs"
+        assert set(spec.get("required", {})) <= set(node["inputs"]), f"node {node_id}: missing inputs"
+        for name, value in node["inputs"].items():
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+                produced = info[prompt[value[0]]["class_type"]]["output"][value[1]]
+                accepted = known[name][0].split(",")
+                assert produced in accepted or "*" in accepted, f"node {node_id} input {name}: {produced} into {accepted}"
