@@ -22,26 +22,62 @@ def register_bank_folder() -> None:
     if BANK_FOLDER_KEY not in folder_paths.folder_names_and_paths:
         default = os.path.join(folder_paths.models_dir, BANK_FOLDER_KEY)
         folder_paths.folder_names_and_paths[BANK_FOLDER_KEY] = ([default], set())
-    for path in folder_paths.get_folder_paths(BANK_FOLDER_KEY):
+    for path in _folder_roots():
         os.makedirs(path, exist_ok=True)
 
 
-def existing_banks() -> list[str]:
-    """Bank folder names (a folder holding ``bank.sqlite``) across the registered paths."""
+def _folder_roots() -> list[str]:
+    """Registered ``chorus_banks`` folders; ``NAME=postgresql://...`` lines of
+    extra_model_paths.yaml are registered by ComfyUI too, but are no folders."""
     import folder_paths
 
-    names = set()
-    for root in folder_paths.get_folder_paths(BANK_FOLDER_KEY):
+    from ..chorus_core.bank.bank_url import is_url_line
+
+    return [p for p in folder_paths.get_folder_paths(BANK_FOLDER_KEY) if not is_url_line(p)]
+
+
+def _yaml_paths() -> list[str]:
+    """The extra_model_paths.yaml files this ComfyUI reads (its own and --extra-model-paths-config)."""
+    import itertools
+
+    import folder_paths
+
+    paths = [os.path.join(folder_paths.base_path, "extra_model_paths.yaml")]
+    try:
+        from comfy.cli_args import args
+
+        paths += list(itertools.chain(*(args.extra_model_paths_config or [])))
+    except Exception:  # in-process use without ComfyUI's command line
+        pass
+    return paths
+
+
+def postgres_banks() -> dict[str, str]:
+    """Named PostgreSQL banks: name -> URL (from CHORUS_BANK_URLS or extra_model_paths.yaml).
+    The URL may carry a password: it is opened, never shown or stored in a workflow."""
+    from ..chorus_core.bank.bank_url import named_urls
+
+    return named_urls(os.environ, _yaml_paths())
+
+
+def existing_banks() -> list[str]:
+    """Bank names: folders holding ``bank.sqlite`` across the registered paths, and named
+    PostgreSQL banks."""
+    names = set(postgres_banks())
+    for root in _folder_roots():
         if os.path.isdir(root):
             names.update(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "bank.sqlite")))
     return sorted(names)
 
 
 def bank_path(name: str) -> str:
-    """Folder of bank ``name``: where it exists, else under the first registered path."""
-    import folder_paths
-
-    roots = folder_paths.get_folder_paths(BANK_FOLDER_KEY)
+    """Location of bank ``name``: its PostgreSQL URL when it is a named PostgreSQL bank (never
+    show it: :func:`~chorus_core.bank.bank_url.redact`), its folder where it exists, else a
+    folder under the first registered path."""
+    postgres = postgres_banks()
+    if name in postgres:
+        return postgres[name]
+    roots = _folder_roots()
     for root in roots:
         if os.path.isfile(os.path.join(root, name, "bank.sqlite")):
             return os.path.join(root, name)
@@ -81,7 +117,7 @@ def _check_bank_name(name: str) -> str | None:
 def _first_bank_root() -> str:
     import folder_paths
 
-    roots = folder_paths.get_folder_paths(BANK_FOLDER_KEY)
+    roots = _folder_roots()
     return roots[0] if roots else folder_paths.models_dir
 
 
@@ -92,8 +128,9 @@ class ChorusMaskBankLoader(io.ComfyNode):
             node_id="ChorusMaskBankLoader",
             display_name="Chorus Mask Bank Loader",
             category=CATEGORY,
-            description="Opens (or creates) a Chorus mask bank in models/chorus_banks: the sparse attention "
-                        "masks recorded from earlier generations, indexed by request signature.",
+            description="Opens (or creates) a Chorus mask bank in models/chorus_banks, or a named PostgreSQL bank "
+                        "shared by several machines (CHORUS_BANK_URLS or extra_model_paths.yaml): the sparse "
+                        "attention masks recorded from earlier generations, indexed by request signature.",
             inputs=[
                 io.Combo.Input("bank", options=[NEW_BANK, *existing_banks()], tooltip="An existing bank, or create a new one named below."),
                 io.String.Input("new_bank_name", default="wan21_i2v", tooltip="Name of the bank to create when 'bank' is '(create new bank)': a plain folder name, at most 255 bytes."),
@@ -114,16 +151,18 @@ class ChorusMaskBankLoader(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, bank, new_bank_name, read_only):
         from ..chorus_core.bank import BankError, MaskBank
+        from ..chorus_core.bank.bank_url import is_bank_url, redact
         from ..chorus_core.bank_writer import default_writer
 
         path = bank_path(_bank_name(bank, new_bank_name))
-        if not os.path.isfile(os.path.join(path, "bank.sqlite")):
+        if not is_bank_url(path) and not os.path.isfile(os.path.join(path, "bank.sqlite")):
             return f"{path}:new"
         try:
             with MaskBank.open(path, read_only=True, create=False) as opened:
                 # A recording still being written changes the key too, so Similarity Match runs
                 # again and waits for a similar pending entry instead of reusing a stale miss.
-                return f"{path}:{opened.content_token()}:{default_writer().state_token()}"
+                # redact: a PostgreSQL URL's password stays out of ComfyUI's cache keys.
+                return f"{redact(path)}:{opened.content_token()}:{default_writer().state_token()}"
         except BankError:
             return float("nan")  # never equal to itself: execute() runs and reports the error
 
@@ -190,6 +229,4 @@ NODES = [ChorusMaskBankLoader, ChorusSimilarityMatch]
 
 
 def bank_roots() -> list[str]:
-    import folder_paths
-
-    return folder_paths.get_folder_paths(BANK_FOLDER_KEY)
+    return _folder_roots()

@@ -1,7 +1,9 @@
 """Read-only HTTP routes under /chorus/api/: bank statistics and recent entries.
 
 Banks are named, never given as paths: a name is looked up among the folders registered as
-``chorus_banks``, so a client cannot point the server at an arbitrary file.
+``chorus_banks`` and the named PostgreSQL banks, so a client cannot point the server at an
+arbitrary file or database. A PostgreSQL bank's URL (host, user, password) is never sent: its
+stats carry the bank's name instead, and its errors are logged, not returned.
 """
 
 from __future__ import annotations
@@ -17,13 +19,26 @@ _registered = False
 
 def _open_named(name: str):
     from ..chorus_core.bank import BankError, MaskBank
+    from ..chorus_core.bank.bank_url import is_bank_url
 
     if name not in existing_banks():
         raise web.HTTPNotFound(text=f"no bank named {name!r}; GET /chorus/api/banks lists them")
+    location = bank_path(name)
     try:
-        return MaskBank.open(bank_path(name), read_only=True, create=False)
+        return MaskBank.open(location, read_only=True, create=False)
     except BankError as exc:  # e.g. a damaged or newer database: say why, not a bare 500
+        if is_bank_url(location):  # the text names the server: keep it in the server's log
+            logging.warning("Chorus: bank %s cannot be opened: %s", name, exc)
+            raise web.HTTPConflict(text=f"the PostgreSQL bank {name!r} cannot be opened (server "
+                                        "unreachable, or not a bank); the ComfyUI log says why") from None
         raise web.HTTPConflict(text=str(exc)) from exc
+
+
+def _public_stats(name: str, bank) -> dict:
+    stats = bank.stats()
+    if bank.root is None:  # a PostgreSQL bank: its label names the server and user
+        stats["path"] = name
+    return stats
 
 
 async def list_banks(request: web.Request) -> web.Response:
@@ -33,7 +48,7 @@ async def list_banks(request: web.Request) -> web.Response:
 async def bank_stats(request: web.Request) -> web.Response:
     bank = _open_named(request.match_info["name"])
     try:
-        return web.json_response(bank.stats())
+        return web.json_response(_public_stats(request.match_info["name"], bank))
     finally:
         bank.close()
 

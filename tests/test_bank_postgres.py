@@ -350,14 +350,15 @@ def main_list(url, capsys) -> str:
 
 def test_named_banks_from_env_and_yaml(tmp_path):
     yaml_file = tmp_path / "extra_model_paths.yaml"
-    yaml_file.write_text("comfyui:\n  chorus_banks:\n    postgresql:\n"
-                         "      fleet: postgresql://u:pw@db1/chorus\n"
-                         "      archive: postgresql://u@db2/chorus?schema=old\n"
+    yaml_file.write_text("comfyui:\n  chorus_banks: |\n    /srv/banks\n"
+                         "    fleet=postgresql://u:pw@db1/chorus\n"
+                         "    archive=postgresql://u@db2/chorus?schema=old\n"
                          "  checkpoints: models/checkpoints\n")
     env = {bank_url.URLS_ENV: "fleet=postgresql://w@db3/c; bad name=postgresql://x@y/z;"
                               "local=/not/a/url"}
     assert bank_url.named_urls(env, [yaml_file]) == {
         "fleet": "postgresql://w@db3/c", "archive": "postgresql://u@db2/chorus?schema=old"}
+    assert bank_url.named_urls({}, [yaml_file])["fleet"] == "postgresql://u:pw@db1/chorus"
     assert bank_url.named_urls({}, [tmp_path / "absent.yaml"]) == {}
     assert bank_url.redact("postgresql://u:pw@db1:6432/chorus") == \
         "postgresql://u@db1:6432/chorus?schema=chorus_bank"

@@ -5,8 +5,8 @@ optionally with ``?schema=NAME`` (one bank per PostgreSQL schema; default ``chor
 Workers find named banks in, in this order:
 
 * ``CHORUS_BANK_URLS="fleet=postgresql://...;archive=postgresql://..."`` (``;`` or newlines)
-* ``chorus_banks:`` in ComfyUI's ``extra_model_paths.yaml``, as a mapping under the key
-  ``postgresql`` (``{fleet: "postgresql://..."}``); folder entries there stay folders.
+* ``chorus_banks:`` in ComfyUI's ``extra_model_paths.yaml``: lines ``NAME=postgresql://...``
+  next to (or instead of) folder lines; folder lines stay folders.
 
 The password is best left out of the URL: libpq reads ``PGPASSWORD`` or ``~/.pgpass``. When a
 URL does carry one it lives only in this process's memory: every text Chorus shows (errors,
@@ -109,24 +109,30 @@ def _from_env(environ) -> dict[str, str]:
 
 
 def _from_yaml(path) -> dict[str, str]:
-    """``postgresql:`` mappings under ``chorus_banks`` of every section of extra_model_paths.yaml."""
+    """``NAME=URL`` lines under ``chorus_banks`` in any section of an extra_model_paths.yaml.
+
+    ComfyUI reads every value there as newline-separated folders, so a bank URL is written as
+    one such line (``chorus_banks: |`` then ``fleet=postgresql://...``); lines that are not
+    ``NAME=postgresql://...`` are folders, left to ComfyUI.
+    """
     try:
         import yaml
 
         with open(path, encoding="utf-8") as fh:
             doc = yaml.safe_load(fh) or {}
-    except (OSError, ImportError, ValueError, AttributeError):
-        return {}
-    except Exception:  # yaml.YAMLError: a broken file is ComfyUI's to report
+    except Exception:  # missing, unreadable or broken: ComfyUI reports its own config errors
         return {}
     banks = {}
     for section in doc.values() if isinstance(doc, dict) else ():
-        entry = section.get("chorus_banks") if isinstance(section, dict) else None
-        named = entry.get("postgresql") if isinstance(entry, dict) else None
-        for name, url in (named or {}).items() if isinstance(named, dict) else ():
-            if isinstance(name, str) and _BANK_NAME.fullmatch(name) and is_bank_url(url):
-                banks[name] = url
+        value = section.get("chorus_banks") if isinstance(section, dict) else None
+        banks.update(_from_env({URLS_ENV: value}) if isinstance(value, str) else {})
     return banks
+
+
+def is_url_line(path: str) -> bool:
+    """Whether a registered ``chorus_banks`` path is really a ``NAME=URL`` line (ComfyUI
+    registered it as a folder, normalised): never a folder to create or scan."""
+    return any(f"={scheme}:" in str(path) for scheme in SCHEMES)
 
 
 def named_urls(environ=None, yaml_paths=()) -> dict[str, str]:

@@ -549,9 +549,7 @@ class MaskBank(BankStorage):
         :raises BankReadOnly: when a writable bank was asked for on a read-only location
         """
         if is_bank_url(path):
-            from .pg_store import PostgresBank  # psycopg is needed only for PostgreSQL banks
-
-            return PostgresBank.open(path, read_only=read_only, create=create)
+            return _open_postgres(path, read_only, create)
         root = Path(path).expanduser()
         db_path = root / DB_NAME
         exists = cls._check_db_file(db_path)
@@ -1127,6 +1125,15 @@ _SUMMARY = ("id, created, last_hit, hits, status, status_reason, tags, density, 
             "token_order, block_q, block_k, fingerprint, compat, codec, blob_name, blob_bytes, "
             "blob_sha256")
 _ORDER = re.compile(r"(created|last_hit|hits|density|recall|blob_bytes)( (ASC|DESC))?", re.I)
+
+
+def _open_postgres(url: str, read_only: bool, create: bool) -> "BankStorage":
+    try:
+        from .pg_store import PostgresBank  # psycopg is needed only for PostgreSQL banks
+    except ImportError as exc:
+        raise BankError(f"PostgreSQL mask banks need psycopg 3 ({exc}); install it with "
+                        "`pip install 'psycopg[binary]>=3.1'` in ComfyUI's Python.") from None
+    return PostgresBank.open(url, read_only=read_only, create=create)
 
 
 def _scandir(path):
