@@ -34,7 +34,8 @@ from typing import Any, Optional
 
 import torch
 
-from .hooks import AttentionCall, block_sparse, container_function_of, mark_own, schedule_step, unwrap_own
+from .hooks import (AttentionCall, block_sparse, container_function_of, is_container, mark_own, schedule_step,
+                    unwrap_own)
 from .mask_provider import MaskProvider, PreparedMask, match_batch, serve_prepared_mask, step_bucket_of
 
 __all__ = [
@@ -528,6 +529,8 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
 
     def chorus_attention_override(func, *args, **kwargs):
         out, call = sparse_answer(args, kwargs)
+        if call is None and is_container(args[0] if args else kwargs.get("q")):
+            call = AttentionCall.parse(args, kwargs)
         if call is not None and call.containers is not None:
             # Containers reached the plain path (a caller that does not unwrap them): answer or
             # unwrap them here, as wrap_attn does for an override without container_function.
