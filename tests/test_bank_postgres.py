@@ -22,7 +22,7 @@ from bank_fixtures import (FP, LAYOUT, add_toy, python_command, toy_masks, toy_s
                            writer_command)
 from bank_pg_cluster import PASSWORD, REQUIRE_ENV, Cluster, server_bin
 
-from chorus_core.bank import BankEntryCorrupt, BankError, BankReadOnly, MaskBank
+from chorus_core.bank import BankEntryCorrupt, BankError, BankReadOnly, BankUnavailable, MaskBank
 from chorus_core.bank import bank_url
 from chorus_core.bank.__main__ import main
 
@@ -106,6 +106,15 @@ def test_index_refreshes_when_another_connection_writes(location):
     assert first.match(sig, FP, LAYOUT).candidates == 0
     first.close()
     second.close()
+
+
+def test_reopen_gives_the_same_bank_on_its_own_connection(bank):
+    entry = add_toy(bank, seed=1)
+    with bank.reopen() as other:
+        assert (type(other), other.label, other.read_only) == (type(bank), bank.label, False)
+        assert other.match(toy_signature(1), FP, LAYOUT).entry_id == entry
+        add_toy(other, seed=2)
+    assert bank.stats()["entries"] == 2
 
 
 def test_verify_quarantines_truncated_and_wrong_digest(bank):
@@ -283,7 +292,7 @@ def test_server_restart_mid_run_is_one_miss_then_reconnects(pg, pg_url):
     entry = add_toy(bank, seed=1)
     assert bank.match(toy_signature(1), FP, LAYOUT).hit
     pg.restart()
-    with pytest.raises(BankError, match="Lost the connection to the PostgreSQL mask bank at "
+    with pytest.raises(BankUnavailable, match="Lost the connection to the PostgreSQL mask bank at "
                                         r"127\.0\.0\.1:\d+ .*runs as a miss") as info:
         bank.match(toy_signature(1), FP, LAYOUT)
     assert PASSWORD not in str(info.value)
@@ -294,7 +303,7 @@ def test_server_restart_mid_run_is_one_miss_then_reconnects(pg, pg_url):
 
 def test_server_down_at_start_names_the_host_not_the_password(pg):
     url = pg.url(pg.fresh_schema()).replace(f":{pg.port}/", ":1/")
-    with pytest.raises(BankError, match=r"Cannot reach the PostgreSQL mask bank at "
+    with pytest.raises(BankUnavailable, match=r"Cannot reach the PostgreSQL mask bank at "
                                         r"127\.0\.0\.1:1 \(database chorus_test") as info:
         MaskBank.open(url)
     assert PASSWORD not in str(info.value) and "dense attention" in str(info.value)

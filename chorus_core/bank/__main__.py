@@ -1,5 +1,9 @@
 """Command line: ``python -m chorus_core.bank {init,stats,list,show,verify,prune,export,import} PATH``.
 
+PATH is a bank folder, or a PostgreSQL bank URL ``postgresql://USER@HOST:PORT/DB?schema=NAME``
+(give the password through PGPASSWORD or ~/.pgpass, not on the command line: other users of
+the machine can read command lines). Output never shows a URL's password.
+
 Exit codes: 0 done; 1 ``verify`` quarantined or repaired something; 2 the command could not
 run (the message on stderr says why and what to do). No command prints a traceback.
 """
@@ -28,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
 
     def cmd(name, help_):
         c = sub.add_parser(name, help=help_)
-        c.add_argument("path", help="bank folder (holds bank.sqlite and blobs/)")
+        c.add_argument("path", help="bank folder (holds bank.sqlite and blobs/) or "
+                                    "postgresql://USER@HOST:PORT/DB?schema=NAME")
         c.add_argument("--json", action="store_true", help="print JSON")
         return c
 

@@ -38,3 +38,8 @@ class BankEntryCorrupt(BankError):
 
 class BankIncompatible(BankError):
     """Masks handed to the bank do not fit the layout or schedule they are stored under."""
+
+
+class BankUnavailable(BankError):
+    """A bank server (PostgreSQL) cannot be reached or the connection was lost; the request
+    runs as a miss and the next call reconnects. The message names the host, never a password."""

@@ -31,7 +31,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from . import bank_url, schema, validation
-from .errors import BankError, BankInvalidArgument, BankReadOnly
+from .errors import BankError, BankInvalidArgument, BankReadOnly, BankUnavailable
 from .matching import SignatureIndex
 from .store import (_SUMMARY, BankStorage, _check_limit, _decode_row, _doomed, _fault,
                     _guarded)
@@ -98,6 +98,13 @@ class PostgresBank(BankStorage):
             raise
         return bank
 
+    def reopen(self) -> "PostgresBank":
+        """The same bank on a new connection (e.g. for a writer thread)."""
+        bank = PostgresBank(self.url, self.read_only)
+        with bank._guard("open the bank"):
+            bank._connection()
+        return bank
+
     def _connect(self) -> psycopg.Connection:
         options = f"-c search_path={self.url.schema} -c lock_timeout={LOCK_TIMEOUT_S * 1000}"
         if self.read_only:
@@ -107,7 +114,7 @@ class PostgresBank(BankStorage):
                                    connect_timeout=CONNECT_TIMEOUT_S,
                                    application_name="chorus-mask-bank")
         except psycopg.Error as exc:
-            raise BankError(
+            raise BankUnavailable(
                 f"Cannot reach the PostgreSQL mask bank at {self._where()} "
                 f"({self._scrub(exc)}). Check that the server runs and accepts connections from "
                 "this machine, and the user, password (PGPASSWORD or ~/.pgpass) and database; "
@@ -190,7 +197,7 @@ class PostgresBank(BankStorage):
                 if isinstance(exc, psycopg.errors.DiskFull):
                     raise self._database_error(exc) from None
                 self._drop_connection()  # the next call reconnects
-                raise BankError(
+                raise BankUnavailable(
                     f"Lost the connection to the PostgreSQL mask bank at {self._where()} while "
                     f"trying to {what} ({self._scrub(exc)}); nothing half-done was kept. This "
                     "request runs as a miss; the next one reconnects.") from None

@@ -285,6 +285,10 @@ class BankStorage:
     root: Path | None
     read_only: bool
 
+    def reopen(self) -> "BankStorage":
+        """The same bank on a new connection (e.g. for a writer thread), same read_only."""
+        raise NotImplementedError
+
     def __enter__(self):
         return self
 
@@ -706,6 +710,9 @@ class MaskBank(BankStorage):
     @property
     def label(self) -> str:
         return str(self.root)
+
+    def reopen(self) -> "MaskBank":
+        return MaskBank.open(self.root, read_only=self.read_only, create=False)
 
     @property
     def _skip_key(self) -> str:

@@ -262,14 +262,16 @@ def run_match_postgres(args, command: str) -> None:
         version = cluster.sql("SHOW server_version").strip()
         rows = []
         for n in sizes:
-            rows.append({**match_latency(n, pg=lambda: cluster.url(cluster.fresh_schema())),
+            row = match_latency(n, pg=lambda: cluster.url(cluster.fresh_schema()))
+            # other jobs on this shared 2-core machine: the load shows how much they took
+            rows.append({**row, "load_avg_1m": round(__import__("os").getloadavg()[0], 2),
                          "server": f"PostgreSQL {version}, local (loopback TCP)"})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         cluster.remove()
     write("bank_match_postgres", header("bench_bank", command, rows),
           ["backend", "entries", "query_ms", "query_ms_p90", "index_load_s", "fill_s", "queries",
-           "near_duplicate_hits"],
+           "near_duplicate_hits", "load_avg_1m"],
           "Median latency of `MaskBank.match` on a PostgreSQL bank: the change counters are "
           "read from the server on every query (one round trip), the compatible rows were "
           "filtered in SQL and loaded into the in-process signature matrix on the first query "
