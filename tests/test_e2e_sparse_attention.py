@@ -42,7 +42,7 @@ def test_a_ksampler_run_through_the_patch_records_then_hits(comfy_server):
 
 def test_the_sampler_custom_advanced_example_graph_is_valid_on_the_server(comfy_server):
     """Every node and input of the example's API graph exists on the server, with the right link types."""
-    from example_workflow_sparse_attention import wan21_i2v_chorus_model_patch
+    from example_workflows_tool import wan21_i2v_chorus_model_patch
 
     info = comfy_server.get_json("/object_info")
     prompt = wan21_i2v_chorus_model_patch("480p")

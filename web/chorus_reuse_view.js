@@ -1,7 +1,8 @@
 // Chorus: the per-layer reuse view, a DOM widget on the node that runs a Chorus generation.
 // The server sends "chorus.run_start" when a run begins and one "chorus.step" event per step,
 // each with the executing node id (a "parent:child" path inside subgraphs); the node's final
-// "executed" output carries the whole report (entry, similarity, mask source, timings).
+// "executed" output carries the whole report (entry, similarity, mask source, timings); for the
+// Chorus Sparse Attention node the report comes as a "chorus.report" event.
 // A DOM widget, not canvas drawing: both of the frontend's renderers show it, the LiteGraph
 // canvas and the Vue nodes ("Nodes 2.0", setting Comfy.VueNodes.Enabled).
 import { app } from "../../scripts/app.js";
@@ -106,11 +107,20 @@ function onStep({ detail }) {
   show(detail.node, { ...previous, ...detail });
 }
 
+function showFinal(node, report) {
+  const previous = reports.get(String(node)) ?? {};
+  show(node, { ...previous, ...report, step: report.steps });
+}
+
 function onExecuted({ detail }) {
   const report = detail?.output?.chorus_report?.[0];
-  if (!report || !detail.node) return;
-  const previous = reports.get(String(detail.node)) ?? {};
-  show(detail.node, { ...previous, ...report, step: report.steps });
+  if (report && detail.node) showFinal(detail.node, report);
+}
+
+// The Chorus Sparse Attention node patches a MODEL, so its run ends inside another node's
+// sampling: its report comes as an event rather than as that node's output.
+function onReport({ detail }) {
+  if (detail?.chorus_report && detail.node) showFinal(detail.node, detail.chorus_report);
 }
 
 // ComfyUI may serve this folder under two names (WEB_DIRECTORY and pyproject's [tool.comfy] web);
@@ -123,6 +133,7 @@ if (!window.chorusReuseReports) {
       api.addEventListener("chorus.run_start", onRunStart);
       api.addEventListener("chorus.step", onStep);
       api.addEventListener("executed", onExecuted);
+      api.addEventListener("chorus.report", onReport);
     },
     async beforeRegisterNodeDef(nodeType, nodeData) {
       if (!VIEW_TYPES.has(nodeData.name)) return;
