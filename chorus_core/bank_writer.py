@@ -21,24 +21,24 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
 
 log = logging.getLogger("chorus")
 QUEUE_SIZE = 4  # recordings waiting to be written; more are dropped (each holds its masks in RAM)
 HISTORY = 64  # finished writes remembered for outcome()
 EXIT_FLUSH_S = 120.0  # at interpreter exit, how long pending writes may finish
+SIMILAR_WAIT_S = 60.0  # longest a request waits for a similar pending entry before it misses
 
 
 @dataclass
 class PendingWrite:
     """One recording on its way into a bank."""
 
-    bank_root: str
+    bank_root: str  # the bank's identity: its folder, or a key naming a server bank
     entry_id: str
     compat: str
     signature: object  # chorus_core.bank.Signature
-    write: Callable[[], None]  # does the work; raises on failure
+    write: Optional[Callable[[], None]]  # does the work, raises on failure; dropped when done (it holds the masks)
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[str] = None
     submitted: float = field(default_factory=time.perf_counter)
@@ -77,6 +77,7 @@ class BankWriter:
                 item.error = f"{type(exc).__name__}: {exc}"
                 log.warning("Chorus: recorded masks %s were not written: %s", item.entry_id, item.error)
             finally:
+                item.write = None  # the closure holds the recorded masks (210 MB at 720p-14B): free them
                 item.seconds = time.perf_counter() - item.submitted
                 with self._lock:
                     self._pending.pop(item.entry_id, None)
@@ -87,11 +88,11 @@ class BankWriter:
                 item.done.set()
                 self._queue.task_done()
 
-    def pending(self, bank_root=None) -> list[PendingWrite]:
-        """Writes not finished yet (for one bank folder, or all)."""
-        root = None if bank_root is None else str(Path(bank_root))
+    def pending(self, bank_key=None) -> list[PendingWrite]:
+        """Writes not finished yet (for one bank, or all)."""
+        key = None if bank_key is None else str(bank_key)
         with self._lock:
-            return [p for p in self._pending.values() if root is None or p.bank_root == root]
+            return [p for p in self._pending.values() if key is None or p.bank_root == key]
 
     def outcome(self, entry_id: str) -> Optional[PendingWrite]:
         """A queued or recently finished write (``.done``, ``.error``, ``.seconds``), or None."""
@@ -137,20 +138,27 @@ def flush_all(timeout: Optional[float] = None) -> bool:
     return _default is None or _default.flush(timeout)
 
 
-def wait_for_similar(bank_root, compat: str, signature, threshold: float, weights=None,
-                     timeout: float = 600.0) -> Optional[str]:
+def wait_for_similar(bank_key, compat: str, signature, threshold: float, weights=None,
+                     timeout: float = SIMILAR_WAIT_S) -> Optional[str]:
     """Wait for a pending write to this bank that this request would hit; its entry id, or None.
 
+    :param bank_key: the bank's identity as given to :class:`PendingWrite` (its folder or URL key)
     :param threshold: the request's hit threshold (weighted cosine similarity)
-    :param timeout: longest wait; after it the request goes on as a miss
+    :param timeout: longest wait in all; after it the request goes on as a miss
     """
-    if _default is None:
+    if _default is None or bank_key is None:
         return None
-    for item in _default.pending(bank_root):
-        if item.compat != compat:
+    deadline = time.monotonic() + timeout
+    for item in _default.pending(bank_key):
+        if item.compat != compat or item.signature is None:
             continue
         similarity, _ = signature.similarity(item.signature, weights)
-        if similarity >= threshold:
-            item.done.wait(timeout)
-            return item.entry_id if item.done.is_set() and item.error is None else None
+        if similarity < threshold:
+            continue
+        if not item.done.wait(max(0.0, deadline - time.monotonic())):
+            log.warning("Chorus: a similar entry is still being written after %.0f s; this request runs "
+                        "as a miss", timeout)
+            return None
+        if item.error is None:
+            return item.entry_id
     return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import numpy as np
 import torch
@@ -44,25 +44,21 @@ def live_lists(block_map: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class HostBucket:
-    """One step bucket of an entry, every layer, as host arrays ready for one upload."""
+    """One step bucket of an entry, every layer, as host arrays ready for upload."""
 
-    live_blocks: torch.Tensor  # int16 [L, H, nq, max_live] (pinned when the run is on a GPU)
-    live_counts: torch.Tensor  # int32 [L, H, nq]
+    live_blocks: list  # per layer: int16 [H, nq, max_live of that layer] (pinned when the run is on a GPU)
+    live_counts: list  # per layer: int32 [H, nq]
     densities: list[float]  # per layer: share of blocks kept
 
     @classmethod
     def from_maps(cls, maps: list[np.ndarray], pin: bool) -> "HostBucket":
-        lists = [live_lists(m) for m in maps]
-        width = max(ids.shape[-1] for ids, _ in lists)
-        ids = np.zeros((len(lists), *lists[0][0].shape[:2], width), dtype=np.int16)
-        for layer, (layer_ids, _) in enumerate(lists):
-            ids[layer, ..., :layer_ids.shape[-1]] = layer_ids
-        counts = np.stack([c for _, c in lists])
-        nk = maps[0].shape[-1]
-        ids_t, counts_t = torch.from_numpy(ids), torch.from_numpy(counts)
+        lists = [live_lists(m) for m in maps]  # padded per layer: one dense layer must not widen all
+        ids = [torch.from_numpy(layer_ids) for layer_ids, _ in lists]
+        counts = [torch.from_numpy(c) for _, c in lists]
         if pin:
-            ids_t, counts_t = ids_t.pin_memory(), counts_t.pin_memory()
-        return cls(ids_t, counts_t, [float(c.sum()) / (c.size * nk) for _, c in lists])
+            ids, counts = [t.pin_memory() for t in ids], [t.pin_memory() for t in counts]
+        nk = maps[0].shape[-1]
+        return cls(ids, counts, [float(c.sum()) / (c.size * nk) for _, c in lists])
 
 
 @dataclass
@@ -85,12 +81,14 @@ class PrefetchTimings:
 class EntryPrefetch:
     """Loads an entry in a worker thread and hands out its buckets as they become ready.
 
-    :param load: returns the entry's :class:`~chorus_core.bank.EntryMasks` (runs in the worker)
+    :param open_entry: returns a context manager that yields the entry's
+        :class:`~chorus_core.bank.EntryMasks` (entered in the worker, on a connection of its own,
+        and left once every bucket is decoded)
     :param pin: pin host arrays (the run is on a CUDA device), so uploads are asynchronous
     """
 
-    def __init__(self, load: Callable[[], object], pin: bool = False):
-        self._load, self._pin = load, pin
+    def __init__(self, open_entry: Callable[[], ContextManager], pin: bool = False):
+        self._open_entry, self._pin = open_entry, pin
         self._cond = threading.Condition()
         self._entry = None
         self._host: dict[int, HostBucket] = {}
@@ -106,18 +104,18 @@ class EntryPrefetch:
     def _work(self) -> None:
         try:
             started = time.perf_counter()
-            entry = self._load()
-            self.timings.load_ms = (time.perf_counter() - started) * 1e3
-            self._publish(entry=entry)
-            layers = entry.shape[1]
-            for bucket in range(len(entry.step_buckets)):
-                begun = time.perf_counter()
-                maps = [entry.block_map(bucket, layer).numpy() for layer in range(layers)]
-                host = HostBucket.from_maps(maps, self._pin)
-                self.timings.buckets.append(round((time.perf_counter() - begun) * 1e3, 2))
-                self._publish(bucket=(bucket, host))
+            with self._open_entry() as entry:
+                self.timings.load_ms = (time.perf_counter() - started) * 1e3
+                self._publish(entry=entry)
+                layers = entry.shape[1]
+                for bucket in range(len(entry.step_buckets)):
+                    begun = time.perf_counter()
+                    maps = [entry.block_map(bucket, layer).numpy() for layer in range(layers)]
+                    host = HostBucket.from_maps(maps, self._pin)
+                    self.timings.buckets.append(round((time.perf_counter() - begun) * 1e3, 2))
+                    self._publish(bucket=(bucket, host))
             self.timings.decode_ms = sum(self.timings.buckets)
-        except BaseException as exc:  # handed to the sampling thread, which runs dense
+        except BaseException as exc:  # handed to the sampling thread, which runs as a miss
             self._publish(error=exc)
         finally:
             self._publish(done=True)
@@ -159,18 +157,23 @@ class EntryPrefetch:
         started = time.perf_counter()
         host = self._host[bucket]
         self._device = None  # free the previous bucket before allocating this one
-        ids = host.live_blocks.to(device, non_blocking=True).to(torch.int32)
-        counts = host.live_counts.to(device, non_blocking=True)
         BlockSparseMask = import_sibling("kernels.block_sparse").BlockSparseMask
-        # Valid by construction (live_lists checked every row on the host): no per-mask check on the GPU.
-        masks = [PreparedMask(BlockSparseMask(ids[layer][None], counts[layer][None], block_size[0], block_size[1],
-                                              seq_len).assume_valid(), host.densities[layer])
-                 for layer in range(ids.shape[0])]
+        masks = []
+        for ids, counts, density in zip(host.live_blocks, host.live_counts, host.densities):
+            # Valid by construction (live_lists checked every row on the host): no check on the GPU.
+            mask = BlockSparseMask(ids.to(device, non_blocking=True).to(torch.int32)[None],
+                                   counts.to(device, non_blocking=True)[None], block_size[0], block_size[1], seq_len)
+            masks.append(PreparedMask(mask.assume_valid(), density))
         self._device = DeviceBucket(bucket, masks)
         self.timings.upload_ms += (time.perf_counter() - started) * 1e3
         return self._device
 
     def join(self, timeout: float = 60.0) -> None:
-        """Wait for the worker (after sampling it has long finished) and free device tensors."""
+        """Wait for the worker (after sampling it has long finished) and free what it holds.
+
+        Pinned host buffers may still feed an upload in flight: torch's pinned-memory allocator
+        keeps a block until the copies that use it are done, so dropping them here is safe.
+        """
         self._thread.join(timeout)
-        self._device = None
+        with self._cond:
+            self._device, self._host, self._entry = None, {}, None

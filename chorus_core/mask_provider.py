@@ -175,7 +175,7 @@ def serve_prepared_mask(provider, layer, step, cond_or_uncond, num_heads, seq_le
     """The provider's mask for one call, ready for the kernel; None runs the call dense.
 
     A provider with ``prepared_mask`` answers directly; otherwise its block map is converted here
-    (one host sync for the live-block count and one for the density, once per step bucket).
+    (one host sync in ``block_map_to_mask``, once per step bucket; online prediction's bucket is the step).
     """
     prepared = getattr(provider, "prepared_mask", None)
     if prepared is not None:

@@ -131,8 +131,9 @@ def pack_bits(block_map: torch.Tensor) -> torch.Tensor:
     """bool ``[..., nk]`` -> uint8 ``[..., ceil(nk / 8)]``, most significant bit first (``np.packbits`` order)."""
     nk = block_map.shape[-1]
     padded = torch.nn.functional.pad(block_map.to(torch.uint8), (0, (-nk) % 8))
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=block_map.device)
-    return (padded.unflatten(-1, (-1, 8)) * weights).sum(-1, dtype=torch.uint8)
+    # made on the device (a host-built tensor would cost a blocking copy per call)
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=block_map.device)
+    return (padded.unflatten(-1, (-1, 8)) << shifts).sum(-1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, nk: int) -> torch.Tensor:

@@ -30,19 +30,25 @@ _lock = threading.Lock()
 
 
 def prior_key(bank, fingerprint, layout: LatentLayout, min_density: float, max_density: float) -> str:
-    """Names the prior of this bank content, model, layout and density clamp (hex, filename-safe)."""
-    text = json.dumps([bank.content_token(), compat_key(fingerprint, layout), round(min_density, 6),
-                       round(max_density, 6), PRIOR_ENTRIES])
-    return hashlib.sha256(text.encode()).hexdigest()[:40]
+    """``<content>-<prior>``: the bank content, then model, layout and density clamp (hex, filename-safe)."""
+    content = hashlib.sha256(bank.content_token().encode()).hexdigest()[:16]
+    text = json.dumps([compat_key(fingerprint, layout), round(min_density, 6), round(max_density, 6), PRIOR_ENTRIES])
+    return f"{content}-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
 
 
 def load_prior(bank, fingerprint, layout, min_density: float, max_density: float):
-    """The stored prior for this content, building it when missing; None when no entry is compatible."""
+    """The stored prior for this content, building it when missing; None when no entry is compatible.
+
+    A bank without a folder (PostgreSQL) or a read-only one keeps its priors in this process's memory.
+    """
     key = prior_key(bank, fingerprint, layout, min_density, max_density)
-    path = Path(bank.root) / PRIORS_DIR / f"{key}.safetensors"
-    if key in _memory:
-        return _memory[key]
-    if path.is_file() and not path.is_symlink():
+    with _lock:
+        cached = _memory.get(key)
+    if cached is not None:
+        return cached
+    in_memory = bank.read_only or bank.root is None
+    path = None if in_memory else Path(bank.root) / PRIORS_DIR / f"{key}.safetensors"
+    if path is not None and path.is_file() and not path.is_symlink():
         try:
             return _read(path, key)
         except Exception:  # a damaged prior is only a cache: build it again
@@ -50,14 +56,16 @@ def load_prior(bank, fingerprint, layout, min_density: float, max_density: float
     built = build_prior(bank, fingerprint, layout, min_density, max_density)
     if built is None:
         return None
-    tensors, meta = built
-    if bank.read_only:
-        with _lock:
-            _memory.clear()  # one bank content at a time: memory stays bounded
-            _memory[key] = _entry(key, tensors, meta)
-        return _memory[key]
-    _write(path, tensors, meta)
-    return _entry(key, tensors, meta)
+    prior = _entry(key, *built)
+    if in_memory:
+        with _lock:  # only the newest bank content: memory stays bounded
+            content = key.split("-")[0]
+            for old in [k for k in _memory if not k.startswith(content)]:
+                del _memory[old]
+            _memory[key] = prior
+    else:
+        _write(path, *built)
+    return prior
 
 
 def build_prior(bank, fingerprint, layout, min_density, max_density):
@@ -89,9 +97,10 @@ def _write(path: Path, tensors: dict, meta: dict) -> None:
     tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
     tmp.write_bytes(data)
     os.replace(tmp, path)  # readers see the whole prior or none
-    for old in path.parent.glob("*.safetensors"):
-        if old.name != path.name and old.is_file() and not old.is_symlink():
-            old.unlink(missing_ok=True)  # priors of older bank content
+    content = path.name.split("-")[0]
+    for old in path.parent.glob("*.safetensors"):  # priors of older bank content only
+        if not old.name.startswith(content) and old.is_file() and not old.is_symlink():
+            old.unlink(missing_ok=True)
 
 
 def _read(path: Path, key: str) -> EntryMasks:

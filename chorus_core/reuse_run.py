@@ -6,6 +6,7 @@ ComfyUI's data (a ModelPatcher, CONDITIONING lists, LATENT dicts) but none of it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -16,7 +17,8 @@ import torch
 from typing import Optional
 
 from . import bank_writer
-from .bank import LatentLayout, MaskBank, MatchResult, Schedule, Signature, build_signature, compat_key
+from ._siblings import import_sibling
+from .bank import BankError, LatentLayout, MaskBank, MatchResult, Schedule, Signature, build_signature, compat_key
 from .bank.encoding import PackedBlockMaps
 from .bank.signature import resolve_weights
 from .entry_prefetch import EntryPrefetch
@@ -72,8 +74,11 @@ class ReuseMatch:
     request: MatchRequest
     result: MatchResult
     match_ms: float
+    warning: str | None = None  # why the lookup could not run (the request is then a miss)
 
     def summary(self) -> str:
+        if self.warning:
+            return f"Chorus: MISS ({self.warning})"
         r = self.result
         parts = " ".join(f"{k}={v:.3f}" for k, v in sorted(r.components.items()))
         verdict = f"HIT {r.entry_id}" if r.hit else "MISS"
@@ -111,13 +116,24 @@ def build_match_request(model_patcher, clip_vision_output, positive, latent: dic
 
 
 def match_request(bank: MaskBank, request: MatchRequest) -> ReuseMatch:
-    """Look the request up; a similar entry still being written is waited for, then hit."""
+    """Look the request up; a similar entry still being written is waited for, then hit.
+
+    A bank that cannot answer (a PostgreSQL server restarting, a damaged index) makes this
+    request a miss with a warning, never a failed prompt.
+    """
     started = time.perf_counter()
-    bank_writer.wait_for_similar(bank.root, compat_key(request.fingerprint, request.layout), request.signature,
-                                 request.threshold, request.weights)
-    result = bank.match(request.signature, request.fingerprint, request.layout, threshold=request.threshold,
-                        top_k=1, weights=request.weights)
-    return ReuseMatch(bank=bank, request=request, result=result, match_ms=(time.perf_counter() - started) * 1e3)
+    try:
+        bank_writer.wait_for_similar(bank.label, compat_key(request.fingerprint, request.layout),
+                                     request.signature, request.threshold, request.weights)
+        result = bank.match(request.signature, request.fingerprint, request.layout,
+                            threshold=request.threshold, top_k=1, weights=request.weights)
+        warning = None
+    except BankError as exc:
+        result = MatchResult(hit=False, entry_id=None, similarity=0.0, components={}, candidates=0)
+        warning = f"the bank could not be searched, so this request runs as a miss: {exc}"
+        log.warning("Chorus: %s", warning)
+    return ReuseMatch(bank=bank, request=request, result=result, match_ms=(time.perf_counter() - started) * 1e3,
+                      warning=warning)
 
 
 @dataclass
@@ -171,13 +187,16 @@ class BankEntryProvider:
             try:  # the entry's schedule: known once the worker has loaded it
                 self._bucket_starts = scaled_bucket_starts(self.prefetch.entry().schedule, self.steps)
             except Exception as exc:
-                self.failure = str(exc.__cause__ or exc)
-                log.warning("Chorus: %s; this run continues as a miss", self.failure)
+                self._fail(exc)
         if self.failure is not None and self.fallback is not None:
             return self.fallback
         if self.failure is not None:
             raise RuntimeError(self.failure)
         return self
+
+    def _fail(self, exc: Exception) -> None:
+        self.failure = str(exc.__cause__ or exc)
+        log.warning("Chorus: %s; this run continues as a miss", self.failure)
 
     def step_bucket(self, step: int):
         source = self._source()
@@ -192,7 +211,11 @@ class BankEntryProvider:
         source = self._source()
         if source is not self:
             return serve_prepared_mask(source, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-        masks = self.prefetch.device_bucket(self.step_bucket(step), self.block_size, seq_len, device).masks
+        try:  # a bucket the worker could not decode: the rest of the run is a miss, like a failed load
+            masks = self.prefetch.device_bucket(self.step_bucket(step), self.block_size, seq_len, device).masks
+        except Exception as exc:
+            self._fail(exc)
+            return self.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
         if layer >= len(masks):
             return None
         prepared = masks[layer]
@@ -203,17 +226,15 @@ class BankEntryProvider:
         return prepared
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
-        """A bool map for callers that want one (Feature Reuse maps it to its shorter sequence)."""
+        """A bool map for callers that want one (Feature Reuse maps it to its shorter sequence),
+        made on the device from the uploaded masks: no second decode on the sampling thread."""
         source = self._source()
         if source is not self:
             return source.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
-        entry = self.prefetch.entry()
-        block_map = entry.block_map(self.step_bucket(step), layer)  # [H, nq, nk]
-        expected = (num_heads, *(math.ceil(seq_len / b) for b in self.block_size))
-        if tuple(block_map.shape) != expected:
-            raise ValueError(f"bank entry {entry.entry_id} has masks {tuple(block_map.shape)} for layer {layer}, "
-                             f"this run needs {expected}; the bank's compatibility filter should have excluded it")
-        return block_map[None].to(device)
+        prepared = self.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, 1, device)
+        if prepared is None or self.failure is not None:  # failed just now: this call runs dense
+            return None
+        return import_sibling("kernels.block_sparse").mask_to_block_map(prepared.mask)
 
 
 class OnlinePredictionProvider:
@@ -323,6 +344,8 @@ class ReuseRun:
         if self.match is None:
             return None
         result = self.match.result
+        if self.match.warning:
+            self.report.warnings.append(self.match.warning)
         self.report.similarity, self.report.components = result.similarity, dict(result.components)
         self.report.timings["match_ms"] = round(self.match.match_ms, 2)
         if not result.hit:
@@ -335,10 +358,10 @@ class ReuseRun:
         self.report.mask_source = f"bank entry {entry_id}"
         # Loaded, verified and decoded in a worker while the dense warm-up step runs; a failure
         # there (corrupt, pruned meanwhile) makes the rest of the run dense with a warning.
-        return self._prefetched(lambda: bank.load_masks(entry_id))
+        return self._prefetched(lambda: _own_connection(bank, lambda own: own.load_masks(entry_id)))
 
-    def _prefetched(self, load) -> BankEntryProvider:
-        self.prefetch = EntryPrefetch(load, pin=_on_cuda(self.model_patcher))
+    def _prefetched(self, open_entry) -> BankEntryProvider:
+        self.prefetch = EntryPrefetch(open_entry, pin=_on_cuda(self.model_patcher))
         o = self.options
         fallback = (DenseProvider((self.block_size, self.block_size)) if o.miss_mode == "dense" else
                     OnlinePredictionProvider(self.block_size, o.top_p, o.min_density, o.max_density))
@@ -371,8 +394,8 @@ class ReuseRun:
         if not compatible:
             return None
         self.report.mask_source = f"population prior of {len(compatible)} entries"
-        return self._prefetched(lambda: load_prior(bank, request.fingerprint, request.layout,
-                                                   o.min_density, o.max_density))
+        return self._prefetched(lambda: _own_connection(
+            bank, lambda own: load_prior(own, request.fingerprint, request.layout, o.min_density, o.max_density)))
 
     def _can_record(self) -> bool:
         return bool(self.match and self.options.record_on_miss and not self.match.bank.read_only)
@@ -445,14 +468,14 @@ class ReuseRun:
 
         def write():
             # Its own connection: SQLite connections are not shared between threads mid-transaction.
-            with MaskBank.open(bank.root) as writer_bank:
-                writer_bank.add_entry(
-fingerprint=request.fingerprint, layout=request.layout, schedule=schedule,
+            with bank.reopen() as writer_bank:
+                writer_bank.add_entry(fingerprint=request.fingerprint, layout=request.layout, schedule=schedule,
                                       masks=masks, signature=request.signature, density=recorded.density,
                                       recall=recorded.mean_recall, tags=list(o.tags), entry_id=entry_id)
-                load_prior(writer_bank, request.fingerprint, request.layout, o.min_density, o.max_density)
+                if o.miss_mode == "prior":  # refresh the stored prior for the next prior-mode miss
+                    load_prior(writer_bank, request.fingerprint, request.layout, o.min_density, o.max_density)
 
-        return bank_writer.PendingWrite(bank_root=str(bank.root), entry_id=entry_id,
+        return bank_writer.PendingWrite(bank_root=bank.label, entry_id=entry_id,
                                         compat=compat_key(request.fingerprint, request.layout),
                                         signature=request.signature, write=write)
 
@@ -585,6 +608,17 @@ def _mean_density(stats) -> float | None:
 def _model_shift(model_patcher) -> float:
     sampling = getattr(model_patcher.model, "model_sampling", None)
     return float(getattr(sampling, "shift", 0.0) or 0.0)
+
+
+@contextlib.contextmanager
+def _own_connection(bank, load):
+    """``load(bank)`` on a new connection of this bank, kept open while the caller uses the result.
+
+    SQLite (and psycopg) connections must not run two threads' statements at once, so the
+    prefetch worker never uses the prompt thread's connection.
+    """
+    with bank.reopen() as own:
+        yield load(own)
 
 
 def _on_cuda(model_patcher) -> bool:

@@ -176,7 +176,10 @@ def _validate_mask(mask: BlockSparseMask) -> None:
 def block_map_to_mask(block_map: torch.Tensor, block_q: int, block_k: int, seq_len: int) -> BlockSparseMask:
     """bool ``[B, H, nq, nk]`` block map -> ``BlockSparseMask`` (ascending ids, padded with 0).
 
-    Whole-tensor ops only (one host sync for max_live), so it is cheap per layer on the GPU.
+    Whole-tensor ops and one host sync (for the row counts' min, max and sum), so it is cheap per
+    layer on the GPU. The mask comes back with its density known and, when no row is empty,
+    already validated (ids from the sort are ascending and in range by construction); a mask
+    with an empty row is left for :meth:`BlockSparseMask.validate` to reject with details.
     """
     nq, nk = math.ceil(seq_len / block_q), math.ceil(seq_len / block_k)
     if block_map.dim() != 4 or tuple(block_map.shape[2:]) != (nq, nk):
@@ -186,12 +189,16 @@ def block_map_to_mask(block_map: torch.Tensor, block_q: int, block_k: int, seq_l
         )
     live = block_map.bool()
     counts = live.sum(-1, dtype=torch.int32)
-    max_live = max(1, int(counts.max())) if counts.numel() else 1
+    fewest, most, kept = (torch.stack([counts.min(), counts.max(), counts.sum(dtype=torch.int32)]).tolist()
+                          if counts.numel() else (0, 0, 0))
+    max_live = max(1, most)
     # A stable sort of "not live" puts the live ids first, in ascending order.
     order = torch.sort((~live).to(torch.uint8), dim=-1, stable=True).indices[..., :max_live]
     valid = torch.arange(max_live, device=live.device) < counts[..., None]
     ids = order.masked_fill(~valid, 0).to(torch.int32).contiguous()
-    return BlockSparseMask(ids, counts.contiguous(), int(block_q), int(block_k), int(seq_len))
+    mask = BlockSparseMask(ids, counts.contiguous(), int(block_q), int(block_k), int(seq_len))
+    mask.__dict__["density"] = kept / max(1, counts.numel() * nk)  # pre-fills the cached property
+    return mask.assume_valid() if fewest > 0 else mask
 
 
 def mask_to_block_map(mask: BlockSparseMask) -> torch.Tensor:

@@ -190,7 +190,9 @@ class ChorusSimilarityMatch(io.ComfyNode):
             inputs=[
                 MaskBankType.Input("mask_bank", tooltip="From Chorus Mask Bank Loader."),
                 io.Model.Input("model", tooltip="Only masks recorded with this exact model (fingerprint) are candidates."),
-                io.ClipVisionOutput.Input("clip_vision_output", tooltip="From CLIP Vision Encode of the start image."),
+                io.ClipVisionOutput.Input("clip_vision_output", optional=True,
+                                          tooltip="From CLIP Vision Encode of the start image; leave it empty for "
+                                                  "text-to-video (then text and the latent grid make the signature)."),
                 io.Conditioning.Input("positive", tooltip="Positive conditioning from WanImageToVideo (its start-frame latent gives the layout)."),
                 io.Latent.Input("latent", tooltip="The latent the sampler will denoise (gives the video grid)."),
                 io.Latent.Input("start_latent", optional=True, tooltip="Start-frame latent, when positive carries none."),
@@ -214,8 +216,8 @@ class ChorusSimilarityMatch(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, mask_bank, model, clip_vision_output, positive, latent, threshold, clip_weight, text_weight,
-                layout_weight, block_size, start_latent=None) -> io.NodeOutput:
+    def execute(cls, mask_bank, model, positive, latent, threshold, clip_weight, text_weight,
+                layout_weight, block_size, clip_vision_output=None, start_latent=None) -> io.NodeOutput:
         from ..chorus_core.reuse_run import build_match_request, match_request
 
         weights = {"clip": clip_weight, "text": text_weight, "layout": layout_weight}

@@ -37,8 +37,8 @@ def generate(pack, patcher, bank_name, template="pan", subject=0, layout=0, seed
     bank_nodes, sampler_nodes, testbed, _ = pack
     positive, negative, latent, clip, start = request_outputs(testbed, template, subject, layout)
     (bank,) = bank_nodes.ChorusMaskBankLoader.execute(bank_nodes.NEW_BANK, bank_name, False).args
-    match, summary = bank_nodes.ChorusSimilarityMatch.execute(bank, patcher, clip, positive, latent, 0.9, 0.5, 0.3, 0.2,
-                                                              32, start_latent=start).args
+    match, summary = bank_nodes.ChorusSimilarityMatch.execute(bank, patcher, positive, latent, 0.9, 0.5, 0.3, 0.2,
+                                                              32, start_latent=start, clip_vision_output=clip).args
     output = sampler_nodes.ChorusSparseWanSampler.execute(
         patcher, positive, negative, latent, seed, steps, 5.0, "euler", "simple", 1.0, 1, "", "online", 0.9, 0.1, 0.6,
         True, template, match=match)
@@ -92,8 +92,8 @@ def test_read_only_bank_matches_but_never_records(pack, tiny_wan_patcher):
     generate(pack, tiny_wan_patcher, "shared", seed=1)
     positive, negative, latent, clip, start = request_outputs(testbed, "orbit", 3, 5)
     (bank,) = bank_nodes.ChorusMaskBankLoader.execute("shared", "", True).args
-    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, clip, positive, latent, 0.9, 0.5, 0.3,
-                                                        0.2, 32, start_latent=start).args
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, positive, latent, 0.9, 0.5, 0.3,
+                                                        0.2, 32, start_latent=start, clip_vision_output=clip).args
     output = sampler_nodes.ChorusSparseWanSampler.execute(
         tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "online", 0.9, 0.1,
         0.6, True, "", match=match)
@@ -113,8 +113,8 @@ def test_a_bank_that_cannot_store_the_recording_keeps_the_generation(pack, tiny_
     bank_nodes, sampler_nodes, testbed, _ = pack
     positive, negative, latent, clip, start = request_outputs(testbed)
     (bank,) = bank_nodes.ChorusMaskBankLoader.execute(bank_nodes.NEW_BANK, "unwritable", False).args
-    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, clip, positive, latent, 0.9, 0.5, 0.3,
-                                                        0.2, 32, start_latent=start).args
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, positive, latent, 0.9, 0.5, 0.3,
+                                                        0.2, 32, start_latent=start, clip_vision_output=clip).args
     shutil.rmtree(bank.root / "blobs", ignore_errors=True)
     (bank.root / "blobs").write_text("not a folder")  # the disk goes bad while the run samples
     output = sampler_nodes.ChorusSparseWanSampler.execute(
@@ -146,8 +146,8 @@ def test_prior_miss_mode_uses_the_banks_population_prior(pack, tiny_wan_patcher)
     _, first, _, bank = generate(pack, tiny_wan_patcher, "prior", seed=1)
     hits_before = bank.show(first["recorded_entry_id"])["hits"]
     positive, negative, latent, clip, start = request_outputs(testbed, "orbit", 3, 5)
-    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, clip, positive, latent, 0.9, 0.5, 0.3,
-                                                        0.2, 32, start_latent=start).args
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, positive, latent, 0.9, 0.5, 0.3,
+                                                        0.2, 32, start_latent=start, clip_vision_output=clip).args
     output = sampler_nodes.ChorusSparseWanSampler.execute(
         tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "prior", 0.9, 0.1,
         0.6, False, "", match=match)
@@ -162,8 +162,8 @@ def test_prior_miss_mode_predicts_online_when_the_bank_is_empty(pack, tiny_wan_p
     bank_nodes, sampler_nodes, testbed, _ = pack
     positive, negative, latent, clip, start = request_outputs(testbed)
     (bank,) = bank_nodes.ChorusMaskBankLoader.execute(bank_nodes.NEW_BANK, "empty_prior", False).args
-    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, clip, positive, latent, 0.9, 0.5, 0.3,
-                                                        0.2, 32, start_latent=start).args
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, positive, latent, 0.9, 0.5, 0.3,
+                                                        0.2, 32, start_latent=start, clip_vision_output=clip).args
     output = sampler_nodes.ChorusSparseWanSampler.execute(
         tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "prior", 0.9, 0.1,
         0.6, False, "", match=match)

@@ -16,8 +16,8 @@ def match_node(pack, patcher, bank_name, outputs):
     bank_nodes = pack[0]
     positive, _, latent, clip, start = outputs
     (bank,) = bank_nodes.ChorusMaskBankLoader.execute(bank_nodes.NEW_BANK, bank_name, False).args
-    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, patcher, clip, positive, latent, 0.9, 0.5, 0.3, 0.2, 32,
-                                                        start_latent=start).args
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, patcher, positive, latent, 0.9, 0.5, 0.3, 0.2, 32,
+                                                        start_latent=start, clip_vision_output=clip).args
     return match
 
 

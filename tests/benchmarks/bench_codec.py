@@ -3,6 +3,7 @@
     python tests/benchmarks/bench_codec.py --bank DIR [--out DIR] [--name NAME]
 
     python tests/benchmarks/bench_codec.py --synthetic 480p [--layers 8] [--out DIR]
+    python tests/benchmarks/bench_codec.py --testbed [--out DIR]
 
 Every entry of the bank at DIR (for example the one ``bench_reuse_loop.py --keep-bank DIR``
 records at Wan2.1-14B shapes, or a testbed bank) is decoded to its bool block maps and then
@@ -15,6 +16,11 @@ re-encoded with each candidate:
 ``--synthetic`` measures instead one entry of ``bench_end_to_end.structured_block_map`` masks
 (local 3D windows, global key columns, noise; what real video-DiT masks look like, as far as
 random-weight runs can show) at density 0.15, 3 step buckets, ``--layers`` layers, 40 heads.
+
+``--testbed`` records one entry the way a user's miss does (``ReuseRun`` with recording, the
+background writer, a real bank in a temporary folder) on the committed testbed checkpoint
+(a trained Wan2.1-I2V-architecture model, ``tests/testbed/``) at its long training size,
+16 x 64 x 64 latents = 16,384 tokens, on the CPU, and measures the codecs on that entry.
 
 Decode is timed to bool maps for every (bucket, layer), and for the shipped codec also to the
 kernel's live-block lists (what a hit's prefetch worker does). Writes ``codec_<name>.json`` / ``.md``.
@@ -101,6 +107,38 @@ def synthetic_maps(shape: str, layers: int) -> np.ndarray:
                                for l in range(layers)]) for b in range(3)])
 
 
+def testbed_maps(steps: int = 6) -> np.ndarray:
+    import tempfile
+
+    from chorus_core.comfyui_locator import locate_comfyui, prepare_in_process
+
+    prepare_in_process(locate_comfyui(allow_clone=False), cpu=True)
+    import comfy.sample
+    import comfy.sd
+
+    from chorus_core import bank_writer
+    from chorus_core.bank.signature import resolve_weights
+    from chorus_core.reuse_run import (ReuseOptions, ReuseRun, SamplingSettings, build_match_request,
+                                       match_request)
+    from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+
+    patcher = comfy.sd.load_diffusion_model(str(REPO / "tests" / "testbed" / "chorus_testbed_wan21_i2v.safetensors"))
+    positive, negative, latent = i2v_conditioning(generate_request(I2VRequest(frames=16, height=64, width=64)))
+    with tempfile.TemporaryDirectory() as tmp:
+        bank = MaskBank.open(tmp)
+        request = build_match_request(patcher, positive[0][1]["clip_vision_output"], positive, latent, None, 0.9,
+                                      resolve_weights(None), 128)
+        run = ReuseRun(patcher, match_request(bank, request), ReuseOptions(), SamplingSettings(steps, "euler", "simple"))
+        patched = run.prepare()
+        noise = comfy.sample.prepare_noise(latent["samples"], 0)
+        comfy.sample.sample(patched, noise, steps, 5.0, "euler", "simple", positive, negative, latent["samples"],
+                            seed=0, disable_pbar=True)
+        report = run.finish()
+        if not bank_writer.flush_all(timeout=600) or bank.stats()["entries"] != 1:
+            raise RuntimeError(f"the testbed recording was not written: {report.warnings}")
+        return entry_maps(bank, report.recorded_entry_id)
+
+
 def measure(maps: np.ndarray) -> list[dict]:
     rows = []
     for name, (encode, decode) in CANDIDATES.items():
@@ -139,6 +177,7 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--bank", help="a bank whose entries were recorded")
     source.add_argument("--synthetic", choices=("480p", "720p"), help="structured synthetic masks instead")
+    source.add_argument("--testbed", action="store_true", help="record one entry on the testbed checkpoint (CPU)")
     parser.add_argument("--layers", type=int, default=8, help="layers of the synthetic entry")
     parser.add_argument("--out", default=str(REPO / "tests" / "benchmarks" / "results"))
     parser.add_argument("--name", default="recorded")
@@ -146,6 +185,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = []
     sources = [(args.synthetic, "synthetic", synthetic_maps(args.synthetic, args.layers))] if args.synthetic else []
+    if args.testbed:
+        sources = [("testbed 16x64x64", "recorded", testbed_maps())]
     if args.bank:
         with MaskBank.open(args.bank, read_only=True) as bank:
             sources = [(args.shape, e["id"], entry_maps(bank, e["id"])) for e in bank.entries()]
