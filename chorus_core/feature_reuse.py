@@ -543,10 +543,10 @@ class _Run:
 
     def _sparse_usable(self, sparse_run, call: AttentionCall) -> bool:
         """False once a reduced call failed, once the sparse run went dense (it says why), or on
-        a GPU without Triton (the torch reference would be slower than dense attention)."""
+        a GPU without a block-sparse kernel (the torch reference would be slower than dense attention)."""
         if self._sparse_failed or getattr(sparse_run, "disabled", False):
             return False
-        return not call.q.is_cuda or block_sparse().triton_available()
+        return not call.q.is_cuda or block_sparse().gpu_kernel_available()
 
     def _fail(self, layer: int, step: Optional[int], exc: Exception) -> None:
         self._sparse_failed = True

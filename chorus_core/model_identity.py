@@ -21,13 +21,13 @@ import hashlib
 
 import torch
 
-from .bank.fingerprint import ModelFingerprint, TensorDigest, wan_shapes, weights_digest
+from .bank.fingerprint import ARCHITECTURE, ModelFingerprint, TensorDigest, wan_shapes, weights_digest
 
 DIFFUSION_PREFIX = "diffusion_model."  # ModelPatcher keys are relative to the BaseModel
 _MAX_DEPTH = 8  # patch data nests tuples a few levels deep; never follow a cycle
 
 
-def fingerprint_patcher(model_patcher, architecture: str = "wan2.1") -> ModelFingerprint:
+def fingerprint_patcher(model_patcher, architecture: str = ARCHITECTURE) -> ModelFingerprint:
     """Fingerprint of the diffusion model inside a ComfyUI ModelPatcher, patches included.
 
     Equal to ``fingerprint_model`` of the checkpoint's state dict when nothing is patched.

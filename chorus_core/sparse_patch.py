@@ -405,7 +405,8 @@ class _Run:
         self.record(layer, None)
 
     def _kernel_usable(self, call: "AttentionCall") -> bool:
-        """On a GPU without Triton, or on MPS/XPU, the torch reference would be slower than dense: stay dense."""
+        """On a GPU without a kernel (no Triton, no FA4), or on MPS/XPU, the torch reference would be
+        slower than dense: stay dense."""
         device = call.q.device.type
         if device not in ("cuda", "cpu"):
             self._disable(f"block-sparse attention has no kernel for {device.upper()} devices (the per-block "
@@ -414,11 +415,12 @@ class _Run:
         if not call.q.is_cuda:
             return True
         if self._triton is None:  # looked up once per run, not per call
-            self._triton = block_sparse().triton_available()
+            self._triton = block_sparse().gpu_kernel_available()
         if self._triton:
             return True
-        self._disable("Triton is not available on this CUDA machine, so block-sparse attention would be "
-                      "slower than dense; this run is dense. Install triton (Linux) or triton-windows.")
+        self._disable("Triton is not available on this CUDA machine (nor FlashAttention-4), so block-sparse "
+                      "attention would be slower than dense; this run is dense. Install triton (Linux) or "
+                      "triton-windows.")
         return False
 
     def _note_backend(self, call: "AttentionCall", prepared: PreparedMask) -> None:

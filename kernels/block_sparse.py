@@ -370,6 +370,11 @@ def _explicit(q: torch.Tensor, mask: BlockSparseMask, backend: str):
     raise ValueError(f"backend must be 'auto', 'fa4', 'triton' or 'reference', got {backend!r}")
 
 
+def gpu_kernel_available() -> bool:
+    """True when some block-sparse GPU kernel can run here (Triton, or FlashAttention-4)."""
+    return triton_available() or fa4.fa4_import_error() is None
+
+
 def _gpu_name(q: torch.Tensor) -> str:
     major, minor = fa4.device_capability(q.device)
     return f"sm_{major}{minor}"

@@ -62,7 +62,7 @@ def test_fingerprint_reads_shapes_and_tells_checkpoints_apart():
     state = toy_state_dict(dim=256, layers=3, seed=0)
     fp = fingerprint_model(state)
     assert {k: v for k, v in fp.to_dict().items() if k != "digest"} == {
-        "architecture": "wan2.1-i2v", "dim": 256, "layers": 3, "heads": 2, "in_dim": 36}
+        "architecture": "wan2.1", "dim": 256, "layers": 3, "heads": 2, "in_dim": 36}
     prefixed = {f"model.diffusion_model.{k}": v for k, v in state.items()}
     assert fingerprint_model(prefixed) == fp
     assert fingerprint_model({k: v.bfloat16() for k, v in state.items()}) == fp

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from .errors import BankError
 
 HEAD_DIM = 128  # Wan 2.1 in ComfyUI: num_heads = dim // 128
+ARCHITECTURE = "wan2.1"  # I2V and T2V alike (their shapes tell them apart); one default for every entry point
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 _SHAPE_KEYS = ("patch_embedding.weight", "blocks.0.self_attn.q.weight")
 SAMPLES_PER_TENSOR = 64  # evenly strided elements; a fine-tune changes nearly all of them
@@ -27,7 +28,7 @@ SAMPLES_PER_TENSOR = 64  # evenly strided elements; a fine-tune changes nearly a
 class ModelFingerprint:
     """What a mask entry's model must match.
 
-    :param architecture: e.g. ``"wan2.1-i2v"``
+    :param architecture: e.g. ``"wan2.1"`` (:data:`ARCHITECTURE`)
     :param dim: hidden width
     :param layers: number of transformer blocks
     :param heads: attention heads per block
@@ -168,7 +169,7 @@ def wan_shapes(state: dict) -> dict:
             "in_dim": int(state["patch_embedding.weight"].shape[1])}
 
 
-def fingerprint_model(module_or_state_dict, architecture: str = "wan2.1-i2v") -> ModelFingerprint:
+def fingerprint_model(module_or_state_dict, architecture: str = ARCHITECTURE) -> ModelFingerprint:
     """Fingerprint a Wan diffusion model from its module or state dict (weights as given).
 
     For a ComfyUI ModelPatcher use :func:`chorus_core.model_identity.fingerprint_patcher`,
