@@ -87,3 +87,16 @@ def test_torch_input_and_errors():
         encode_masks(np.zeros((2, 8, 8), bool))
     with pytest.raises(IndexError, match="out of range"):
         decode_block_map(tensors, meta, 1, 0)
+
+
+def test_packed_recordings_encode_to_the_same_bytes_as_their_bool_maps():
+    from chorus_core.bank.encoding import PackedBlockMaps
+
+    rng = np.random.default_rng(5)
+    masks = rng.random((3, 2, 3, 9, 13)) < 0.3
+    packed = np.packbits(masks, axis=-1)
+    packed[..., -1] |= 0b111  # padding bits past nk = 13 set, as a careless packer might leave them
+    direct, meta = encode_masks(PackedBlockMaps(packed, 13))
+    assert direct.keys() == encode_masks(masks)[0].keys()
+    assert all(np.array_equal(direct[k], v) for k, v in encode_masks(masks)[0].items())
+    assert (decode_all(direct, meta, masks.shape) == masks).all()

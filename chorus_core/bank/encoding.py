@@ -149,10 +149,16 @@ class PackedBlockMaps:
     """
 
     def __init__(self, packed, nk: int):
-        self.packed = np.asarray(packed.numpy() if hasattr(packed, "numpy") else packed, dtype=np.uint8)
-        if self.packed.ndim != 5 or self.packed.shape[-1] != -(-nk // 8):
-            raise ValueError(f"packed maps must be [S, L, H, nq, ceil({nk}/8)], got {self.packed.shape}")
+        packed = np.asarray(packed.numpy() if hasattr(packed, "numpy") else packed, dtype=np.uint8)
+        if packed.ndim != 5 or packed.shape[-1] != -(-nk // 8):
+            raise ValueError(f"packed maps must be [S, L, H, nq, ceil({nk}/8)], got {packed.shape}")
         self.nk = int(nk)
+        # Bits past nk are padding: zero them, so they can neither hide an empty row nor reach the codec.
+        tail = np.uint8((0xFF << ((-self.nk) % 8)) & 0xFF)
+        if tail != 0xFF:
+            packed = packed.copy()
+            packed[..., -1] &= tail
+        self.packed = packed
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -190,7 +196,11 @@ def encode_masks(masks, coarsen: int = 1, level: int | None = None,
     level = level if level is not None else (PACKBITS_LEVEL if codec == PACKBITS else ZLIB_LEVEL)
     tensors = {}
     for layer in range(layers):
-        tensors.update(encode_layer([stored(s, layer) for s in range(s_count)], layer, level))
+        if codec == PACKBITS and coarsen == 1 and isinstance(masks, PackedBlockMaps):
+            # a recording is packed already: deflate its bytes, no unpacking on the writer thread
+            tensors.update(_encode_packed_layer([masks.packed[s, layer] for s in range(s_count)], layer, level))
+        else:
+            tensors.update(encode_layer([stored(s, layer) for s in range(s_count)], layer, level))
     stored_blocks = (-(-nq // coarsen), -(-nk // coarsen))
     meta = {"codec": codec, "shape": ",".join(map(str, masks.shape)),
             "stored_blocks": ",".join(map(str, stored_blocks)), "coarsen": str(coarsen)}
@@ -210,15 +220,19 @@ def _encode_rowshift_layer(buckets: list[np.ndarray], layer: int, level: int) ->
     return tensors
 
 
-def _deflate(bits: np.ndarray, level: int) -> np.ndarray:
-    return np.frombuffer(zlib.compress(np.packbits(bits, axis=-1).tobytes(), level), dtype=np.uint8)
-
-
 def _encode_packbits_layer(buckets: list[np.ndarray], layer: int, level: int) -> dict[str, np.ndarray]:
-    base = buckets[0]
-    tensors = {f"b0.l{layer}.p": _deflate(base, level)}
-    for s, current in enumerate(buckets[1:], start=1):
-        tensors[f"b{s}.l{layer}.q"] = _deflate(current ^ base, level)
+    return _encode_packed_layer([np.packbits(b, axis=-1) for b in buckets], layer, level)
+
+
+def _encode_packed_layer(packed: list[np.ndarray], layer: int, level: int) -> dict[str, np.ndarray]:
+    """Packed bits per bucket (zero padding) -> ``p`` for bucket 0, ``q`` = XOR with it for the others."""
+    def deflate(bits: np.ndarray) -> np.ndarray:
+        return np.frombuffer(zlib.compress(np.ascontiguousarray(bits).tobytes(), level), dtype=np.uint8)
+
+    base = packed[0]
+    tensors = {f"b0.l{layer}.p": deflate(base)}
+    for s, current in enumerate(packed[1:], start=1):
+        tensors[f"b{s}.l{layer}.q"] = deflate(current ^ base)
     return tensors
 
 
