@@ -1,0 +1,53 @@
+"""The reuse loop on a PostgreSQL bank (a fleet's shared bank), in process on the CPU.
+
+A recording miss is written by the background writer on a connection of its own, a similar
+request then hits it, and prior mode serves the population prior from memory (a PostgreSQL
+bank has no folder for it).
+"""
+
+import os
+
+import pytest
+from bank_pg_cluster import PASSWORD, REQUIRE_ENV, Cluster, server_bin
+from test_reuse_loop import match_for, request, run_generation
+
+pytestmark = pytest.mark.comfy
+
+
+@pytest.fixture(scope="module")
+def pg():
+    if server_bin() is None:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail("PostgreSQL server binaries are missing: apt-get install postgresql")
+        pytest.skip("PostgreSQL server binaries not installed (apt-get install postgresql)")
+    cluster = Cluster().start()
+    yield cluster
+    cluster.remove()
+
+
+def test_a_miss_recorded_into_postgres_is_hit_next_and_serves_the_prior(pg, tiny_wan_patcher):
+    from chorus_core import bank_writer
+    from chorus_core.bank import MaskBank
+    from chorus_core.reuse_run import ReuseOptions
+
+    bank = MaskBank.open(pg.url("reuse_loop"))
+    try:
+        positive, _, latent = request()
+        _, first, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+        assert first.mode == "miss" and first.recording == "queued"
+        assert bank_writer.flush_all(timeout=60)
+        assert bank_writer.default_writer().outcome(first.recorded_entry_id).error is None
+        assert [e["id"] for e in bank.entries()] == [first.recorded_entry_id]
+
+        _, second, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+        assert second.mode == "hit" and second.entry_id == first.recorded_entry_id and second.warnings == []
+
+        other_positive, _, other_latent = request(subject=3, template="orbit")
+        miss = match_for(bank, tiny_wan_patcher, other_positive, other_latent, threshold=0.9999)
+        _, prior, run = run_generation(tiny_wan_patcher, miss,
+                                       ReuseOptions(dense_warmup_steps=1, miss_mode="prior", record_on_miss=False))
+        assert prior.mask_source == "population prior of 1 entries" and prior.warnings == []
+        assert all(row["sparse_share"] > 0 for row in prior.layers)
+        assert PASSWORD not in str(first.to_json()) + str(second.to_json()) + str(prior.to_json())
+    finally:
+        bank.close()
