@@ -86,15 +86,26 @@ def fa4_unsupported_reason(q_bhnd: torch.Tensor, block_q: int, block_k: int) -> 
     return fa4_import_error()
 
 
+_EMPTY_LISTS: dict = {}  # (shape, device) -> zero mask lists; a few shapes per process
+
+
+def _empty_mask_lists(shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """No partially masked blocks: empty mask lists, made once per shape, not per attention call
+    (FA4 requires them; a one-column index tensor is allowed, it reads only ``count`` entries)."""
+    key = (tuple(shape), str(device))
+    if key not in _EMPTY_LISTS:
+        if len(_EMPTY_LISTS) >= 16:  # bounded: a new resolution must not grow memory forever
+            _EMPTY_LISTS.clear()
+        _EMPTY_LISTS[key] = (torch.zeros(shape, dtype=torch.int32, device=device),
+                             torch.zeros((*shape, 1), dtype=torch.int32, device=device))
+    return _EMPTY_LISTS[key]
+
+
 def _sparse_tensors(live_blocks: torch.Tensor, live_counts: torch.Tensor, block_q: int, block_k: int):
     """Chorus live lists -> FA4's ``BlockSparseTensorsTorch`` (all live blocks as full blocks)."""
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    b, h, nq = live_counts.shape
-    # No partially masked blocks: empty mask lists (FA4 requires them; a one-column index
-    # tensor is allowed because it reads only the first `count` entries).
-    mask_cnt = torch.zeros((b, h, nq), dtype=torch.int32, device=live_counts.device)
-    mask_idx = torch.zeros((b, h, nq, 1), dtype=torch.int32, device=live_counts.device)
+    mask_cnt, mask_idx = _empty_mask_lists(live_counts.shape, live_counts.device)
     return BlockSparseTensorsTorch(
         mask_block_cnt=mask_cnt,
         mask_block_idx=mask_idx,
