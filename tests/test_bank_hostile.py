@@ -182,6 +182,18 @@ def test_import_with_a_missing_blob_adds_nothing(tmp_path):
     assert dst.stats()["entries"] == 0
 
 
+def test_a_refused_import_leaves_no_blob_behind(tmp_path):
+    """The first entry's blob is fine, the second's is damaged: nothing is staged at all."""
+    src, ids = new_bank(tmp_path, n=2, name="src")
+    rows, members = exported(src, tmp_path)
+    bad = f"blobs/{rows[1]['blob_sha256']}.safetensors"
+    members[bad] = members[bad][:-1] + bytes([members[bad][-1] ^ 1])
+    dst = target(tmp_path)
+    with pytest.raises(BankError, match=f"the blob of entry {rows[1]['id']} fails its sha256"):
+        dst.import_file(write_tar(tmp_path / "t.tar", rows, list(members.items())))
+    assert dst.stats()["entries"] == 0 and tree(dst.root / "blobs") == []
+
+
 @pytest.mark.parametrize("doc, message", [
     (b"{not json", "entries.json is not valid JSON"),
     (b'{"format": "something-else", "rows": []}', "format is 'something-else'"),

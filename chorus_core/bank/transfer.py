@@ -128,9 +128,16 @@ class _ExportFile:
                             "pass a tar made by `python -m chorus_core.bank export BANK FILE`.")
         try:
             self.tar = tarfile.open(path, "r:")  # plain tar only: no decompression work
-            self.members = self._index()
         except (OSError, EOFError, tarfile.TarError) as exc:
             raise self._bad(f"not an uncompressed tar ({exc})") from exc
+        try:
+            self.members = self._index()
+        except (OSError, EOFError, tarfile.TarError) as exc:
+            self.tar.close()
+            raise self._bad(f"not an uncompressed tar ({exc})") from exc
+        except BaseException:
+            self.tar.close()
+            raise
 
     def _index(self) -> dict:
         members = {}
@@ -280,7 +287,7 @@ def import_entries(bank, in_path) -> dict:
     try:
         rows = _load_rows(export)
         sizes = {}
-        for row, spec in rows:  # check every blob before anything is written
+        for row, spec in rows:  # check every blob before anything is written (no orphans on refusal)
             sha = row["blob_sha256"]
             if sizes.setdefault(sha, row["blob_bytes"]) != row["blob_bytes"]:
                 raise export._bad(f"rows give blob {sha} two different sizes")
@@ -289,7 +296,11 @@ def import_entries(bank, in_path) -> dict:
                 check_blob(data, sha, spec)
             except ValueError as exc:
                 raise export._bad(f"the blob of entry {row['id']} {exc}") from None
-            bank._stage_blob(data, sha)  # a folder writes it now (content-addressed: harmless)
+        for row, spec in rows:  # read again rather than hold every blob in memory at once
+            data = export.read(f"blobs/{row['blob_name']}", row["blob_bytes"], spec.max_blob_bytes)
+            if hashlib.sha256(data).hexdigest() != row["blob_sha256"]:  # the file changed under us
+                raise export._bad(f"the blob of entry {row['id']} changed while it was imported")
+            bank._stage_blob(data, row["blob_sha256"])  # a folder writes it now (content-addressed: harmless)
         return _insert_rows(bank, export, rows)
     finally:
         export.close()
