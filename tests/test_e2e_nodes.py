@@ -55,7 +55,9 @@ def test_hit_sends_one_step_event_per_step_with_per_layer_shares(three_runs):
     assert all(s["node"] == "3" and s["mode"] == "hit" for s in steps)
     assert steps[-1]["layers"] == chorus_report(record)["layers"]
     starts = [e["data"] for e in events if e.get("type") == "chorus.run_start"]
-    assert starts == [{"node": "3", "mode": "hit", "steps": STEPS}]
+    report = chorus_report(record)
+    assert starts == [{"node": "3", "mode": "hit", "steps": STEPS, "mask_source": report["mask_source"],
+                       "entry_id": report["entry_id"], "similarity": report["similarity"]}]
 
 
 def test_dissimilar_request_misses(three_runs):
