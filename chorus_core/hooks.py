@@ -22,7 +22,7 @@ import torch
 
 from ._siblings import import_sibling
 
-__all__ = ["schedule_step", "block_sparse", "AttentionCall", "mark_own", "unwrap_own", "is_container",
+__all__ = ["schedule_step", "StepClock", "clock_outer_sample", "block_sparse", "AttentionCall", "mark_own", "unwrap_own", "is_container",
            "container_function_of"]
 
 
@@ -32,6 +32,99 @@ def schedule_step(sigmas: torch.Tensor, schedule: torch.Tensor) -> int:
     Shared by every Chorus hook; each calls it once per model call and caches the answer.
     """
     return int((schedule.to(sigmas.device) - sigmas.flatten()[0]).abs().argmin())
+
+
+# Model evaluations a k-diffusion sampler makes in a step *after* reporting it (callback ``i``),
+# read from ComfyUI's comfy/k_diffusion/sampling.py (0.3.64). The first evaluation of every step
+# comes before its report; heun's corrector (at sigma_{i+1}) and the SDE/2S midpoints come after.
+# A sampler not listed is stepped by its sigma (one host read per model call).
+_EVALS_AFTER_REPORT = {
+    "sample_euler": 0, "sample_euler_ancestral": 0, "sample_dpmpp_2m": 0, "sample_dpmpp_2m_sde": 0,
+    "sample_dpmpp_2m_sde_gpu": 0, "sample_dpmpp_3m_sde": 0, "sample_dpmpp_3m_sde_gpu": 0, "sample_lcm": 0,
+    "sample_heun": 1, "sample_dpm_2": 1, "sample_dpm_2_ancestral": 1, "sample_dpmpp_2s_ancestral": 1,
+    "sample_dpmpp_sde": 1, "sample_dpmpp_sde_gpu": 1,
+}
+
+
+class StepClock:
+    """The step of each model call of one sampling run, read without a host sync.
+
+    Steps come from the sampler's own progress reports (its callback ``i``) and, for samplers
+    that evaluate the model again after reporting a step (heun, dpm_2, dpmpp_sde ...), from how
+    many evaluations each step makes after its report: so heun's corrector at ``sigma_{i+1}``
+    belongs to step ``i``, not to step ``i + 1`` whose sigma it shares. ``schedule`` is the
+    run's ``sample_sigmas`` on the host (read once per run, at the start).
+    """
+
+    def __init__(self, schedule: list, evals_after_report: Optional[int]):
+        self.schedule = schedule
+        self.evals_after_report = evals_after_report
+        self.host_reads = 0  # model calls stepped by reading their sigma (unknown samplers only)
+        self._reported = -1
+        self._since_report = 0
+        self._sigmas = None
+        self._step: Optional[int] = None
+
+    @property
+    def steps(self) -> int:
+        return len(self.schedule) - 1
+
+    def report(self, step: int) -> None:
+        """The sampler's callback: step ``step`` made its first evaluation."""
+        self._reported, self._since_report = int(step), 0
+
+    def step_of(self, sigmas) -> int:
+        """The step of the model call whose ``transformer_options["sigmas"]`` is ``sigmas``."""
+        if sigmas is self._sigmas:  # the same model call (every layer, cond and uncond)
+            return self._step
+        self._sigmas = sigmas
+        if self.evals_after_report is None:
+            self._step = self._step_by_sigma(sigmas)
+        elif self._step is None or self._step > self._reported:
+            self._step = self._step or 0  # the current step is not reported yet: still it
+        else:
+            self._since_report += 1
+            own = self._since_report <= self.evals_after_report
+            self._step = min(self._reported + (0 if own else 1), max(self.steps - 1, 0))
+        return self._step
+
+    def _step_by_sigma(self, sigmas) -> int:
+        """Step ``i`` whose interval ``(sigma_{i+1}, sigma_i]`` holds the call's sigma (one host read)."""
+        self.host_reads += 1
+        sigma = float(sigmas.flatten()[0])
+        for i in range(self.steps):
+            if sigma > self.schedule[i + 1] * (1 + 1e-6):
+                return i
+        return max(self.steps - 1, 0)
+
+    def sigma_at(self, step: int) -> float:
+        return self.schedule[step]
+
+
+def clock_outer_sample(args: tuple, kwargs: dict) -> tuple:
+    """(clock, args, kwargs) for an OUTER_SAMPLE wrapper: the clock of this run, and the call's
+    arguments with the sampler's callback wrapped so that the clock hears every step report.
+
+    ``outer_sample(noise, latent_image, sampler, sigmas, denoise_mask, callback, disable_pbar, seed)``.
+    """
+    names = ("noise", "latent_image", "sampler", "sigmas", "denoise_mask", "callback", "disable_pbar", "seed")
+    bound = dict(zip(names, args), **kwargs)
+    sigmas, sampler = bound.get("sigmas"), bound.get("sampler")
+    schedule = [float(s) for s in sigmas.detach().float().cpu().tolist()] if sigmas is not None else []
+    function = getattr(sampler, "sampler_function", None)
+    clock = StepClock(schedule, _EVALS_AFTER_REPORT.get(getattr(function, "__name__", None)))
+    previous = bound.get("callback")
+
+    def chorus_step_callback(step, *rest, **named):
+        clock.report(step)
+        if previous is not None:
+            return previous(step, *rest, **named)
+
+    if len(args) > 5:
+        args = args[:5] + (chorus_step_callback,) + args[6:]
+    else:
+        kwargs = {**kwargs, "callback": chorus_step_callback}
+    return clock, args, kwargs
 
 
 def block_sparse():

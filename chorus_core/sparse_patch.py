@@ -34,7 +34,8 @@ from typing import Any, Optional
 
 import torch
 
-from .hooks import (AttentionCall, block_sparse, container_function_of, is_container, mark_own, schedule_step,
+from .hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, container_function_of, is_container,
+                    mark_own, schedule_step,
                     unwrap_own)
 from .mask_provider import MaskProvider, PreparedMask, match_batch, serve_prepared_mask, step_bucket_of
 
@@ -297,6 +298,7 @@ class _Run:
         self._masks: dict[tuple, Any] = {}  # current step bucket only, so memory stays bounded
         self._bucket: Hashable = _NO_BUCKET
         self._sigmas: Optional[torch.Tensor] = None  # the model call the current step was read from
+        self.clock: Optional[StepClock] = None  # set by the OUTER_SAMPLE wrapper
         self._step: Optional[StepStats] = None
         self._step_started = 0.0
         self._disabled = False  # set when masks cannot be had: the rest of the run is dense
@@ -310,14 +312,17 @@ class _Run:
     # ---- steps
 
     def step_of(self, transformer_options: dict) -> Optional[int]:
-        """Index of the current sigma in the schedule (closest match); None outside a sampler."""
+        """The step of the current model call (see hooks.StepClock); None outside a sampler."""
         sigmas = transformer_options.get("sigmas")
         schedule = transformer_options.get("sample_sigmas")
         if sigmas is None or schedule is None:
             return None
-        if sigmas is not self._sigmas:  # a new model call: one host sync, then reused by every layer
+        if sigmas is not self._sigmas:  # a new model call: stepped once, then reused by every layer
             self._sigmas = sigmas
-            step = schedule_step(sigmas, schedule)
+            if self.clock is None:  # sampled without our OUTER_SAMPLE wrapper: the nearest sigma
+                step = schedule_step(sigmas, schedule)
+            else:
+                step = self.clock.step_of(sigmas)
             self.stats.scheduled_steps = len(schedule) - 1
             self._enter_step(step)
         return self._step.step
@@ -617,6 +622,7 @@ def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
         check_no_competing_sparse_attention(getattr(guider, "model_patcher", None), options)
         _chain_above_later_backend(options, holder.key)
         run = holder.start_run()
+        run.clock, args, kwargs = clock_outer_sample(args, kwargs)
         options[run_key] = run
         try:
             result = executor(*args, **kwargs)
