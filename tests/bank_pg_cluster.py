@@ -100,3 +100,22 @@ class Cluster:
             if not os.path.exists(self.dir):
                 return
             time.sleep(0.1)
+
+
+def running_cluster():
+    """A module fixture's body: a started throwaway cluster, removed afterwards.
+
+    Without PostgreSQL's server binaries the tests skip, or fail when ``CHORUS_REQUIRE_POSTGRES=1``
+    (``make test`` sets it, so CI never skips them silently).
+    """
+    import pytest
+
+    if server_bin() is None:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail("PostgreSQL server binaries are missing: apt-get install postgresql")
+        pytest.skip("PostgreSQL server binaries not installed (apt-get install postgresql)")
+    cluster = Cluster().start()
+    try:
+        yield cluster
+    finally:
+        cluster.remove()

@@ -20,7 +20,7 @@ import pytest
 import test_bank_store as store_tests
 from bank_fixtures import (FP, LAYOUT, add_toy, python_command, toy_masks, toy_signature,
                            writer_command)
-from bank_pg_cluster import PASSWORD, REQUIRE_ENV, Cluster, server_bin
+from bank_pg_cluster import PASSWORD, running_cluster
 
 from chorus_core.bank import BankEntryCorrupt, BankError, BankReadOnly, BankUnavailable, MaskBank
 from chorus_core.bank import bank_url
@@ -29,13 +29,7 @@ from chorus_core.bank.__main__ import main
 
 @pytest.fixture(scope="module")
 def pg():
-    if server_bin() is None:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail("PostgreSQL server binaries are missing: apt-get install postgresql")
-        pytest.skip("PostgreSQL server binaries not installed (apt-get install postgresql)")
-    cluster = Cluster().start()
-    yield cluster
-    cluster.remove()
+    yield from running_cluster()
 
 
 @pytest.fixture(params=["folder", "postgres"])

@@ -4,12 +4,11 @@ the read-only API routes never send their URL, host or password."""
 import asyncio
 import importlib.util
 import json
-import os
 import sys
 
 import pytest
 from bank_fixtures import add_toy
-from bank_pg_cluster import PASSWORD, REQUIRE_ENV, Cluster, server_bin
+from bank_pg_cluster import PASSWORD, running_cluster
 from conftest import REPO_ROOT
 
 from chorus_core.bank.bank_url import URLS_ENV
@@ -17,13 +16,7 @@ from chorus_core.bank.bank_url import URLS_ENV
 
 @pytest.fixture(scope="module")
 def pg():
-    if server_bin() is None:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail("PostgreSQL server binaries are missing: apt-get install postgresql")
-        pytest.skip("PostgreSQL server binaries not installed (apt-get install postgresql)")
-    cluster = Cluster().start()
-    yield cluster
-    cluster.remove()
+    yield from running_cluster()
 
 
 @pytest.fixture(scope="module")

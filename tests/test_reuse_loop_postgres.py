@@ -5,10 +5,9 @@ request then hits it, and prior mode serves the population prior from memory (a 
 bank has no folder for it).
 """
 
-import os
 
 import pytest
-from bank_pg_cluster import PASSWORD, REQUIRE_ENV, Cluster, server_bin
+from bank_pg_cluster import PASSWORD, running_cluster
 from test_reuse_loop import match_for, request, run_generation
 
 pytestmark = pytest.mark.comfy
@@ -16,13 +15,7 @@ pytestmark = pytest.mark.comfy
 
 @pytest.fixture(scope="module")
 def pg():
-    if server_bin() is None:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail("PostgreSQL server binaries are missing: apt-get install postgresql")
-        pytest.skip("PostgreSQL server binaries not installed (apt-get install postgresql)")
-    cluster = Cluster().start()
-    yield cluster
-    cluster.remove()
+    yield from running_cluster()
 
 
 def test_a_miss_recorded_into_postgres_is_hit_next_and_serves_the_prior(pg, tiny_wan_patcher):
