@@ -341,16 +341,11 @@ class PostgresBank(BankStorage):
     def _quarantine_row(self, row: dict, reason: str, recheck: bool, warn: bool = True):
         """True: quarantined; None: read-only, skipped in this process; False: ``recheck``
         found the blob healthy under the lock; "gone": deleted or quarantined meanwhile."""
-        from .store import _READ_ONLY_SKIPS
+        from .store import _entry_label
 
-        label = row.get("id") if validation.is_entry_id(row.get("id")) else f"(row {row['rowid']})"
+        label = _entry_label(row)
         if self.read_only:
-            _READ_ONLY_SKIPS.setdefault(self._skip_key, {})[row.get("id")] = reason
-            if warn:
-                warnings.warn(f"Chorus mask bank: would quarantine entry {label}: {reason}. The "
-                              "bank is read-only, so nothing was moved; this process skips the "
-                              "entry and falls back to dense attention for it.", stacklevel=4)
-            return None
+            return self._skip_for_this_process(row, reason, warn)
         with self._write(bump=False):
             current = self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE rowid = ? "
                                     "AND id IS NOT DISTINCT FROM ?", [row["rowid"], row.get("id")])

@@ -289,6 +289,14 @@ class BankStorage:
         """The same bank on a new connection (e.g. for a writer thread), same read_only."""
         raise NotImplementedError
 
+    def _skip_for_this_process(self, row: dict, reason: str, warn: bool) -> None:
+        """A read-only bank cannot quarantine: say so, and skip the entry for the rest of the process."""
+        _READ_ONLY_SKIPS.setdefault(self._skip_key, {})[row.get("id")] = reason
+        if warn:
+            warnings.warn(f"Chorus mask bank: would quarantine entry {_entry_label(row)}: {reason}. The "
+                          "bank is read-only, so nothing was moved; this process skips the "
+                          "entry and falls back to dense attention for it.", stacklevel=5)
+
     def __enter__(self):
         return self
 
@@ -915,14 +923,9 @@ class MaskBank(BankStorage):
         """True: quarantined; None: read-only, skipped in this process; False: ``recheck``
         found the blob healthy under the lock (a writer re-added the same masks meanwhile);
         "gone": the row was deleted or quarantined meanwhile (e.g. by a concurrent prune)."""
-        label = row.get("id") if validation.is_entry_id(row.get("id")) else f"(row {row['rowid']})"
+        label = _entry_label(row)
         if self.read_only:
-            _READ_ONLY_SKIPS.setdefault(self._real_root, {})[row.get("id")] = reason
-            if warn:
-                warnings.warn(f"Chorus mask bank: would quarantine entry {label}: {reason}. The "
-                              "bank is read-only, so nothing was moved; this process skips the "
-                              "entry and falls back to dense attention for it.", stacklevel=4)
-            return None
+            return self._skip_for_this_process(row, reason, warn)
         with self._write(bump=False):
             # rowid and id: a deleted row's rowid can be reused by a newer entry
             current = next(self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE rowid = ? "
@@ -1176,6 +1179,11 @@ def _insert(conn: sqlite3.Connection, row: dict) -> None:
     cols = ", ".join(f"[{c}]" for c in row)
     conn.execute(f"INSERT INTO entries ({cols}) VALUES ({', '.join('?' * len(row))})",
                  list(row.values()))
+
+
+def _entry_label(row: dict) -> str:
+    """An entry's id when it is a valid one, else its row number (never a hostile string)."""
+    return row.get("id") if validation.is_entry_id(row.get("id")) else f"(row {row['rowid']})"
 
 
 def _as_bool_array(masks):
