@@ -23,8 +23,12 @@ testbed it recovered most of the content correlation lost to reuse, and ``cfg_bo
 measure worse there; that testbed never trained an unconditional branch, so CFG changes act on an
 out-of-distribution uncond prediction).
 
-The step window is ``[start, end)`` as fractions of the run's schedule: step ``i`` of ``n`` is
-in it when ``start <= i / n < end``. Per-run state (current step, counters) lives in a keyed
+The step window ``[start, end)`` is given as fractions of the sigma schedule, as in ComfyUI's own
+nodes: ``percent_to_sigma(start)`` and ``percent_to_sigma(end)`` of the model's sampling, and step
+``i`` is in the window when ``percent_to_sigma(end) < sigma_i <= percent_to_sigma(start)``
+(hooks.steps_in_sigma_window); a step's every model evaluation is in or out with it, and the step
+of each call comes from the sampler's step reports (hooks.StepClock, no host sync for the samplers
+it knows). Per-run state (current step, counters) lives in a keyed
 ``OUTER_SAMPLE`` wrapper and is dropped in ``finally``; ``get_guidance_stats(patched)`` reads the
 current or last run's counters.
 
@@ -40,7 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .hooks import mark_own, schedule_step, unwrap_own
+from .hooks import StepClock, clock_outer_sample, mark_own, sigma_window, steps_in_sigma_window, unwrap_own
 
 __all__ = [
     "METHODS",
@@ -48,8 +52,7 @@ __all__ = [
     "GuidanceStats",
     "boosted_cfg",
     "scale_cross_attention",
-    "step_fraction",
-    "in_window",
+    "window_steps",
     "install_guidance",
     "get_guidance_stats",
     "first_frame_error",
@@ -87,18 +90,9 @@ def scale_cross_attention(out: torch.Tensor, strength: float) -> torch.Tensor:
     return out if strength == 0 else out * (1.0 + strength)
 
 
-def step_fraction(sigma: torch.Tensor, schedule: Optional[torch.Tensor]) -> Optional[float]:
-    """Position ``i / n`` of ``sigma`` in a schedule of ``n + 1`` sigmas (closest match); None without one."""
-    if schedule is None or sigma is None or len(schedule) < 2:
-        return None
-    return schedule_step(sigma, schedule) / (len(schedule) - 1)
-
-
-def in_window(fraction: Optional[float], start: float, end: float) -> bool:
-    """``start <= fraction < end`` (with float slack); an unknown step is in only a full window."""
-    if fraction is None:
-        return start <= 0.0 and end >= 1.0
-    return start - 1e-9 <= fraction < end - 1e-9
+def window_steps(model_sampling, schedule: list, start: float, end: float) -> list:
+    """Per step of the host ``schedule``: inside the ``[start, end)`` window of sigma-schedule fractions."""
+    return steps_in_sigma_window(schedule, *sigma_window(model_sampling, start, end))
 
 
 def _is_cross_attention(args, kwargs) -> bool:
@@ -150,19 +144,23 @@ class GuidanceStats:
 
 
 class _Run:
-    """Per-run state: the step of the current model call (one host sync per call), counters."""
+    """Per-run state: which steps are in the window, the step of each model call, counters."""
 
     def __init__(self, settings: GuidanceSettings):
         self.settings = settings
         self.stats = GuidanceStats()
-        self._sigmas = None
-        self._active = False
+        self.clock: Optional[StepClock] = None
+        self.inside: list = []  # per step, set with the clock by the OUTER_SAMPLE wrapper
 
-    def active(self, sigmas, schedule) -> bool:
-        if sigmas is not self._sigmas:  # a new model call; every layer after it reuses the answer
-            self._sigmas = sigmas
-            self._active = in_window(step_fraction(sigmas, schedule), self.settings.start, self.settings.end)
-        return self._active
+    def start(self, clock: StepClock, model_sampling) -> None:
+        self.clock = clock
+        self.inside = window_steps(model_sampling, clock.schedule, self.settings.start, self.settings.end)
+
+    def active(self, sigmas) -> bool:
+        """Is the model call of ``sigmas`` in the window? (stepped once per model call, no host sync)"""
+        if sigmas is None or self.clock is None or not self.inside:
+            return self.settings.start <= 0.0 and self.settings.end >= 1.0  # unknown step: only a full window
+        return self.inside[self.clock.step_of(sigmas)]
 
     def note(self, text: str) -> None:
         if text not in self.stats.notes:
@@ -205,7 +203,7 @@ def _make_post_cfg(key: str, strength: float) -> Callable:
         run = options.get(run_key)
         if run is None:
             return denoised
-        if not run.active(args["sigma"], options.get("sample_sigmas")):
+        if not run.active(args["sigma"]):
             return denoised
         if args.get("uncond") is None:  # cfg 1: uncond_denoised is zeros, not a prediction
             run.stats.skipped_no_uncond += 1
@@ -227,7 +225,7 @@ def _make_attention_override(key: str, strength: float, previous: Optional[Calla
         run = options.get(run_key)
         if run is None or not _is_cross_attention(args, kwargs):
             return out
-        if not run.active(options.get("sigmas"), options.get("sample_sigmas")):
+        if not run.active(options.get("sigmas")):
             return out
         run.stats.scaled_cross_attention += 1
         return scale_cross_attention(out, strength)
@@ -239,8 +237,12 @@ def _make_outer_sample_wrapper(holder: GuidanceState) -> Callable:
     run_key = _run_key(holder.key)
 
     def chorus_guidance_outer_sample(executor, *args, **kwargs):
-        options = executor.class_obj.model_options.setdefault("transformer_options", {})
-        options[run_key] = holder.start_run()
+        guider = executor.class_obj
+        options = guider.model_options.setdefault("transformer_options", {})
+        run = holder.start_run()
+        clock, args, kwargs = clock_outer_sample(args, kwargs)
+        run.start(clock, guider.model_patcher.get_model_object("model_sampling"))
+        options[run_key] = run
         try:
             return executor(*args, **kwargs)
         finally:

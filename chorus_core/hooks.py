@@ -22,7 +22,7 @@ import torch
 
 from ._siblings import import_sibling
 
-__all__ = ["schedule_step", "StepClock", "clock_outer_sample", "block_sparse", "AttentionCall", "mark_own", "unwrap_own", "is_container",
+__all__ = ["schedule_step", "StepClock", "clock_outer_sample", "sigma_window", "steps_in_sigma_window", "block_sparse", "AttentionCall", "mark_own", "unwrap_own", "is_container",
            "container_function_of"]
 
 
@@ -125,6 +125,25 @@ def clock_outer_sample(args: tuple, kwargs: dict) -> tuple:
     else:
         kwargs = {**kwargs, "callback": chorus_step_callback}
     return clock, args, kwargs
+
+
+def sigma_window(model_sampling, start: float, end: float) -> tuple:
+    """(start_sigma, end_sigma) of a window given as fractions ``start``/``end`` of the sigma
+    schedule, read the way ComfyUI's own nodes read them (``model_sampling.percent_to_sigma``)."""
+    return float(model_sampling.percent_to_sigma(start)), float(model_sampling.percent_to_sigma(end))
+
+
+def steps_in_sigma_window(schedule: list, start_sigma: float, end_sigma: float) -> list:
+    """Per step of ``schedule`` (host sigmas): is it inside the window?
+
+    Like core's EasyCache: a step runs in the window from the first step whose sigma is at or
+    below ``start_sigma`` until the sigma falls to ``end_sigma`` (``end_sigma < sigma <= start_sigma``).
+    A whole step is in or out, judged by the sigma it starts from, so every evaluation of one step
+    (heun's corrector, an SDE midpoint) is treated alike. Equal within 1e-5 counts as equal: the
+    schedule is float32, percent_to_sigma a Python float.
+    """
+    slack = 1e-5
+    return [end_sigma * (1 + slack) + 1e-12 < sigma <= start_sigma * (1 + slack) + 1e-12 for sigma in schedule[:-1]]
 
 
 def block_sparse():

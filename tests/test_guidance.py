@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from chorus_core.guidance import (METHODS, GuidanceSettings, _is_cross_attention, boosted_cfg, content_adherence,
-                                  first_frame_error, in_window, scale_cross_attention, step_fraction,
-                                  template_adherence)
+                                  first_frame_error, scale_cross_attention, template_adherence, window_steps)
 from chorus_core.workload import I2VRequest, generate_request
 from conftest import REPO_ROOT
 
@@ -42,15 +41,24 @@ def test_cross_attention_scaling():
     assert scale_cross_attention(out, 0.0) is out
 
 
-def test_step_window_is_half_open_fractions_of_the_schedule():
-    schedule = torch.linspace(1, 0, 11)  # 10 steps
-    fractions = [step_fraction(schedule[i:i + 1], schedule) for i in range(10)]
-    assert fractions == [i / 10 for i in range(10)]
-    assert [i for i, f in enumerate(fractions) if in_window(f, 0.1, 1.0)] == list(range(1, 10))
-    assert [i for i, f in enumerate(fractions) if in_window(f, 0.3, 0.6)] == [3, 4, 5]
-    assert not any(in_window(f, 0.5, 0.5) for f in fractions)
-    assert in_window(None, 0.0, 1.0) and not in_window(None, 0.1, 1.0)  # no schedule: only a full window
-    assert step_fraction(torch.tensor([0.42]), None) is None
+class LinearSampling:
+    """A model sampling whose percent_to_sigma is 1 - percent, as ComfyUI's flow sampling at shift 1."""
+
+    @staticmethod
+    def percent_to_sigma(percent):
+        return 1.0 if percent <= 0.0 else 0.0 if percent >= 1.0 else 1.0 - percent
+
+
+def test_step_window_is_half_open_fractions_of_the_sigma_schedule():
+    schedule = torch.linspace(1, 0, 11).tolist()  # 10 steps, sigma_i = 1 - i / 10 (float32)
+    inside = lambda start, end: [i for i, yes in enumerate(window_steps(LinearSampling, schedule, start, end)) if yes]
+    assert inside(0.1, 1.0) == list(range(1, 10))
+    assert inside(0.3, 0.6) == [3, 4, 5]
+    assert inside(0.0, 1.0) == list(range(10))
+    assert inside(0.5, 0.5) == []
+    # A schedule that is not uniform in sigma: the window follows the sigmas, not the step count.
+    uneven = [1.0, 0.98, 0.95, 0.9, 0.8, 0.6, 0.3, 0.0]  # 7 steps
+    assert [i for i, yes in enumerate(window_steps(LinearSampling, uneven, 0.1, 0.5)) if yes] == [3, 4, 5]
 
 
 def test_cross_attention_calls_are_those_with_another_key_length():
