@@ -3,8 +3,9 @@
 A hit must cost nothing per request on the prompt's thread. :class:`EntryPrefetch` loads,
 verifies and decodes the matched entry in a worker thread that starts before sampling (the dense
 warm-up step hides it), turning each step bucket into live-block lists on the host. At the first
-sparse call of a bucket the whole bucket (all layers) goes to the GPU in one copy; every later
-call of that bucket reuses the same tensors, with no host sync, no validation and no allocation.
+sparse call of a bucket every layer of it goes to the GPU (asynchronous copies from pinned memory);
+every later call of that bucket reuses the same tensors, with no host sync, no validation and no
+allocation.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from .mask_provider import PreparedMask
 
 
 def live_lists(block_map: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """bool ``[H, nq, nk]`` -> ascending key-block ids int16 ``[H, nq, max_live]`` (0-padded) and counts int32 ``[H, nq]``.
+    """bool ``[H, nq, nk]`` -> ascending key-block ids ``[H, nq, max_live]`` (0-padded) and counts int32 ``[H, nq]``.
+
+    Ids are int16 (half the host memory and upload; Wan's 720p has 591 key blocks), int32 past 32,767.
 
     :raises ValueError: when a query block keeps no key block (the kernel needs one per row)
     """
@@ -37,7 +40,8 @@ def live_lists(block_map: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     per_row = counts.ravel()
     first_slot = np.cumsum(per_row) - per_row
     slots = np.arange(flat.size) - np.repeat(first_slot, per_row)
-    ids = np.zeros((heads * nq, max(1, int(per_row.max(initial=1)))), dtype=np.int16)
+    dtype = np.int16 if nk <= np.iinfo(np.int16).max else np.int32
+    ids = np.zeros((heads * nq, max(1, int(per_row.max(initial=1)))), dtype=dtype)
     ids[rows, slots] = cols
     return ids.reshape(heads, nq, -1), counts
 
@@ -46,7 +50,7 @@ def live_lists(block_map: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class HostBucket:
     """One step bucket of an entry, every layer, as host arrays ready for upload."""
 
-    live_blocks: list  # per layer: int16 [H, nq, max_live of that layer] (pinned when the run is on a GPU)
+    live_blocks: list  # per layer: int16/int32 [H, nq, max_live of that layer] (pinned when the run is on a GPU)
     live_counts: list  # per layer: int32 [H, nq]
     densities: list[float]  # per layer: share of blocks kept
 
