@@ -65,7 +65,8 @@ import torch
 import torch.nn.functional as F
 
 from .mask_provider import match_batch, step_bucket_of
-from .hooks import AttentionCall, block_sparse, mark_own, schedule_step, unwrap_own
+from .hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, mark_own, sigma_window,
+                    steps_in_sigma_window, unwrap_own)
 
 __all__ = [
     "FeatureReuseSettings",
@@ -98,9 +99,10 @@ class FeatureReuseSettings:
     """Which cells, steps and layers run at reduced resolution, and how borders are handled.
 
     :param cell: (ct, ch, cw) tokens pooled into one; each 1, 2 or 4.
-    :param start_percent: first share of the schedule (0..1) that runs reduced; steps before it
-        run at full resolution (they set the layout of the video).
-    :param end_percent: reduced while ``step / steps < end_percent``.
+    :param start_percent: where the reduced window starts, as a fraction of the sigma schedule
+        like ComfyUI's own nodes (``percent_to_sigma``): steps whose sigma is above
+        ``percent_to_sigma(start_percent)`` run at full resolution (they set the layout of the video).
+    :param end_percent: reduced while the step's sigma is above ``percent_to_sigma(end_percent)``.
     :param layers: block indices that run reduced; None = all but ``skip_first`` / ``skip_last``.
     :param skip_first: with ``layers=None``, the first blocks that stay at full resolution.
     :param skip_last: with ``layers=None``, the last blocks that stay at full resolution.
@@ -137,10 +139,9 @@ class FeatureReuseSettings:
             return layer in self.layers
         return self.skip_first <= layer < num_layers - self.skip_last
 
-    def runs_step(self, step: int, steps: int) -> bool:
-        if steps <= 0:
-            return False
-        return self.start_percent <= step / steps < self.end_percent
+    def reduced_steps(self, model_sampling, schedule: list) -> list:
+        """Per step of the host ``schedule`` (sample_sigmas): does it run reduced?"""
+        return steps_in_sigma_window(schedule, *sigma_window(model_sampling, self.start_percent, self.end_percent))
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,28 +477,31 @@ class _Run:
     def __init__(self, state: FeatureReuseState, num_layers: int):
         self.state, self.num_layers = state, num_layers
         self.stats = FeatureReuseStats(tokens_full=state.layout.n_full, tokens_reduced=state.layout.n_reduced)
-        self._sigmas = None
-        self._step: Optional[int] = None
-        self._steps = 0
+        self.clock: Optional[StepClock] = None
+        self._reduced_steps: list = []
         self._masks: dict = {}
         self._bucket: Any = object()
         self._sparse_failed = False  # set by the first failing sparse reduced call
 
+    def start(self, clock: StepClock, model_sampling) -> None:
+        """Called by the OUTER_SAMPLE wrapper: this run's steps and which of them run reduced."""
+        self.clock = clock
+        self._reduced_steps = self.state.settings.reduced_steps(model_sampling, clock.schedule)
+
     def step_of(self, options: dict) -> Optional[int]:
-        sigmas, schedule = options.get("sigmas"), options.get("sample_sigmas")
-        if sigmas is None or schedule is None:
+        sigmas = options.get("sigmas")
+        if sigmas is None or self.clock is None or options.get("sample_sigmas") is None:
             return None
-        if sigmas is not self._sigmas:
-            self._sigmas = sigmas
-            self._step = schedule_step(sigmas, schedule)
-            self._steps = len(schedule) - 1
-        return self._step
+        return self.clock.step_of(sigmas)
+
+    def runs_step(self, step: int) -> bool:
+        return 0 <= step < len(self._reduced_steps) and self._reduced_steps[step]
 
     def layout_for(self, layer: int, args: dict, options: dict) -> Optional[TokenLayout]:
         """The layout when this block call runs reduced, else None."""
         settings, layout = self.state.settings, self.state.layout
         step = self.step_of(options)
-        if step is None or not settings.runs_step(step, self._steps) or not settings.runs_layer(layer, self.num_layers):
+        if step is None or not self.runs_step(step) or not settings.runs_layer(layer, self.num_layers):
             return None
         if layout.n_pooled_cells == 0:
             self.stats.skipped_reason = "the region map selects no cell"
@@ -573,7 +577,6 @@ class _Run:
 
     def release(self) -> None:
         self._masks.clear()
-        self._sigmas = None
 
 
 def _reduced_mask(provider, layer: int, step: int, cond_or_uncond: list, call: AttentionCall,
@@ -746,8 +749,11 @@ def _make_outer_sample_wrapper(holder: FeatureReuseState, num_layers: int) -> Ca
     run_key = _run_key(holder.key)
 
     def chorus_feature_reuse_outer_sample(executor, *args, **kwargs):
-        options = executor.class_obj.model_options.setdefault("transformer_options", {})
+        guider = executor.class_obj
+        options = guider.model_options.setdefault("transformer_options", {})
         run = holder.start_run(num_layers)
+        clock, args, kwargs = clock_outer_sample(args, kwargs)
+        run.start(clock, guider.model_patcher.get_model_object("model_sampling"))
         options[run_key] = run
         try:
             return executor(*args, **kwargs)

@@ -604,6 +604,7 @@ def _make_video_tokens_wrapper(key: str) -> Callable:
     def chorus_video_tokens(executor, x, *args, **kwargs):
         options = kwargs.get("transformer_options", args[4] if len(args) > 4 else None)
         if isinstance(options, dict) and run_key in options:  # a per-call copy: safe to write
+            options[run_key].step_of(options)  # the step clock sees every model call, sparse or not
             patch = getattr(executor.class_obj, "patch_size", (1, 2, 2))
             options[video_key] = math.prod(math.ceil(n / p) for n, p in zip(x.shape[2:], patch))
         return executor(x, *args, **kwargs)

@@ -108,3 +108,124 @@ def test_an_unlisted_sampler_is_stepped_by_the_interval_that_holds_its_sigma():
     sigmas = [1.0, 0.8, 0.75, 0.6, 0.26, 0.25, 0.1]
     assert [clock.step_of(torch.tensor([s])) for s in sigmas] == [0, 0, 1, 1, 2, 3, 3]
     assert clock.host_reads == len(sigmas)
+
+
+# --------------------------------------------------------------------------------------------
+# Windows: fractions of the sigma schedule, as ComfyUI's percent_to_sigma reads them
+# --------------------------------------------------------------------------------------------
+
+# The tiny model's beta schedule of 10 steps (flow sampling, shift 8), rounded:
+# 1.0, 0.9948, 0.9828, 0.9632, 0.9338, 0.8893, 0.8201, 0.7108, 0.531, 0.2549, 0.0.
+# percent_to_sigma: 0.3 -> 0.9492, 0.6 -> 0.8421. So a 0.3..0.6 window holds steps 4 and 5 (a
+# share of steps would have said 3, 4, 5), and 0.3..1.0 holds steps 4 to 9.
+BETA_STEPS = 10
+
+
+def beta_schedule(patcher):
+    import comfy.samplers
+
+    sampling = patcher.get_model_object("model_sampling")
+    return sampling, comfy.samplers.calculate_sigmas(sampling, "beta", BETA_STEPS).tolist()
+
+
+def test_windows_follow_core_percent_to_sigma_on_a_known_schedule(tiny_wan_patcher):
+    from chorus_core.feature_reuse import FeatureReuseSettings
+    from chorus_core.guidance import window_steps
+
+    sampling, schedule = beta_schedule(tiny_wan_patcher)
+    assert [round(s, 4) for s in schedule] == [1.0, 0.9948, 0.9828, 0.9632, 0.9338, 0.8893, 0.8201, 0.7108,
+                                               0.531, 0.2549, 0.0]
+    assert (round(sampling.percent_to_sigma(0.3), 4), round(sampling.percent_to_sigma(0.6), 4)) == (0.9492, 0.8421)
+    inside = lambda flags: [i for i, yes in enumerate(flags) if yes]
+    assert inside(window_steps(sampling, schedule, 0.3, 0.6)) == [4, 5]
+    assert inside(window_steps(sampling, schedule, 0.0, 1.0)) == list(range(BETA_STEPS))
+    reduced = FeatureReuseSettings(start_percent=0.3, end_percent=1.0).reduced_steps(sampling, schedule)
+    assert inside(reduced) == [4, 5, 6, 7, 8, 9]
+
+
+def sample_beta(patcher, sampler_name):
+    from i2v_inputs import sample_request
+
+    return sample_request(patcher, seed=1, steps=BETA_STEPS, sampler=sampler_name, scheduler="beta")
+
+
+@pytest.mark.parametrize("sampler_name, evals_in_window", [("heun", 2 + 2), ("dpmpp_2m_sde", 1 + 1)])
+def test_guidance_acts_on_every_evaluation_of_the_window_steps_only(tiny_wan_patcher, sampler_name, evals_in_window):
+    from chorus_core.guidance import GuidanceSettings, get_guidance_stats, install_guidance
+
+    layers = len(tiny_wan_patcher.model.diffusion_model.blocks)
+    patched = install_guidance(tiny_wan_patcher, GuidanceSettings("cross_attention", 0.2, 0.3, 0.6))
+    sample_beta(patched, sampler_name)
+    # steps 4 and 5; two cross-attentions (CLIP image, text) per layer and model call
+    assert get_guidance_stats(patched).scaled_cross_attention == evals_in_window * layers * 2
+
+
+@pytest.mark.parametrize("sampler_name, evals_in_window", [("heun", 5 * 2 + 1), ("dpmpp_2m_sde", 6)])
+def test_feature_reuse_runs_reduced_in_the_window_steps_only(tiny_wan_patcher, sampler_name, evals_in_window):
+    from chorus_core.feature_reuse import FeatureReuseSettings, get_feature_reuse_state, install_feature_reuse
+
+    region_map = torch.zeros(5, 4, 4, dtype=torch.bool)
+    region_map[:, :2] = True
+    settings = FeatureReuseSettings(layers=(0, 1), start_percent=0.3, rim=0)
+    patched = install_feature_reuse(tiny_wan_patcher, region_map, (5, 8, 8), settings)
+    sample_beta(patched, sampler_name)
+    # steps 4 to 9 (heun: 4 to 8 evaluate twice, the last step once), both layers, cond+uncond in one batch
+    assert get_feature_reuse_state(patched).stats.reduced_calls == evals_in_window * 2
+
+
+class HostReads:
+    """Counts tensor-to-host reads made from chorus_core while armed."""
+
+    METHODS = ("item", "cpu", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        import os
+        import sys
+
+        self.armed, self.where = False, []
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, _name=name, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if self.armed and f"{os.sep}chorus_core{os.sep}" in caller:
+                    self.where.append(f"{_name} in {caller}:{sys._getframe(1).f_lineno}")
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def around(self, owner, name, monkeypatch):
+        real = getattr(owner, name)
+
+        def armed(*args, **kwargs):
+            self.armed = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.armed = False
+
+        monkeypatch.setattr(owner, name, armed)
+
+
+def test_stepping_a_model_call_reads_nothing_from_the_device(tiny_wan_patcher, monkeypatch):
+    """The per-model-call step lookups of all three patches, over a whole heun run: no host read."""
+    from chorus_core import feature_reuse, guidance, sparse_patch
+    from chorus_core.feature_reuse import FeatureReuseSettings, install_feature_reuse
+    from chorus_core.guidance import GuidanceSettings, install_guidance
+    from chorus_core.sparse_patch import install_sparse_attention
+
+    reads = HostReads(monkeypatch)
+    calls = []
+    for owner, name in ((sparse_patch._Run, "step_of"), (feature_reuse._Run, "step_of"), (guidance._Run, "active")):
+        reads.around(owner, name, monkeypatch)
+    real = sparse_patch._Run.step_of
+    monkeypatch.setattr(sparse_patch._Run, "step_of", lambda self, options: calls.append(1) or real(self, options))
+
+    region_map = torch.zeros(5, 4, 4, dtype=torch.bool)
+    region_map[:, :2] = True
+    patched = install_sparse_attention(tiny_wan_patcher, StepLog())
+    patched = install_feature_reuse(patched, region_map, (5, 8, 8), FeatureReuseSettings(layers=(0, 1), rim=0))
+    patched = install_guidance(patched, GuidanceSettings("cross_attention", 0.2, 0.0, 1.0))
+    sample_beta(patched, "heun")
+    assert len(calls) > 0
+    assert reads.where == []
