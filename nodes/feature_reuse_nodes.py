@@ -32,9 +32,12 @@ class ChorusFeatureReuse(io.ComfyNode):
                 io.Combo.Input("cell", options=CELLS, default="1x2x2",
                                tooltip="Tokens (frames x rows x columns) pooled into one."),
                 io.Float.Input("start_percent", default=0.3, min=0.0, max=1.0, step=0.01,
-                               tooltip="Share of the steps that run at full resolution first (they set the layout)."),
+                               tooltip="Where reduced steps start, as a fraction of the sigma schedule like ComfyUI's "
+                                       "own start_percent (percent_to_sigma): steps whose sigma is above the sigma at "
+                                       "start_percent run at full resolution first (they set the layout)."),
                 io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
-                               tooltip="Steps from here on run at full resolution again."),
+                               tooltip="Fraction of the sigma schedule where full resolution resumes: steps whose sigma "
+                                       "is at or below the sigma at end_percent run at full resolution. 1.0 = never."),
                 io.Int.Input("rim", default=1, min=0, max=8, tooltip="Cells at each region's border kept at full resolution (removes seams)."),
                 io.Boolean.Input("blend", default=True, tooltip="Spread pooled updates smoothly (tent filter) instead of as flat cells."),
                 io.Latent.Input("start_latent", optional=True, tooltip="Start-frame latent, when positive carries none."),

@@ -33,11 +33,14 @@ class ChorusGuidanceEnhance(io.ComfyNode):
                                        "0.1 recovered most of the content lost to reuse on the testbed; more cost "
                                        "agreement with dense attention."),
                 io.Float.Input("start", default=0.1, min=0.0, max=1.0, step=0.01,
-                               tooltip="First step of the window, as a fraction of the schedule (step i of n is in "
-                                       "the window when start <= i/n < end). 0.1 skips the first of 10 steps, the "
-                                       "dense warm-up step of the Chorus sampler."),
+                               tooltip="Start of the window as a fraction of the sigma schedule, as in ComfyUI's own "
+                                       "nodes (percent_to_sigma): a step is in the window when its sigma is at or below "
+                                       "the sigma at start and above the sigma at end. With the simple scheduler, 0.1 "
+                                       "skips the first of 10 steps (the dense warm-up step of the Chorus sampler); "
+                                       "other schedulers place it by sigma, not by step count."),
                 io.Float.Input("end", default=1.0, min=0.0, max=1.0, step=0.01,
-                               tooltip="End of the window (exclusive), as a fraction of the schedule."),
+                               tooltip="End of the window as a fraction of the sigma schedule: steps whose sigma is at "
+                                       "or below the sigma at end are outside it. 1.0 = to the last step."),
             ],
             outputs=[io.Model.Output(display_name="MODEL")],
         )
