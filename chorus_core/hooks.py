@@ -80,8 +80,10 @@ class StepClock:
         self._sigmas = sigmas
         if self.evals_after_report is None:
             self._step = self._step_by_sigma(sigmas)
-        elif self._step is None or self._step > self._reported:
-            self._step = self._step or 0  # the current step is not reported yet: still it
+        elif self._step is None:
+            self._step = 0  # the run's first model call
+        elif self._step > self._reported:
+            pass  # the current step is not reported yet: this call is still part of it
         else:
             self._since_report += 1
             own = self._since_report <= self.evals_after_report
