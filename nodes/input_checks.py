@@ -15,7 +15,7 @@ def fraction_window_problem(start_name: str, start, end_name: str, end) -> str |
         return None
     for name, value in ((start_name, start), (end_name, end)):
         if not 0.0 <= value <= 1.0:
-            return f"{name} must be between 0 and 1 (a fraction of the schedule), got {value}."
+            return f"{name} must be between 0 and 1 (a fraction of the sigma schedule), got {value}."
     if start > end:
         return f"{start_name} ({start}) must not be after {end_name} ({end}): both are fractions of the schedule, 0 to 1."
     return None

@@ -119,7 +119,7 @@ def test_guidance_and_feature_reuse_windows_are_reported_on_their_two_inputs(com
         "start_percent": 0.3, "end_percent": 1.5, "rim": 1, "blend": True}}
     prompt[SAMPLER]["inputs"]["model"] = ["18", 0]
     guidance = "start (0.8) must not be after end (0.2): both are fractions of the schedule, 0 to 1."
-    reuse = "end_percent must be between 0 and 1 (a fraction of the schedule), got 1.5."
+    reuse = "end_percent must be between 0 and 1 (a fraction of the sigma schedule), got 1.5."
     assert _errors(comfy_server, prompt) == {
         "17": [("end", "custom_validation_failed", f"end - {guidance}"),
                ("start", "custom_validation_failed", f"start - {guidance}")],

@@ -280,8 +280,12 @@ def main() -> None:
     case(0.5, rim=0, hit=True)
 
     # analytic estimate at Wan2.1-14B shapes (40 layers, dim 5120, ffn 13824), 40 steps, default steps/layers
+    import comfy.samplers
+
     s = fr.FeatureReuseSettings()
-    reduced_steps = sum(s.runs_step(i, 40) for i in range(40))
+    sampling = patcher.model.model_sampling  # the windows are fractions of the sigma schedule, as in core
+    sigmas = comfy.samplers.calculate_sigmas(sampling, "simple", 40).tolist()
+    reduced_steps = sum(s.reduced_steps(sampling, sigmas))
     for name, grid14 in (("480p", (21, 30, 52)), ("720p", (21, 45, 80))):
         for share in (default.pooled_token_share, 0.5):
             for density in (1.0, 0.15):
