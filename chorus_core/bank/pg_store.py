@@ -222,11 +222,6 @@ class PostgresBank(BankStorage):
                          "changed. Check that its schema is a Chorus bank (restore it from a "
                          "backup if it was damaged).")
 
-    def _check_writable(self) -> None:
-        if self.read_only:
-            raise BankReadOnly(f"The bank at {self.label} was opened read-only; "
-                               "open it with read_only=False to change it.")
-
     @contextlib.contextmanager
     def _write(self, bump: bool = True, removal: bool = False):
         """One transaction holding the bank's advisory lock (writers are serialised, so rows

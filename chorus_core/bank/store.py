@@ -279,7 +279,7 @@ class BankStorage:
     connection), ``_guard(what)`` (turns its errors into BankError), ``_write(bump, removal)``
     (one serialised write transaction), ``_bump``, ``_meta``, ``_get_row``,
     ``_read_blob(sha, size) -> (data, reason)``, ``_store_entry(row, data)``, ``_record_hit``,
-    ``_quarantine_row``, ``_skip_key`` and ``_check_writable``.
+    ``_quarantine_row`` and ``_skip_key``.
     """
 
     root: Path | None
@@ -288,6 +288,11 @@ class BankStorage:
     def reopen(self) -> "BankStorage":
         """The same bank on a new connection (e.g. for a writer thread), same read_only."""
         raise NotImplementedError
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise BankReadOnly(f"The bank at {self.label} was opened read-only; "
+                               "open it with read_only=False to change it.")
 
     def _skip_for_this_process(self, row: dict, reason: str, warn: bool) -> None:
         """A read-only bank cannot quarantine: say so, and skip the entry for the rest of the process."""
@@ -766,10 +771,6 @@ class MaskBank(BankStorage):
         _insert(self.conn, row)
 
     # ---- transactions and counters -------------------------------------------------------
-    def _check_writable(self) -> None:
-        if self.read_only:
-            raise BankReadOnly(f"The bank at {self.root} was opened read-only; "
-                               "open it with read_only=False to change it.")
 
     @contextlib.contextmanager
     def _write(self, bump: bool = True, removal: bool = False):
