@@ -357,7 +357,7 @@ class ReuseRun:
         self.report.mode, self.report.entry_id = "hit", entry_id
         self.report.mask_source = f"bank entry {entry_id}"
         # Loaded, verified and decoded in a worker while the dense warm-up step runs; a failure
-        # there (corrupt, pruned meanwhile) makes the rest of the run dense with a warning.
+        # there (corrupt, pruned meanwhile) turns the run into a miss from then on, with a warning.
         return self._prefetched(lambda: _own_connection(bank, lambda own: own.load_masks(entry_id)))
 
     def _prefetched(self, open_entry) -> BankEntryProvider:
