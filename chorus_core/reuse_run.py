@@ -464,7 +464,7 @@ class ReuseRun:
     def _pending_write(self, recorded) -> bank_writer.PendingWrite:
         request, bank, schedule, o = self.match.request, self.match.bank, self.schedule, self.options
         entry_id = bank_writer.new_entry_id()
-        masks = PackedBlockMaps(recorded.packed, recorded.nk)  # unpacked one (bucket, layer) at a time by the encoder
+        masks = PackedBlockMaps(recorded.packed, recorded.nk)  # stored as packed bits: never unpacked whole
 
         def write():
             # Its own connection: SQLite connections are not shared between threads mid-transaction.
