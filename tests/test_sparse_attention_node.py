@@ -103,3 +103,41 @@ def test_the_node_shares_the_samplers_reuse_inputs(pack):
     assert node_inputs == ["model", *sampler_inputs[sampler_inputs.index("match"):]]
     assert node.validate_inputs(0.6, 0.1) == pack[1].ChorusSparseWanSampler.validate_inputs(0.6, 0.1)
     assert node.validate_inputs(0.1, 0.6) is True
+
+
+def ksampler_advanced(patched, outputs, seed, start, end, add_noise, keep_noise):
+    import nodes as comfy_nodes
+
+    positive, negative, latent, _, _ = outputs
+    (out,) = comfy_nodes.KSamplerAdvanced().sample(
+        patched, "enable" if add_noise else "disable", seed, 4, 5.0, "euler", "simple", positive, negative, latent,
+        start, end, "enable" if keep_noise else "disable")
+    return out
+
+
+def test_two_experts_in_two_ksampler_advanced_stages_get_their_own_entries(pack, tiny_wan_file, tmp_path):
+    """Wan 2.2 A14B's layout: a high-noise expert for the first steps, a low-noise one for the rest,
+    each its own MODEL with its own Chorus Sparse Attention; each records under its own weights and
+    each hits its own entry on the next similar request."""
+    import comfy.sd
+
+    from chorus_core.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
+
+    low_noise_file = save_tiny_wan_i2v(tmp_path / "expert_low.safetensors", TinyWanConfig(seed=7))
+    high, low = comfy.sd.load_diffusion_model(str(tiny_wan_file)), comfy.sd.load_diffusion_model(str(low_noise_file))
+    reports = []
+    for subject in (0, 2):  # a miss that records, then a similar request
+        outputs = request_outputs(pack[2], subject=subject)
+        stages = []
+        for expert in (high, low):
+            stages.append(sparse_attention_node(pack, expert, match_node(pack, expert, "experts", outputs)))
+        first = ksampler_advanced(stages[0], outputs, subject, 0, 2, add_noise=True, keep_noise=True)
+        ksampler_advanced(stages[1], (*outputs[:2], first, *outputs[3:]), subject, 2, 4, add_noise=False,
+                          keep_noise=False)
+        flush_writes(pack[1])
+        reports.append([reuse_patch_of(pack, stage).last_report for stage in stages])
+    (high_miss, low_miss), (high_hit, low_hit) = reports
+    assert (high_miss.mode, low_miss.mode) == ("miss", "miss")
+    assert high_miss.recorded_entry_id != low_miss.recorded_entry_id  # one entry per expert
+    assert (high_hit.mode, high_hit.entry_id) == ("hit", high_miss.recorded_entry_id)
+    assert (low_hit.mode, low_hit.entry_id) == ("hit", low_miss.recorded_entry_id)
