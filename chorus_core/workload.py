@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 TEMPLATES = ("pan", "zoom", "orbit", "bounce", "fade")
+TEXTURES = ("plain", "detailed")  # "plain": the original smooth sprites; "detailed": see render_detailed_video
 CLIP_TOKENS, CLIP_DIM = 257, 1280
 TEXT_DIM = 4096
 LATENT_CHANNELS = 16
@@ -30,10 +31,13 @@ class I2VRequest:
     height: int = 16  # latent height (pixels / 8)
     width: int = 16
     text_tokens: int = 16
+    texture: str = "plain"  # "detailed": later frames copy high-frequency texture from the first
 
     def __post_init__(self):
         if self.template not in TEMPLATES:
             raise ValueError(f"unknown template {self.template!r}; choose one of {', '.join(TEMPLATES)}")
+        if self.texture not in TEXTURES:
+            raise ValueError(f"unknown texture {self.texture!r}; choose one of {', '.join(TEXTURES)}")
 
 
 @dataclass
@@ -92,6 +96,8 @@ def _layout(layout: int, height: int, width: int):
 
 def render_video(request: I2VRequest) -> torch.Tensor:
     """The request's latent video [16, T, H, W]: a textured sprite moving over a background."""
+    if request.texture == "detailed":
+        return render_detailed_video(request)
     T, H, W = request.frames, request.height, request.width
     x0, y0, size, background = _layout(request.layout, H, W)
     video = background[:, None].repeat(1, T, 1, 1).clone()
@@ -103,6 +109,67 @@ def render_video(request: I2VRequest) -> torch.Tensor:
         top, left = int(round(y * H - side / 2)), int(round(x * W - side / 2))
         _paste(video[:, f], look[None] * colour[:, None, None] * amplitude, top, left)
     return video
+
+
+def _detailed_subject(subject: int, side: int) -> torch.Tensor:
+    """A subject [16, side, side] with per-pixel random texture (zero outside its shape).
+
+    The texture is white noise per latent pixel and channel, so a later frame can only reproduce
+    it by looking it up in the first frame: no smooth pattern a model could extrapolate locally.
+    """
+    g = _generator("detailed-subject", subject)
+    yy, xx = torch.meshgrid(torch.linspace(-1, 1, side), torch.linspace(-1, 1, side), indexing="ij")
+    radius = (xx**2 + yy**2).sqrt()
+    shapes = [radius < 0.95, (xx.abs() < 0.85) & (yy.abs() < 0.85), (radius < 0.95) & (radius > 0.35),
+              (xx.abs() < 0.4) | (yy.abs() < 0.4)]
+    colour = torch.randn(LATENT_CHANNELS, generator=g)
+    texture = 1.2 * torch.randn(LATENT_CHANNELS, side, side, generator=g)
+    return shapes[subject % len(shapes)].float()[None] * (colour[:, None, None] + texture)
+
+
+def _detailed_background(layout: int, height: int, width: int) -> torch.Tensor:
+    """A static background [16, H, W]: a layout colour plus per-pixel texture (copied, never moved)."""
+    g = _generator("detailed-background", layout)
+    colour = 0.5 * torch.randn(LATENT_CHANNELS, generator=g)
+    return colour[:, None, None] + 0.6 * torch.randn(LATENT_CHANNELS, height, width, generator=g)
+
+
+def render_detailed_video(request: I2VRequest) -> torch.Tensor:
+    """The "detailed" family: a white-noise-textured subject over a white-noise-textured background.
+
+    Every later frame is the first frame's background with the first frame's subject texture
+    pasted (resampled for zoom, dimmed for fade) where the template moves it. Predicting a later
+    frame means copying exact detail from the start frame at a place that depends on the
+    template (motion) and the layout (start position, size): attention has to find the subject.
+    """
+    T, H, W = request.frames, request.height, request.width
+    x0, y0, size, _ = _layout(request.layout, H, W)
+    background = _detailed_background(request.layout, H, W)
+    base_side = max(2, int(round(size * min(H, W))))
+    sprite = _detailed_subject(request.subject, base_side)
+    video = background[:, None].repeat(1, T, 1, 1).clone()
+    for f in range(T):
+        t = f / max(T - 1, 1)
+        x, y, scale, amplitude = _trajectory(request.template, t, x0, y0)
+        side = max(2, int(round(size * scale * min(H, W))))
+        # nearest-neighbour resampling keeps the texture's values (a zoom repeats pixels, never blurs)
+        look = sprite if side == base_side else torch.nn.functional.interpolate(sprite[None], size=(side, side),
+                                                                                mode="nearest")[0]
+        top, left = int(round(y * H - side / 2)), int(round(x * W - side / 2))
+        _replace(video[:, f], look, amplitude, top, left)
+    return video
+
+
+def _replace(frame: torch.Tensor, sprite: torch.Tensor, amplitude: float, top: int, left: int) -> None:
+    """Cover frame [C, H, W] with sprite [C, s, s] where the sprite is non-zero (its shape), blending
+    ``amplitude`` of it over the background, clipped at the borders."""
+    _, H, W = frame.shape
+    s = sprite.shape[-1]
+    y0, x0, y1, x1 = max(top, 0), max(left, 0), min(top + s, H), min(left + s, W)
+    if y1 > y0 and x1 > x0:
+        part = sprite[:, y0 - top:y1 - top, x0 - left:x1 - left]
+        inside = (part != 0).any(0, keepdim=True).float() * amplitude
+        frame[:, y0:y1, x0:x1] = frame[:, y0:y1, x0:x1] * (1 - inside) + part * inside
 
 
 def _paste(frame: torch.Tensor, sprite: torch.Tensor, top: int, left: int) -> None:

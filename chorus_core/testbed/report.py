@@ -132,15 +132,15 @@ def eval_requests(config: TestbedConfig, size, templates=None):
     for ti, template in enumerate(templates):
         for li, layout in enumerate(config.eval_layouts):
             i = len(targets)
-            targets.append(I2VRequest(template, base + i, layout, f, h, w))
-            similar.append(I2VRequest(template, base + 100 + i, layout, f, h, w))
+            targets.append(I2VRequest(template, base + i, layout, f, h, w, texture=config.texture))
+            similar.append(I2VRequest(template, base + 100 + i, layout, f, h, w, texture=config.texture))
     dissimilar = []
     for ti, template in enumerate(templates):
         for li, layout in enumerate(config.eval_layouts):
             other_t = (ti + 1) % len(templates)
             other_l = (li + 1) % len(config.eval_layouts)
             dissimilar.append(other_t * len(config.eval_layouts) + other_l)  # index into `similar`
-    population = [I2VRequest(t, base + 200 + j, layout, f, h, w)
+    population = [I2VRequest(t, base + 200 + j, layout, f, h, w, texture=config.texture)
                   for j, (t, layout) in enumerate((t, l) for t in templates for l in config.population_layouts)]
     return targets, similar, dissimilar, population
 

