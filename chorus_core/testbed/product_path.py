@@ -1,0 +1,496 @@
+"""The product path measured on the testbed: a recorded miss, then a similar request as a bank hit.
+
+    python -m chorus_core.testbed.product_path --checkpoint FILE --out DIR [--preset sharp16k]
+        [--targets 8] [--seeds 3] [--threshold 0.9]
+    python -m chorus_core.testbed.product_path --tiny --out DIR     # CPU, random tiny model, ~1 minute
+
+Every run goes through ComfyUI's sampler (``comfy.sample.sample``, euler / simple, cfg 1) on a
+ModelPatcher of the checkpoint, with Chorus's sparse-attention patch. Per held-out target and
+seed, in a fresh SQLite bank:
+
+- the similar request (same template and layout, another subject) and a dissimilar one (another
+  template and layout) run as recording misses through ``ReuseRun`` (shipped top-p and clamps,
+  the shipped recorder), written by the bank writer;
+- the target is matched against the bank and runs as a hit through ``ReuseRun``
+  (``reused_similar_product``): the masks a user gets;
+- comparison sources at **matched density** (in every sparse step, layer, head and query-block
+  row the same number of kept blocks as the hit's mask): ``oracle`` (the target's own exact block
+  mass, mean over the hit's step bucket), ``reused_dissimilar`` (the dissimilar request's dense
+  mass), ``online`` (pooled q/k block scores of the call, as shipped), ``population_prior``
+  (keep frequency over the masks recorded from requests of other layouts, a bank of their own),
+  ``static`` (local 3D windows);
+- every source at its own **natural density** (what the defaults give): the hit, ``oracle``
+  (top-p on exact mass), ``reused_dissimilar_product`` (the recorded entry), ``online`` and
+  ``population_prior`` as shipped (``OnlinePredictionProvider`` / ``ReuseRun`` in prior mode);
+  static windows have no natural density in the pack, so they appear at matched density only.
+
+Quality: final latents vs the dense run with the same seed as relative RMS error, and PSNR /
+SSIM of the frames decoded to RGB with ComfyUI's Wan 2.1 latent-to-RGB preview factors in the
+previews' fixed 0-1 range. Recall: share of the target's exact attention mass (its dense run,
+same seed) that each run's masks keep, over sparse steps and layers. Means with 95 % confidence
+intervals over requests x seeds. Plus the ``sharpness`` row: oracle mass at density 0.15 of the
+targets' dense runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from .._siblings import import_sibling
+from ..masks import forced_blocks, keep_top_counts, select_blocks
+from ..online_predictor import block_scores
+from ..population_prior import keep_frequency
+from ..quality import mass_recall, psnr, ssim
+from ..workload import generate_request, i2v_conditioning
+from .config import TestbedConfig, make_config, tokens_of
+from .models import process_in
+from .report import eval_requests, md_table, spread_picks, static_window_scores
+from .sharpness import SHARPNESS_DENSITY, request_name, summarize_mass
+
+# comfy/latent_formats.py (ComfyUI 0.3.64) Wan21.latent_rgb_factors / latent_rgb_factors_bias: the
+# live-preview decoder. Previews decode the sampler's model-space latent and map -1..1 to 0..1.
+WAN21_LATENT_RGB_FACTORS = torch.tensor([
+    [-0.1299, -0.1692, 0.2932], [0.0671, 0.0406, 0.0442], [0.3568, 0.2548, 0.1747], [0.0372, 0.2344, 0.1420],
+    [0.0313, 0.0189, -0.0328], [0.0296, -0.0956, -0.0665], [-0.3477, -0.4059, -0.2925], [0.0166, 0.1902, 0.1975],
+    [-0.0412, 0.0267, -0.1364], [-0.1293, 0.0740, 0.1636], [0.0680, 0.3019, 0.1128], [0.0032, 0.0581, 0.0639],
+    [-0.1251, 0.0927, 0.1699], [0.0060, -0.0633, 0.0005], [0.3477, 0.2275, 0.2950], [0.1984, 0.0913, 0.1861]])
+WAN21_LATENT_RGB_BIAS = torch.tensor([-0.1835, -0.0868, -0.3360])
+
+MATCHED_KINDS = ("reused_similar_product", "oracle", "reused_dissimilar", "online", "population_prior", "static")
+NATURAL_KINDS = ("reused_similar_product", "oracle", "reused_dissimilar_product", "online", "population_prior")
+METRICS = ("density", "recall", "recall_vs_oracle", "rel_rms", "psnr_db", "ssim")
+RECORD_THRESHOLD = 1.0  # recording runs must miss: only an identical request reaches similarity 1
+
+
+# --------------------------------------------------------------------------------------------
+# Quality of final latents
+# --------------------------------------------------------------------------------------------
+
+
+def latents_to_rgb(latents: torch.Tensor) -> torch.Tensor:
+    """Sampler output ``[B, 16, T, H, W]`` -> preview RGB ``[B, 3, T, H, W]`` in 0..1 (ComfyUI's Latent2RGB)."""
+    x = process_in(latents.float())  # previews see the model-space latent
+    rgb = torch.einsum("bcthw,cr->brthw", x, WAN21_LATENT_RGB_FACTORS.to(x)) + WAN21_LATENT_RGB_BIAS.to(x).view(1, 3, 1, 1, 1)
+    return ((rgb + 1.0) / 2.0).clamp(0, 1)
+
+
+def final_quality(dense: torch.Tensor, test: torch.Tensor) -> dict:
+    """rel_rms of the latents; PSNR / SSIM of the RGB previews in the fixed 0..1 range."""
+    a, b = dense.double(), test.double()
+    rel = float((a - b).norm() / a.norm().clamp(min=1e-12))
+    ra, rb = latents_to_rgb(dense), latents_to_rgb(test)
+    return {"rel_rms": rel, "psnr_db": float(psnr(ra, rb, data_range=1.0)[0]), "ssim": float(ssim(ra, rb, data_range=1.0)[0])}
+
+
+def mean_ci(values: list) -> tuple:
+    """Mean and 95 % half-width (normal approximation; 0 for one value) of the finite values."""
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return None, None
+    m = sum(v) / len(v)
+    if len(v) < 2:
+        return m, 0.0
+    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+    return m, 1.96 * sd / math.sqrt(len(v))
+
+
+# --------------------------------------------------------------------------------------------
+# Providers (the sparse patch's provider protocol; maps are kept for the recall measure)
+# --------------------------------------------------------------------------------------------
+
+
+class MassObserver:
+    """Dense attention everywhere; records each call's exact block mass ``[H, nb, nb]`` per (step, layer)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = (block_size, block_size)
+        self.mass = {}
+
+    def step_bucket(self, step: int) -> int:
+        return step
+
+    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
+        bm = import_sibling("kernels.block_mass")
+        self.mass[(step, layer)] = bm.block_mass(q, k, None if skip_reshape else heads, self.block_size[0])[0].float().cpu()
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
+        return None
+
+    def stacked(self, steps: int, layers: int) -> torch.Tensor:
+        return torch.stack([torch.stack([self.mass[(s, l)] for l in range(layers)]) for s in range(steps)])
+
+
+class CountMatchedProvider:
+    """Per (step, layer): the ``counts`` highest-scoring blocks of each row (diagonal forced).
+
+    :param counts_of: ``(step, layer) -> long [H, nq]`` (the hit's kept blocks per row)
+    :param scores_of: ``(step, layer) -> [H, nq, nk]``, or None for online scores from the call's q, k
+    """
+
+    def __init__(self, block_size: int, counts_of, scores_of=None):
+        self.block_size = (block_size, block_size)
+        self.counts_of, self.scores_of = counts_of, scores_of
+        self._online, self.maps = {}, {}
+
+    def step_bucket(self, step: int) -> int:
+        return step
+
+    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
+        if self.scores_of is None:
+            self._online[layer] = block_scores(q, k, None if skip_reshape else heads, self.block_size[0])[0].float()
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
+        scores = self._online.pop(layer) if self.scores_of is None else self.scores_of(step, layer)
+        scores = scores.to(device)
+        nq, nk = scores.shape[-2:]
+        chosen = keep_top_counts(scores, self.counts_of(step, layer).to(device), forced_blocks(nq, nk, True, None, device))
+        self.maps[(step, layer)] = chosen.cpu()
+        return chosen[None]
+
+
+class CapturingProvider:
+    """Wraps a provider and keeps the maps it serves (online prediction as shipped)."""
+
+    def __init__(self, inner):
+        self.inner, self.block_size, self.maps = inner, inner.block_size, {}
+
+    def step_bucket(self, step: int):
+        return self.inner.step_bucket(step)
+
+    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
+        self.inner.observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
+        out = self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
+        if out is not None:
+            self.maps[(step, layer)] = out[0].bool().cpu()
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# One harness: model patcher, runs, rows
+# --------------------------------------------------------------------------------------------
+
+
+class ProductPath:
+    def __init__(self, patcher, config: TestbedConfig, workdir: Path, threshold: float = 0.9, log=print):
+        from ..reuse_run import ReuseOptions
+
+        self.patcher, self.config, self.workdir, self.threshold, self.log = patcher, config, Path(workdir), threshold, log
+        self.options = ReuseOptions()  # the shipped defaults: top-p, density clamps, warm-up, miss mode
+        self.bs, self.steps, self.L = config.block_size, config.sample_steps, config.num_layers
+        self.warmup = self.options.dense_warmup_steps
+
+    # --- runs ------------------------------------------------------------------------------
+    def sample(self, patched, conds, seed: int) -> torch.Tensor:
+        import comfy.sample
+
+        positive, negative, latent = conds
+        noise = comfy.sample.prepare_noise(latent["samples"], seed)
+        return comfy.sample.sample(patched, noise, self.steps, 1.0, "euler", "simple", positive, negative,
+                                   latent["samples"], seed=seed, disable_pbar=True).float().cpu()
+
+    def with_provider(self, provider, conds, seed: int) -> torch.Tensor:
+        from ..mask_provider import DenseWarmupProvider
+        from ..sparse_patch import install_sparse_attention
+
+        wrapped = provider if isinstance(provider, MassObserver) else DenseWarmupProvider(provider, self.warmup)
+        return self.sample(install_sparse_attention(self.patcher, wrapped), conds, seed)
+
+    def dense(self, conds, seed: int):
+        observer = MassObserver(self.bs)
+        final = self.with_provider(observer, conds, seed)
+        return final, observer.stacked(self.steps, self.L)  # [S, L, H, nb, nb]
+
+    def match(self, bank, conds, threshold: float):
+        from ..bank.signature import resolve_weights
+        from ..reuse_run import build_match_request, match_request
+
+        positive, _, latent = conds
+        req = build_match_request(self.patcher, positive[0][1]["clip_vision_output"], positive, latent, None,
+                                  threshold, resolve_weights(None), self.bs)
+        return match_request(bank, req)
+
+    def reuse_run(self, match, conds, seed: int, options=None):
+        from ..reuse_run import ReuseRun, SamplingSettings
+
+        run = ReuseRun(self.patcher, match, options or self.options, SamplingSettings(self.steps, "euler", "simple"),
+                       block_size=self.bs)
+        final = self.sample(run.prepare(), conds, seed)
+        return final, run.finish()
+
+    def record(self, bank, conds, seed: int) -> str:
+        """A recording miss (online prediction as shipped); waits for the bank writer."""
+        from .. import bank_writer
+
+        _, report = self.reuse_run(self.match(bank, conds, RECORD_THRESHOLD), conds, seed)
+        if report.mode != "miss" or report.recording != "queued":
+            raise RuntimeError(f"a recording run did not record: mode {report.mode}, recording {report.recording}, "
+                               f"warnings {report.warnings}")
+        if not bank_writer.flush_all(timeout=300):
+            raise RuntimeError("the bank writer did not finish the recorded entry within 300 s")
+        return report.recorded_entry_id
+
+    # --- masks of entries ------------------------------------------------------------------
+    def entry_maps(self, entry) -> dict:
+        """(step, layer) -> bool [H, nq, nk] of an entry (a hit's, a prior's), over the sparse steps."""
+        from ..reuse_run import scaled_bucket_starts
+
+        starts = scaled_bucket_starts(entry.schedule, self.steps)
+        per_bucket = [[entry.block_map(b, l).bool() for l in range(self.L)] for b in range(len(starts))]
+        return {(s, l): per_bucket[_bucket(starts, s)][l] for s in range(self.warmup, self.steps) for l in range(self.L)}
+
+    def static_provider(self, maps: dict):
+        """Serve fixed (step, layer) maps (an entry at natural density; a top-p oracle)."""
+        return CountMatchedProvider(self.bs, lambda s, l: maps[(s, l)].sum(-1), lambda s, l: maps[(s, l)].float())
+
+    # --- measures --------------------------------------------------------------------------
+    def recall(self, mass: torch.Tensor, maps: dict, seq_len: int) -> float:
+        values = [float(mass_recall(mass[s, l], maps[(s, l)].to(mass.device), seq_len, self.bs).mean()) for (s, l) in maps]
+        return sum(values) / len(values)
+
+
+def _bucket(starts, step: int) -> int:
+    return max(i for i, s in enumerate(starts) if s <= step)
+
+
+def bucket_mean_mass(mass: torch.Tensor, maps_steps: dict, steps_of_bucket) -> dict:
+    return {k: mass[list(steps_of_bucket(k[0]))].mean(0)[k[1]] for k in maps_steps}
+
+
+# --------------------------------------------------------------------------------------------
+# The measurement
+# --------------------------------------------------------------------------------------------
+
+
+def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int, seeds: int, threshold: float = 0.9,
+                     log=print) -> dict:
+    """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``."""
+    from ..bank import MaskBank
+    from ..prior_store import load_prior
+    from ..reuse_run import OnlinePredictionProvider
+
+    pp = ProductPath(patcher, config, workdir, threshold, log)
+    size = config.long_size
+    seq_len = tokens_of(size)
+    tgts, similar, dissimilar_of, population = eval_requests(config, size)
+    picks = spread_picks(len(tgts), min(targets, len(tgts)))
+    o = pp.options
+    static_scores = static_window_scores(size, pp.bs, config.num_heads)
+    rows, sharp_masses, notes = [], [], []
+    started = time.time()
+    # the population: requests of other layouts, recorded once into a bank of their own (the prior's source)
+    pop_bank = MaskBank.open(pp.workdir / "population")
+    for p in population:
+        pp.record(pop_bank, i2v_conditioning(generate_request(p)), 0)
+    for seed in range(seeds):
+        for ti in picks:
+            target, sim, dis = tgts[ti], similar[ti], similar[dissimilar_of[ti]]
+            conds = i2v_conditioning(generate_request(target))
+            bank = MaskBank.open(pp.workdir / f"bank-t{ti}-seed{seed}")
+            sim_id = pp.record(bank, i2v_conditioning(generate_request(sim)), seed)
+            dis_id = pp.record(bank, i2v_conditioning(generate_request(dis)), seed)
+            dense_final, mass = pp.dense(conds, seed)
+            _, dis_mass = pp.dense(i2v_conditioning(generate_request(dis)), seed)
+            sharp_masses.append(mass)
+
+            hit = pp.match(bank, conds, threshold)
+            hit_final, report = pp.reuse_run(hit, conds, seed)
+            if report.mode != "hit":
+                notes.append(f"{request_name(target)} seed {seed}: no hit (similarity {hit.result.similarity:.3f} "
+                             f"< threshold {threshold}); skipped")
+                log(notes[-1])
+                continue
+            notes += [f"{request_name(target)} seed {seed} hit: {w}" for w in report.warnings]
+            hit_entry = bank.load_masks(report.entry_id, record_hit=False)
+            hit_maps = pp.entry_maps(hit_entry)
+            starts = _starts(hit_entry, pp)
+            bucket_steps = lambda s: range(starts[_bucket(starts, s)], _next_start(starts, s, pp.steps))  # noqa: E731
+            counts_of = lambda s, l: hit_maps[(s, l)].sum(-1)  # noqa: E731
+            base = {"N": seq_len, "seed": seed, "request": request_name(target),
+                    "hit_entry_is_similar": report.entry_id == sim_id, "similarity": round(hit.result.similarity, 4)}
+
+            def row(section, kind, final, maps, oracle_recall=None):
+                recall = pp.recall(mass, maps, seq_len)
+                density = sum(float(m.float().mean()) for m in maps.values()) / len(maps)
+                r = {"section": section, "mask_kind": kind, **base, "density": density, "recall": recall,
+                     "recall_vs_oracle": recall / oracle_recall if oracle_recall else None,
+                     **final_quality(dense_final, final)}
+                rows.append(r)
+                return r
+
+            # matched density: every source keeps the hit's blocks-per-row
+            oracle_scores = bucket_mean_mass(mass, hit_maps, bucket_steps)
+            dis_scores = bucket_mean_mass(dis_mass, hit_maps, bucket_steps)
+            pop_entries = [pop_bank.load_masks(e, record_hit=False)
+                           for e in pop_bank.compatible_entries(hit.request.fingerprint, hit.request.layout, limit=64)]
+            pop_maps = [pp.entry_maps(e) for e in pop_entries]
+            pop_freq = {k: keep_frequency(torch.stack([m[k] for m in pop_maps])) for k in hit_maps}
+            sources = {"oracle": lambda s, l: oracle_scores[(s, l)], "reused_dissimilar": lambda s, l: dis_scores[(s, l)],
+                       "online": None, "population_prior": lambda s, l: pop_freq[(s, l)],
+                       "static": lambda s, l: static_scores}
+            matched = {}
+            for kind, scores_of in sources.items():
+                provider = CountMatchedProvider(pp.bs, counts_of, scores_of)
+                matched[kind] = (pp.with_provider(provider, conds, seed), provider.maps)
+            oracle_recall = pp.recall(mass, matched["oracle"][1], seq_len)
+            row("matched", "reused_similar_product", hit_final, hit_maps, oracle_recall)
+            for kind in sources:
+                row("matched", kind, *matched[kind], oracle_recall)
+
+            # natural density: what each source gives with the shipped defaults
+            row("natural", "reused_similar_product", hit_final, hit_maps, oracle_recall)
+            top_p_oracle = {k: select_blocks(v, o.top_p, o.min_density, o.max_density) for k, v in oracle_scores.items()}
+            row("natural", "oracle", pp.with_provider(pp.static_provider(top_p_oracle), conds, seed), top_p_oracle,
+                oracle_recall)
+            dis_maps = pp.entry_maps(bank.load_masks(dis_id, record_hit=False))
+            row("natural", "reused_dissimilar_product", pp.with_provider(pp.static_provider(dis_maps), conds, seed),
+                dis_maps, oracle_recall)
+            online = CapturingProvider(OnlinePredictionProvider(pp.bs, o.top_p, o.min_density, o.max_density))
+            row("natural", "online", pp.with_provider(online, conds, seed), online.maps, oracle_recall)
+            prior_match = pp.match(pop_bank, conds, RECORD_THRESHOLD)
+            prior_final, prior_report = pp.reuse_run(prior_match, conds, seed,
+                                                     replace(o, miss_mode="prior", record_on_miss=False))
+            prior_entry = load_prior(pop_bank, hit.request.fingerprint, hit.request.layout, o.min_density, o.max_density)
+            if not prior_report.mask_source.startswith("population prior"):
+                raise RuntimeError(f"the prior-mode run used {prior_report.mask_source!r}, not the population prior")
+            row("natural", "population_prior", prior_final, pp.entry_maps(prior_entry), oracle_recall)
+            bank.close()
+            log(f"{request_name(target)} seed {seed}: hit {report.entry_id} (similar: {report.entry_id == sim_id}), "
+                f"{time.time() - started:.0f}s")
+    pop_bank.close()
+    stacked = torch.cat(sharp_masses) if sharp_masses else None
+    sharp = summarize_mass(stacked, SHARPNESS_DENSITY, seq_len, pp.bs) if stacked is not None else None
+    return {"rows": rows, "sharpness": sharp, "notes": notes, "seconds": time.time() - started,
+            "options": asdict(o), "threshold": threshold, "N": seq_len}
+
+
+def _starts(entry, pp) -> list:
+    from ..reuse_run import scaled_bucket_starts
+
+    return scaled_bucket_starts(entry.schedule, pp.steps)
+
+
+def _next_start(starts, step: int, steps: int) -> int:
+    later = [s for s in starts if s > step]
+    return later[0] if later else steps
+
+
+# --------------------------------------------------------------------------------------------
+# Summary and outputs
+# --------------------------------------------------------------------------------------------
+
+
+def summarize(results: dict) -> list:
+    """Mean and 95 % CI per (section, mask_kind) over requests x seeds."""
+    out = []
+    for section, kinds in (("matched", MATCHED_KINDS), ("natural", NATURAL_KINDS)):
+        for kind in kinds:
+            group = [r for r in results["rows"] if r["section"] == section and r["mask_kind"] == kind]
+            if not group:
+                continue
+            entry = {"section": section, "mask_kind": kind, "N": results["N"], "n": len(group)}
+            for metric in METRICS:
+                m, ci = mean_ci([r[metric] for r in group])
+                entry[metric], entry[f"{metric}_ci95"] = m, ci
+            out.append(entry)
+    if results["sharpness"] is not None:
+        s = results["sharpness"]
+        out.append({"section": "sharpness", "mask_kind": "sharpness", "N": results["N"],
+                    "density": SHARPNESS_DENSITY, "oracle_mass_at_0.15": s["mean"], "per_layer": s["per_layer"]})
+    return out
+
+
+def _cell(entry, metric, digits):
+    v, ci = entry.get(metric), entry.get(f"{metric}_ci95")
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f} ± {ci:.{digits}f}" if ci else f"{v:.{digits}f}"
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# Product path on the testbed ({doc['N']:,} tokens)", "", f"Command: `{doc['command']}`", "",
+             f"{doc['targets']} targets x {doc['seeds']} seeds; shipped options {doc['options']}; "
+             f"match threshold {doc['threshold']}. Mean ± 95 % CI over requests x seeds.", ""]
+    sharp = next((e for e in doc["summary"] if e["mask_kind"] == "sharpness"), None)
+    if sharp:
+        lines += [f"Sharpness: the oracle mask at density 0.15 keeps **{sharp['oracle_mass_at_0.15']:.3f}** of the "
+                  f"attention mass (per layer {sharp['per_layer']}).", ""]
+    for section, title in (("matched", "Matched density (the hit's blocks per row)"), ("natural", "Natural density")):
+        entries = [e for e in doc["summary"] if e["section"] == section]
+        table = [{"mask_kind": e["mask_kind"], **{m: _cell(e, m, 2 if m == "psnr_db" else 3) for m in METRICS},
+                  "n": e["n"]} for e in entries]
+        lines += [f"## {title}", "", md_table(table, [("mask_kind", "mask_kind")] + [(m, m) for m in METRICS] +
+                                              [("n", "n")]), ""]
+    if doc["notes"]:
+        lines += ["## Notes", ""] + [f"- {n}" for n in doc["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def write_outputs(results: dict, out: Path, command: str, targets: int, seeds: int, config: TestbedConfig) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"command": command, "N": results["N"], "targets": targets, "seeds": seeds, "threshold": results["threshold"],
+           "options": results["options"], "seconds": round(results["seconds"], 1), "notes": results["notes"],
+           "summary": summarize(results), "rows": results["rows"], "sharpness": results["sharpness"],
+           "config": asdict(config)}
+    (out / "product_path.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "product_path.md").write_text(markdown(doc))
+    return doc
+
+
+def tiny_setup(workdir: Path):
+    """A random-weight tiny_sharp model saved as a diffusion-model file and loaded as UNETLoader does."""
+    import comfy.sd
+
+    from .models import build_model
+    from .train import save_checkpoint
+
+    config = make_config("tiny_sharp")
+    torch.manual_seed(0)
+    path = save_checkpoint(build_model(config), Path(workdir) / "tiny_sharp.safetensors", config, dtype=torch.float32)
+    return comfy.sd.load_diffusion_model(str(path)), config
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--checkpoint", type=Path, help="the trained testbed checkpoint (not with --tiny)")
+    parser.add_argument("--preset", default="sharp16k")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--targets", type=int, default=8)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--tiny", action="store_true", help="a random tiny model on the CPU, 2 targets x 2 seeds")
+    args = parser.parse_args(argv)
+    if not args.tiny and args.checkpoint is None:
+        raise SystemExit("pass --checkpoint FILE (the trained testbed), or --tiny for the CPU smoke run")
+    from ..comfyui_locator import prepare_in_process
+
+    prepare_in_process(cpu=args.tiny or not torch.cuda.is_available())
+    with tempfile.TemporaryDirectory(prefix="chorus-product-path-") as tmp:
+        if args.tiny:
+            patcher, config = tiny_setup(Path(tmp))
+            targets, seeds = 2, 2
+        else:
+            import comfy.sd
+
+            config = make_config(args.preset, args.set)
+            patcher, targets, seeds = comfy.sd.load_diffusion_model(str(args.checkpoint)), args.targets, args.seeds
+        results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold)
+    doc = write_outputs(results, args.out, "python -m chorus_core.testbed.product_path " + " ".join(argv or sys.argv[1:]),
+                        targets, seeds, config)
+    print(f"{len(doc['rows'])} rows in {doc['seconds']:.0f}s -> {args.out / 'product_path.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
