@@ -144,11 +144,12 @@ def test_oracle_mass_of_hand_made_attention(comfy_runtime):
     assert summary["per_step"] == [pytest.approx(0.4333, abs=1e-4)] * 2
 
 
-def test_measure_sharpness_runs_on_a_checkpoint(comfy_runtime):
+def test_measure_sharpness_runs_on_a_checkpoint(comfy_runtime, tmp_path):
     from chorus_core.testbed.config import make_config
     from chorus_core.testbed.models import build_model
     from chorus_core.testbed.report import eval_requests
-    from chorus_core.testbed.sharpness import measure_sharpness
+    from chorus_core.testbed.sharpness import main, measure_sharpness
+    from chorus_core.testbed.train import save_checkpoint
 
     config = make_config("tiny_sharp")
     requests = eval_requests(config, config.long_size)[0][:2]
@@ -157,6 +158,14 @@ def test_measure_sharpness_runs_on_a_checkpoint(comfy_runtime):
     assert len(result["per_step"]) == config.sample_steps and len(result["per_request"]) == 2
     keep = round(0.15 * 12) / 12  # 12 blocks of 32: uniform attention would keep 2 / 12
     assert keep - 1e-4 <= result["mean"] <= 1.0
+
+    torch.manual_seed(0)
+    checkpoint = save_checkpoint(build_model(config), tmp_path / "tiny.safetensors", config)
+    assert main(["--checkpoint", str(checkpoint), "--out", str(tmp_path), "--preset", "tiny_sharp", "--requests", "2",
+                 "--device", "cpu"]) == 0
+    written = json.loads((tmp_path / "sharpness.json").read_text())
+    assert written["N"] == 384 and [r["request"] for r in written["per_request"]] == \
+        ["pan/s100/l0/detailed", "zoom/s103/l1/detailed"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,3 +223,17 @@ def test_the_tiny_product_path_runs_end_to_end(comfy_runtime, tmp_path):
     md = (tmp_path / "product_path.md").read_text()
     assert "## Matched density (the hit's blocks per row)" in md and "| population_prior |" in md
     assert "Sharpness: the oracle mask at density 0.15 keeps" in md
+
+    # runs split by seed merge into one report: the same rows, the same sharpness
+    first, second = tmp_path / "a", tmp_path / "b"
+    for part in (first, second):
+        part.mkdir()
+    for part, seed in ((first, 0), (second, 1)):
+        d = dict(doc, rows=[r for r in rows if r["seed"] == seed], seeds=1,
+                 sharpness=dict(doc["sharpness"], runs=2))
+        (part / "product_path.json").write_text(json.dumps(d))
+    merged_dir = tmp_path / "merged"
+    assert main(["--merge", str(first), str(second), "--out", str(merged_dir)]) == 0
+    merged = json.loads((merged_dir / "product_path.json").read_text())
+    assert merged["rows"] == rows and merged["seeds"] == 2 and merged["targets"] == 2
+    assert merged["summary"] == doc["summary"]

@@ -2,7 +2,8 @@
 
     python -m chorus_core.testbed.product_path --checkpoint FILE --out DIR [--preset sharp16k]
         [--targets 8] [--seeds 3] [--threshold 0.9]
-    python -m chorus_core.testbed.product_path --tiny --out DIR     # CPU, random tiny model, ~1 minute
+    python -m chorus_core.testbed.product_path --tiny --out DIR     # CPU, random tiny model, ~10 s
+    python -m chorus_core.testbed.product_path --merge DIR_SEED0 DIR_SEED1 ... --out DIR
 
 Every run goes through ComfyUI's sampler (``comfy.sample.sample``, euler / simple, cfg 1) on a
 ModelPatcher of the checkpoint, with Chorus's sparse-attention patch. Per held-out target and
@@ -51,7 +52,7 @@ from ..online_predictor import block_scores
 from ..population_prior import keep_frequency
 from ..quality import mass_recall, psnr, ssim
 from ..workload import generate_request, i2v_conditioning
-from .config import TestbedConfig, make_config, tokens_of
+from .config import TestbedConfig, config_from_dict, make_config, tokens_of
 from .models import process_in
 from .report import eval_requests, md_table, spread_picks, static_window_scores
 from .sharpness import SHARPNESS_DENSITY, request_name, summarize_mass
@@ -273,7 +274,7 @@ def bucket_mean_mass(mass: torch.Tensor, maps_steps: dict, steps_of_bucket) -> d
 
 
 def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int, seeds: int, threshold: float = 0.9,
-                     log=print) -> dict:
+                     log=print, seed_start: int = 0) -> dict:
     """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``."""
     from ..bank import MaskBank
     from ..prior_store import load_prior
@@ -292,7 +293,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     pop_bank = MaskBank.open(pp.workdir / "population")
     for p in population:
         pp.record(pop_bank, i2v_conditioning(generate_request(p)), 0)
-    for seed in range(seeds):
+    for seed in range(seed_start, seed_start + seeds):
         for ti in picks:
             target, sim, dis = tgts[ti], similar[ti], similar[dissimilar_of[ti]]
             conds = i2v_conditioning(generate_request(target))
@@ -370,8 +371,28 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     pop_bank.close()
     stacked = torch.cat(sharp_masses) if sharp_masses else None
     sharp = summarize_mass(stacked, SHARPNESS_DENSITY, seq_len, pp.bs) if stacked is not None else None
+    if sharp is not None:
+        sharp["runs"] = len(sharp_masses)
     return {"rows": rows, "sharpness": sharp, "notes": notes, "seconds": time.time() - started,
             "options": asdict(o), "threshold": threshold, "N": seq_len}
+
+
+def merge_results(docs: list) -> dict:
+    """Several runs' ``product_path.json`` (e.g. one per seed, each under 9 minutes) as one result;
+    sharpness is the run-weighted mean (each run's mean is over its dense target runs)."""
+    sharp = [d["sharpness"] for d in docs if d.get("sharpness")]
+    runs = sum(s["runs"] for s in sharp)
+    merged_sharp = None
+    if sharp:
+        merged_sharp = {"density": sharp[0]["density"], "runs": runs,
+                        "mean": sum(s["mean"] * s["runs"] for s in sharp) / runs,
+                        "per_layer": [round(sum(s["per_layer"][i] * s["runs"] for s in sharp) / runs, 4)
+                                      for i in range(len(sharp[0]["per_layer"]))]}
+    if len({d["N"] for d in docs}) != 1 or len({d["threshold"] for d in docs}) != 1:
+        raise SystemExit("--merge: the runs differ in N or threshold; merge only runs of one configuration")
+    return {"rows": [r for d in docs for r in d["rows"]], "sharpness": merged_sharp,
+            "notes": [n for d in docs for n in d["notes"]], "seconds": sum(d["seconds"] for d in docs),
+            "options": docs[0]["options"], "threshold": docs[0]["threshold"], "N": docs[0]["N"]}
 
 
 def _starts(entry, pp) -> list:
@@ -469,8 +490,19 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--seed-start", type=int, default=0, help="first seed (split seeds over several runs)")
     parser.add_argument("--tiny", action="store_true", help="a random tiny model on the CPU, 2 targets x 2 seeds")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
+                        help="combine the product_path.json of these earlier runs into --out (no sampling)")
     args = parser.parse_args(argv)
+    command = "python -m chorus_core.testbed.product_path " + " ".join(argv or sys.argv[1:])
+    if args.merge:
+        docs = [json.loads((d / "product_path.json").read_text()) for d in args.merge]
+        seeds = len({r["seed"] for d in docs for r in d["rows"]})
+        targets = len({r["request"] for d in docs for r in d["rows"]})
+        write_outputs(merge_results(docs), args.out, command, targets, seeds, config_from_dict(docs[0]["config"]))
+        print(f"merged {len(docs)} runs -> {args.out / 'product_path.md'}")
+        return 0
     if not args.tiny and args.checkpoint is None:
         raise SystemExit("pass --checkpoint FILE (the trained testbed), or --tiny for the CPU smoke run")
     from ..comfyui_locator import prepare_in_process
@@ -485,9 +517,8 @@ def main(argv=None) -> int:
 
             config = make_config(args.preset, args.set)
             patcher, targets, seeds = comfy.sd.load_diffusion_model(str(args.checkpoint)), args.targets, args.seeds
-        results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold)
-    doc = write_outputs(results, args.out, "python -m chorus_core.testbed.product_path " + " ".join(argv or sys.argv[1:]),
-                        targets, seeds, config)
+        results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold, seed_start=args.seed_start)
+    doc = write_outputs(results, args.out, command, targets, seeds, config)
     print(f"{len(doc['rows'])} rows in {doc['seconds']:.0f}s -> {args.out / 'product_path.md'}")
     return 0
 

@@ -10,6 +10,11 @@ more than the density itself (uniform attention keeps exactly ``round(density * 
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+from pathlib import Path
+
 import torch
 
 from .._siblings import import_sibling
@@ -71,3 +76,34 @@ def measure_sharpness(model, config, device: str = "cpu", requests=None, density
 
 def request_name(request) -> str:
     return f"{request.template}/s{request.subject}/l{request.layout}/{request.texture}"
+
+
+def main(argv=None) -> int:
+    """``python -m chorus_core.testbed.sharpness --checkpoint FILE --out DIR [--preset sharp16k] [--requests 4]``:
+    the sharpness of a checkpoint (e.g. between training chunks) -> ``DIR/sharpness.json``."""
+    parser = argparse.ArgumentParser(description="oracle mass at density 0.15 of a testbed checkpoint")
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--preset", default="sharp16k")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--requests", type=int, default=4, help="held-out targets (spread over the list)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    from ..comfyui_locator import prepare_in_process
+    from .config import make_config
+    from .report import eval_requests, spread_picks
+    from .train import load_checkpoint
+
+    prepare_in_process(cpu=args.device == "cpu")
+    config = make_config(args.preset, args.set)
+    targets = eval_requests(config, config.long_size)[0]
+    requests = [targets[i] for i in spread_picks(len(targets), min(args.requests, len(targets)))]
+    result = measure_sharpness(load_checkpoint(args.checkpoint, config, args.device), config, args.device, requests)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sharpness.json").write_text(json.dumps({"checkpoint": str(args.checkpoint), **result}, indent=1))
+    print(f"oracle mass at {result['density']}: {result['mean']:.3f} (per layer {result['per_layer']}) at N={result['N']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
