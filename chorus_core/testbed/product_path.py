@@ -274,8 +274,12 @@ def bucket_mean_mass(mass: torch.Tensor, maps_steps: dict, steps_of_bucket) -> d
 
 
 def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int, seeds: int, threshold: float = 0.9,
-                     log=print, seed_start: int = 0) -> dict:
-    """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``."""
+                     log=print, seed_start: int = 0, on_progress=None) -> dict:
+    """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``.
+
+    ``on_progress(results_so_far)`` after every target: the CLI writes its outputs then, so a run
+    stopped by a time limit keeps the targets it finished.
+    """
     from ..bank import MaskBank
     from ..prior_store import load_prior
     from ..reuse_run import OnlinePredictionProvider
@@ -368,13 +372,19 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             bank.close()
             log(f"{request_name(target)} seed {seed}: hit {report.entry_id} (similar: {report.entry_id == sim_id}), "
                 f"{time.time() - started:.0f}s")
+            if on_progress is not None:
+                on_progress(_results(rows, sharp_masses, notes, started, o, threshold, seq_len, pp.bs))
     pop_bank.close()
-    stacked = torch.cat(sharp_masses) if sharp_masses else None
-    sharp = summarize_mass(stacked, SHARPNESS_DENSITY, seq_len, pp.bs) if stacked is not None else None
-    if sharp is not None:
+    return _results(rows, sharp_masses, notes, started, o, threshold, seq_len, pp.bs)
+
+
+def _results(rows, sharp_masses, notes, started, options, threshold, seq_len, block_size) -> dict:
+    sharp = None
+    if sharp_masses:
+        sharp = summarize_mass(torch.cat(sharp_masses), SHARPNESS_DENSITY, seq_len, block_size)
         sharp["runs"] = len(sharp_masses)
-    return {"rows": rows, "sharpness": sharp, "notes": notes, "seconds": time.time() - started,
-            "options": asdict(o), "threshold": threshold, "N": seq_len}
+    return {"rows": list(rows), "sharpness": sharp, "notes": list(notes), "seconds": time.time() - started,
+            "options": asdict(options), "threshold": threshold, "N": seq_len}
 
 
 def merge_results(docs: list) -> dict:
@@ -517,7 +527,9 @@ def main(argv=None) -> int:
 
             config = make_config(args.preset, args.set)
             patcher, targets, seeds = comfy.sd.load_diffusion_model(str(args.checkpoint)), args.targets, args.seeds
-        results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold, seed_start=args.seed_start)
+        progress = lambda partial: write_outputs(partial, args.out, command, targets, seeds, config)  # noqa: E731
+        results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold,
+                                   seed_start=args.seed_start, on_progress=progress)
     doc = write_outputs(results, args.out, command, targets, seeds, config)
     print(f"{len(doc['rows'])} rows in {doc['seconds']:.0f}s -> {args.out / 'product_path.md'}")
     return 0
