@@ -112,6 +112,7 @@ def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
     info = json.loads((out / "train_config.json").read_text())
     assert info["steps"] == 6 and [h["step"] for h in info["log"]] == [1, 2, 3, 4, 5, 6]
     assert info["config"]["texture"] == "detailed" and info["config"]["time_budget_s"] == 60.0
+    assert [(c["start_step"], c["end_step"]) for c in info["chunks"]] == [(0, 2), (2, 6)]
     with pytest.raises(SystemExit, match="no such training state"):
         main(["--resume", str(tmp_path / "nope.pt"), "--out", str(out), "--device", "cpu"])
 

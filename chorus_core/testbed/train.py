@@ -116,8 +116,9 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
     model = model if model is not None else build_model(config)
     model.to(device).train()
     opt = _optimizer(model, config)
-    history, step, trained_s = [], 0, 0.0
+    history, step, trained_s, chunks = [], 0, 0.0, []
     if resume is not None:
+        chunks = list(resume.get("chunks", []))
         model.load_state_dict(resume["model"])
         opt.load_state_dict(resume["optimizer"])
         step, history, trained_s = resume["step"], list(resume["log"]), resume.get("train_seconds", 0.0)
@@ -132,7 +133,7 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
         check = gradient_check(model, check_pool.select(torch.arange(min(2, len(check_pool)), device=check_pool.x0.device)),
                                config, device, log)
     options, autocast = check["options"], check["autocast"]
-    start = time.time()
+    start, first_step = time.time(), step
     chunk_end = config.max_steps if stop_after_steps is None else min(config.max_steps, step + stop_after_steps)
     while step < chunk_end and time.time() - start < config.time_budget_s:
         which = "long" if ("long" in pools and rng.random() < config.long_share) else "short"
@@ -164,7 +165,9 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
     state = {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
              "optimizer": opt.state_dict(), "step": step, "log": history, "train_seconds": trained_s + seconds,
              "rng": {"python": rng.getstate(), "generator": gen.get_state(), "torch": torch.get_rng_state()},
-             "attention": attention, "config": asdict(config)}
+             "attention": attention, "config": asdict(config),
+             "chunks": chunks + [{"start_step": first_step, "end_step": step, "seconds": round(seconds, 1),
+                                  "data_seconds": round(data_s, 1)}]}
     return {"model": model, "log": history, "steps": step, "seconds": seconds, "data_seconds": data_s,
             "attention": {"choice": check["choice"], "cosines": check["cosines"], "autocast_bf16": autocast},
             "state": state, "total_train_seconds": trained_s + seconds}
@@ -264,7 +267,7 @@ def write_outputs(result: dict, config: TestbedConfig, out: Path, device: str, c
                                "name": size_name(config.long_size)}},
             "objective": "flow matching: x_t = (1-t) x0 + t noise, t = shift*u/(1+(shift-1)*u), u~U(0,1); "
                          "target noise - x0; timestep 1000 t; inputs [x_t, 1-concat_mask (4), process_in(concat latent) (16)]",
-            "log": result["log"]}
+            "chunks": (result.get("state") or {}).get("chunks", []), "log": result["log"]}
     (out / "train_config.json").write_text(json.dumps(info, indent=1))
     plot_loss(result["log"], out / "loss_curve.png")
     return info
