@@ -127,6 +127,12 @@ def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
 
     a, b = load_file(str(out / "chorus_testbed_wan21_i2v.safetensors")), load_file(str(joined / "chorus_testbed_wan21_i2v.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the machine (and train_state.pt) lost: go on from the returned parts, weights only
+    assert main(["--init-from", str(parts), "--out", str(tmp_path / "again"), "--device", "cpu", "--set", "max_steps=8",
+                 "--set", "log_every=1"]) == 0
+    again = json.loads((tmp_path / "again" / "train_config.json").read_text())
+    assert again["steps"] == 8 and [h["step"] for h in again["log"]] == list(range(1, 9))
+    assert [(c["start_step"], c["end_step"]) for c in again["chunks"]][-1] == (6, 8)
     with pytest.raises(SystemExit, match="no such training state"):
         main(["--resume", str(tmp_path / "nope.pt"), "--out", str(out), "--device", "cpu"])
 

@@ -148,11 +148,14 @@ def sharp16k_config() -> TestbedConfig:
     time embedding) are 5.07 M parameters at dim 384 and each block is 1.48 M + 2 * dim * ffn_dim,
     so dim 384 / ffn 512 / 6 layers = 16.34 M parameters = 31.2 MiB in fp16 (the file: 31.2 MiB) (dim 512 with 4 heads
     fits 32 MiB only at 3 layers: its fixed part alone is 6.7 M). ``test_testbed_sharp`` checks it.
+    Steps: the committed 16k checkpoint (dim 256, 4 layers, batch 4) ran 0.115 s a step on the H200;
+    this one has about the same attention work per step (dim x layers x batch 4,608 against 4,096), so
+    10,000 steps are about three 450 s chunks.
     """
     return TestbedConfig(
         dim=384, ffn_dim=512, num_layers=6, texture="detailed", short_size=(5, 32, 32), long_size=SHARP_SIZE,
         long_share=0.7, batch_short=16, batch_long=2, lr=5e-4, min_lr=5e-5, warmup_steps=200,
-        expected_steps=12000, time_budget_s=480.0, train_subjects=16, train_layouts=8, log_every=25,
+        max_steps=10000, expected_steps=10000, time_budget_s=450.0, train_subjects=16, train_layouts=8, log_every=25,
         block_size=128, eval_layouts=(0, 1), population_layouts=(2, 3), table_density=0.15,
     )
 

@@ -120,11 +120,15 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
     if resume is not None:
         chunks = list(resume.get("chunks", []))
         model.load_state_dict(resume["model"])
-        opt.load_state_dict(resume["optimizer"])
         step, history, trained_s = resume["step"], list(resume["log"]), resume.get("train_seconds", 0.0)
-        rng.setstate(resume["rng"]["python"])
-        gen.set_state(resume["rng"]["generator"])
-        torch.set_rng_state(resume["rng"]["torch"])
+        if resume.get("optimizer") is not None:  # an exact resume
+            opt.load_state_dict(resume["optimizer"])
+            rng.setstate(resume["rng"]["python"])
+            gen.set_state(resume["rng"]["generator"])
+            torch.set_rng_state(resume["rng"]["torch"])
+        else:  # weights only (init_state_from_weights): fresh moments, new batches from a step-dependent seed
+            rng.seed(config.seed + step)
+            gen.manual_seed(config.seed + step)
         check = resume["attention"]
         check["options"] = _attention_options(check["choice"])
         log(f"resumed at step {step} ({check['choice']} attention)")
@@ -190,6 +194,29 @@ def save_state(state: dict, path: Path) -> Path:
     torch.save(state, tmp)
     tmp.replace(path)
     return path
+
+
+def init_state_from_weights(folder: Path) -> dict:
+    """A weights-only resume state from what came back from the device (``--parts-out``: checkpoint
+    parts or the joined file, and train_config.json), for when the machine holding ``train_state.pt``
+    is gone: the fp16 weights, the step, the loss log and the config; fresh AdamW moments and
+    fresh batch order, so it is not the exact continuation an ``--resume`` is."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    info_path = folder / "train_config.json"
+    if not info_path.is_file():
+        raise SystemExit(f"--init-from {folder}: no train_config.json there (pass the folder --parts-out wrote)")
+    info = json.loads(info_path.read_text())
+    single = folder / CHECKPOINT_NAME
+    if not single.is_file():
+        single = join_checkpoint_parts(folder, folder / CHECKPOINT_NAME)
+    attention = info.get("training_attention") or {}
+    return {"model": {k: v.float() for k, v in load_file(str(single)).items()}, "optimizer": None,
+            "step": info["steps"], "log": info["log"], "train_seconds": info.get("total_train_seconds", 0.0),
+            "chunks": info.get("chunks", []), "config": info["config"],
+            "attention": {"choice": attention.get("choice", "sdpa_flash_efficient_bf16"),
+                          "cosines": attention.get("cosines", {}), "autocast": attention.get("autocast_bf16", True)}}
 
 
 def load_state(path: Path) -> dict:
@@ -337,6 +364,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--resume", type=Path, help=f"a {STATE_NAME} from an earlier chunk: go on from there "
                         "(its config is used; --preset is ignored, --set still applies)")
+    parser.add_argument("--init-from", type=Path, metavar="DIR", help="weights-only resume from a --parts-out folder "
+                        "(when train_state.pt is lost with its machine): fresh optimizer moments, not exact")
     parser.add_argument("--time-budget-s", type=float, help="wall-clock seconds of training in this chunk")
     parser.add_argument("--chunk-steps", type=int, help="end this chunk after this many steps")
     parser.add_argument("--parts-out", type=Path, help="also write the fp16 checkpoint in parts of at most 15 MiB, "
@@ -351,7 +380,7 @@ def main(argv=None) -> int:
     from ..comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.device == "cpu")
-    resume = load_state(args.resume) if args.resume else None
+    resume = load_state(args.resume) if args.resume else init_state_from_weights(args.init_from) if args.init_from else None
     config = config_with_overrides(config_from_dict(resume["config"]), args.set) if resume else make_config(args.preset, args.set)
     if args.time_budget_s is not None:
         config = replace(config, time_budget_s=args.time_budget_s)
