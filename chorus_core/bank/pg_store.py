@@ -33,7 +33,7 @@ from psycopg.rows import dict_row
 from . import bank_url, schema, validation
 from .errors import BankError, BankInvalidArgument, BankReadOnly, BankUnavailable
 from .matching import SignatureIndex
-from .store import (_SUMMARY, BankStorage, _check_limit, _decode_row, _doomed, _fault,
+from .store import (_SUMMARY, BankStorage, _decode_row, _fault,
                     _guarded)
 
 CONNECT_TIMEOUT_S = 5
@@ -403,56 +403,16 @@ class PostgresBank(BankStorage):
                                   "WHERE e.blob_sha256 = b.sha256)")
             return cur.rowcount
 
-    def _delete_rows(self, ids: list[str]) -> int:
-        """Inside a write: the rows, then every blob they used that no row uses any more;
-        returns how many rows went."""
+    def _delete_rows(self, ids: list[str]) -> tuple[int, list]:
+        """Inside a write: the rows, then every blob they used that no row uses any more (in the
+        same transaction, so nothing is left for after the commit); returns (rows gone, [])."""
         gone = self.db.execute("DELETE FROM entries WHERE id = ANY(?) RETURNING blob_sha256",
                                [ids]).fetchall()
         shas = sorted({r[0] for r in gone if r[0]})
         if shas:
             self.db.execute("DELETE FROM blobs b WHERE sha256 = ANY(?) AND NOT EXISTS "
                             "(SELECT 1 FROM entries e WHERE e.blob_sha256 = b.sha256)", [shas])
-        return len(gone)
-
-    @_guarded
-    def delete(self, entry_ids) -> int:
-        """Delete entries and the blobs no other entry uses, in one transaction; returns how
-        many rows went."""
-        ids = [str(i) for i in entry_ids]
-        if not ids:
-            return 0
-        with self._write(removal=True):
-            count = self._delete_rows(ids)
-            _fault("delete-before-commit")
-        return count
-
-    @_guarded
-    def eviction_order(self) -> list[dict]:
-        """Rows in the order :meth:`prune` removes them: quarantined first, then least
-        recently used (creation time counts as a use), fewer hits first on ties."""
-        return self.db.query(
-            "SELECT id, blob_bytes, hits, COALESCE(last_hit, created) AS last_use FROM entries "
-            "ORDER BY status = 'ok', last_use, hits, created")
-
-    @_guarded
-    def prune(self, max_bytes: int | None = None, max_entries: int | None = None,
-              dry_run: bool = False) -> list[str]:
-        """Evict entries until the bank fits ``max_bytes`` and ``max_entries`` (see
-        :meth:`MaskBank.prune`); choosing and deleting happen in one transaction."""
-        if not dry_run:
-            self._check_writable()
-        max_bytes = _check_limit("max_bytes", max_bytes)
-        max_entries = _check_limit("max_entries", max_entries)
-        if dry_run:
-            return _doomed(self.eviction_order(), max_bytes, max_entries)
-        with self._write(bump=False):
-            doomed = _doomed(self.eviction_order(), max_bytes, max_entries)
-            if doomed:
-                self._delete_rows(doomed)
-                self._bump("generation")
-                self._bump("removals")
-            _fault("prune-before-commit")
-        return doomed
+        return len(gone), []
 
     # ---- reading -------------------------------------------------------------------------
     @_guarded

@@ -279,7 +279,8 @@ class BankStorage:
     connection), ``_guard(what)`` (turns its errors into BankError), ``_write(bump, removal)``
     (one serialised write transaction), ``_bump``, ``_meta``, ``_get_row``,
     ``_read_blob(sha, size) -> (data, reason)``, ``_store_entry(row, data)``, ``_record_hit``,
-    ``_quarantine_row`` and ``_skip_key``.
+    ``_quarantine_row``, ``_skip_key``, ``_delete_rows(ids) -> (count, blobs to release)`` and,
+    where blobs live outside the database, ``_release_blobs``.
     """
 
     root: Path | None
@@ -293,6 +294,65 @@ class BankStorage:
         if self.read_only:
             raise BankReadOnly(f"The bank at {self.label} was opened read-only; "
                                "open it with read_only=False to change it.")
+
+    # ---- removal (the same on every backend) ---------------------------------------------
+    @_guarded
+    def delete(self, entry_ids) -> int:
+        """Delete entries and the blobs no other entry uses; returns how many rows went.
+
+        The rows go in one committed transaction first; a backend whose blobs live outside the
+        database (the folder bank) removes them afterwards, under the write lock, only if still
+        no row references them. A crash in between leaves orphan blobs (``verify`` removes
+        them), never rows without blobs.
+        """
+        ids = [str(i) for i in entry_ids]
+        if not ids:
+            return 0
+        with self._write(removal=True):
+            count, released = self._delete_rows(ids)
+            _fault("delete-before-commit")
+        _fault("delete-after-commit")
+        self._release_blobs(released)
+        return count
+
+    @_guarded
+    def eviction_order(self) -> list[dict]:
+        """Rows in the order :meth:`prune` removes them: quarantined first, then least
+        recently used (creation time counts as a use), fewer hits first on ties."""
+        return list(self.db.query(
+            "SELECT id, blob_bytes, hits, COALESCE(last_hit, created) AS last_use FROM entries "
+            "ORDER BY status = 'ok', last_use, hits, created"))
+
+    @_guarded
+    def prune(self, max_bytes: int | None = None, max_entries: int | None = None,
+              dry_run: bool = False) -> list[str]:
+        """Evict entries until the bank fits ``max_bytes`` and ``max_entries``.
+
+        :param max_bytes: most blob bytes to keep, a positive whole number (None: no limit)
+        :param max_entries: most entries to keep, a positive whole number (None: no limit)
+        :param dry_run: only return what would be removed
+        :return: ids removed (or to remove), in eviction order
+        :raises BankInvalidArgument: a limit that is negative, zero, NaN, infinite or not whole
+        """
+        if not dry_run:
+            self._check_writable()
+        max_bytes = _check_limit("max_bytes", max_bytes)
+        max_entries = _check_limit("max_entries", max_entries)
+        if dry_run:
+            return _doomed(self.eviction_order(), max_bytes, max_entries)
+        with self._write(bump=False):  # choose and delete in one transaction
+            doomed = _doomed(self.eviction_order(), max_bytes, max_entries)
+            released = self._delete_rows(doomed)[1] if doomed else []
+            if doomed:
+                self._bump("generation")
+                self._bump("removals")
+            _fault("prune-before-commit")
+        _fault("prune-after-commit")
+        self._release_blobs(released)
+        return doomed
+
+    def _release_blobs(self, keys: list) -> None:
+        """After a deletion commits: remove blobs kept outside the database (none by default)."""
 
     def _skip_for_this_process(self, row: dict, reason: str, warn: bool) -> None:
         """A read-only bank cannot quarantine: say so, and skip the entry for the rest of the process."""
@@ -1019,24 +1079,6 @@ class MaskBank(BankStorage):
                         removed += 1
         return removed
 
-    @_guarded
-    def delete(self, entry_ids) -> int:
-        """Delete entries and the blobs no other entry uses; returns how many rows went.
-
-        The rows go in one committed transaction first; their blobs are unlinked afterwards,
-        under the write lock, only if still no row references them. A crash in between
-        leaves orphan blobs (``verify`` removes them), never rows without blobs.
-        """
-        ids = [str(i) for i in entry_ids]
-        if not ids:
-            return 0
-        with self._write(removal=True):
-            count, shas = self._delete_rows(ids)
-            _fault("delete-before-commit")
-        _fault("delete-after-commit")
-        self._unlink_unreferenced(shas)
-        return count
-
     def _delete_rows(self, ids: list[str]) -> tuple[int, list[str]]:
         shas, count = set(), 0
         for start in range(0, len(ids), 500):  # stay under SQLite's variable limit
@@ -1047,7 +1089,8 @@ class MaskBank(BankStorage):
             count += self.conn.execute(f"DELETE FROM entries WHERE id IN ({marks})", chunk).rowcount
         return count, sorted(s for s in shas if validation.is_sha256(s))
 
-    def _unlink_unreferenced(self, shas: list[str]) -> None:
+    def _release_blobs(self, shas: list[str]) -> None:
+        """After the commit: unlink the blobs no row uses any more (under the write lock)."""
         try:
             with self._write(bump=False):
                 for sha in shas:
@@ -1063,42 +1106,6 @@ class MaskBank(BankStorage):
             warnings.warn(f"Chorus mask bank: entries deleted, but their blobs were not removed "
                           f"({exc}); `python -m chorus_core.bank verify {self.root}` removes "
                           "them later.", stacklevel=4)
-
-    @_guarded
-    def eviction_order(self) -> list[dict]:
-        """Rows in the order :meth:`prune` removes them: quarantined first, then least
-        recently used (creation time counts as a use), fewer hits first on ties."""
-        return list(self.db.query(
-            "SELECT id, blob_bytes, hits, COALESCE(last_hit, created) AS last_use FROM entries "
-            "ORDER BY status = 'ok', last_use, hits, created"))
-
-    @_guarded
-    def prune(self, max_bytes: int | None = None, max_entries: int | None = None,
-              dry_run: bool = False) -> list[str]:
-        """Evict entries until the bank fits ``max_bytes`` and ``max_entries``.
-
-        :param max_bytes: most blob bytes to keep, a positive whole number (None: no limit)
-        :param max_entries: most entries to keep, a positive whole number (None: no limit)
-        :param dry_run: only return what would be removed
-        :return: ids removed (or to remove), in eviction order
-        :raises BankInvalidArgument: a limit that is negative, zero, NaN, infinite or not whole
-        """
-        if not dry_run:
-            self._check_writable()
-        max_bytes = _check_limit("max_bytes", max_bytes)
-        max_entries = _check_limit("max_entries", max_entries)
-        if dry_run:
-            return _doomed(self.eviction_order(), max_bytes, max_entries)
-        with self._write(bump=False):  # choose and delete in one transaction
-            doomed = _doomed(self.eviction_order(), max_bytes, max_entries)
-            shas = self._delete_rows(doomed)[1] if doomed else []
-            if doomed:
-                self._bump("generation")
-                self._bump("removals")
-            _fault("prune-before-commit")
-        _fault("prune-after-commit")
-        self._unlink_unreferenced(shas)
-        return doomed
 
     # ---- reading -------------------------------------------------------------------------
     @_guarded
