@@ -37,7 +37,7 @@ import torch
 from .hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, container_function_of, is_container,
                     mark_own, schedule_step,
                     unwrap_own)
-from .mask_provider import MaskProvider, PreparedMask, match_batch, serve_prepared_mask, step_bucket_of
+from .mask_provider import MaskProvider, PreparedMask, serve_prepared_mask, step_bucket_of
 
 __all__ = [
     "UnsupportedModelError",

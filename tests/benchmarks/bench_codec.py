@@ -98,8 +98,6 @@ def entry_maps(bank: MaskBank, entry_id: str) -> np.ndarray:
 
 
 def synthetic_maps(shape: str, layers: int) -> np.ndarray:
-    import torch
-
     from bench_end_to_end import SHAPES, structured_block_map, token_grid
 
     grid = token_grid(SHAPES[shape])
