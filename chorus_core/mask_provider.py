@@ -153,6 +153,9 @@ class DenseWarmupProvider:
             return None
         return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
 
+    def observes(self, step: int) -> bool:
+        return step >= self.warmup_steps and observes(self.inner, step)
+
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         # Only where the inner provider will be asked: online prediction costs time.
         observer = getattr(self.inner, "observe", None)
@@ -169,6 +172,19 @@ def step_bucket_of(provider, step: int) -> Hashable:
     """The provider's bucket for ``step``; a provider without ``step_bucket`` buckets per step."""
     step_bucket = getattr(provider, "step_bucket", None)
     return step if step_bucket is None else step_bucket(step)
+
+
+def observes(provider, step: int) -> bool:
+    """True when ``provider`` looks at q and k during ``step`` (online prediction, recording).
+
+    Such masks exist only once the attention call is reached; every other provider's masks are
+    known before the model runs, which is what lets a compiled model run them without a graph
+    break. A provider without ``observes(step)`` observes whenever it has ``observe``.
+    """
+    method = getattr(provider, "observes", None)
+    if method is not None:
+        return bool(method(step))
+    return callable(getattr(provider, "observe", None))
 
 
 def serve_prepared_mask(provider, layer, step, cond_or_uncond, num_heads, seq_len, batch, device) -> Optional[PreparedMask]:

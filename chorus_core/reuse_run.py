@@ -22,7 +22,8 @@ from .bank import BankError, LatentLayout, MaskBank, MatchResult, Schedule, Sign
 from .bank.encoding import PackedBlockMaps
 from .bank.signature import resolve_weights
 from .entry_prefetch import EntryPrefetch
-from .mask_provider import DenseProvider, DenseWarmupProvider, bucket_index, serve_prepared_mask, step_bucket_of
+from .mask_provider import (DenseProvider, DenseWarmupProvider, bucket_index, observes, serve_prepared_mask,
+                            step_bucket_of)
 from .masks import MaskRecorder
 from .model_identity import fingerprint_patcher  # noqa: F401  (also imported from here by benchmarks)
 from .online_predictor import predict_block_map
@@ -202,6 +203,10 @@ class BankEntryProvider:
         source = self._source()
         return bucket_index(self._bucket_starts, step) if source is self else ("fallback", step_bucket_of(source, step))
 
+    def observes(self, step: int) -> bool:
+        source = self._source()
+        return source is not self and observes(source, step)
+
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         source = self._source()
         if source is not self and hasattr(source, "observe"):
@@ -248,6 +253,9 @@ class OnlinePredictionProvider:
     def step_bucket(self, step: int) -> int:
         return step  # a fresh prediction every step
 
+    def observes(self, step: int) -> bool:
+        return True
+
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         self._predicted[layer] = predict_block_map(q, k, None if skip_reshape else heads, **self.settings)
 
@@ -265,6 +273,9 @@ class RecordingProvider:
 
     def step_bucket(self, step: int):
         return step_bucket_of(self.inner, step)
+
+    def observes(self, step: int) -> bool:
+        return (self.error is None and self.recorder.bucket(step) is not None) or observes(self.inner, step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         if self.error is None:
@@ -489,6 +500,9 @@ class DeferredProvider:
 
     def step_bucket(self, step: int):
         return None if self.inner is None else step_bucket_of(self.inner, step)
+
+    def observes(self, step: int) -> bool:
+        return self.inner is not None and observes(self.inner, step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         observer = getattr(self.inner, "observe", None)

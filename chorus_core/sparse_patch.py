@@ -11,6 +11,11 @@ How it hooks in (never by copying ``forward_orig``, never by module-level monkey
   whose sequence carries extra tokens (a reference latent at the start, extra frames or context
   latents at the end) is recognised; its self-attention runs dense with one warning, since the
   masks cover the video tokens only;
+* a keyed ``APPLY_MODEL`` wrapper, outside the diffusion model (and so outside what ComfyUI's
+  TorchCompileModel compiles), steps the run and, when the masks of this model call are known
+  before it runs (a bank hit, the prior, static maps; not online prediction or recording, which
+  look at q and k), puts every layer's mask in a ``CallPlan``: the override then reads only
+  tensors and constants, so a compiled model keeps one graph;
 * a keyed ``OUTER_SAMPLE`` wrapper creates the per-run state (step tracking, mask cache,
   statistics) and drops it in ``finally``; it also refuses a model that core's "Model Sparse
   Attention" node patches too, and re-chains above a "Model Attention Backend" applied later.
@@ -25,11 +30,14 @@ The model passed in is never changed. Statistics of the current or last run:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
+import traceback
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -37,7 +45,8 @@ import torch
 from .hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, container_function_of, is_container,
                     mark_own, schedule_step,
                     unwrap_own)
-from .mask_provider import MaskProvider, PreparedMask, serve_prepared_mask, step_bucket_of
+from ._siblings import import_sibling
+from .mask_provider import MaskProvider, PreparedMask, observes, serve_prepared_mask, step_bucket_of
 
 __all__ = [
     "UnsupportedModelError",
@@ -47,6 +56,8 @@ __all__ = [
     "RunStats",
     "SparseAttentionState",
     "install_sparse_attention",
+    "CallPlan",
+    "DENSE_ATTENTION_MODES",
     "check_supported_model",
     "get_sparse_state",
     "get_run_stats",
@@ -54,6 +65,11 @@ __all__ = [
 
 OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE (checked in tests)
 DIFFUSION_MODEL = "diffusion_model"  # comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL (checked in tests)
+APPLY_MODEL = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL (checked in tests)
+# What the self-attention Chorus leaves dense runs on: "auto" = FlashAttention-4's dense forward
+# where it applies (sm_90/sm_100, flash-attn-4 installed, bf16/fp16, head_dim 128), else
+# ComfyUI's own function; "comfyui" = always ComfyUI's own function.
+DENSE_ATTENTION_MODES = ("auto", "comfyui")
 ON_PREPARE_STATE = "on_prepare_state"  # comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE
 OVERRIDE_KEY = "optimized_attention_override"
 SUPPORTED = "Wan 2.1 image-to-video and text-to-video (comfy.model_base.WAN21 running a WanModel)"
@@ -232,6 +248,7 @@ class RunStats:
     finished: bool = False  # sampling returned normally
     warnings: list[str] = field(default_factory=list)  # why some calls fell back to dense
     backend: Optional[str] = None  # the block-sparse kernel backend and why it was chosen
+    dense_backend: Optional[str] = None  # what the dense self-attention calls ran on, and why
 
     @property
     def total_steps(self) -> int:
@@ -256,6 +273,7 @@ class RunStats:
             "layers": {layer: s.as_dict() for layer, s in sorted(self.layers.items())},
             "warnings": list(self.warnings),
             "backend": self.backend,
+            "dense_backend": self.dense_backend,
         }
 
 
@@ -270,9 +288,10 @@ StepCallback = Callable[[StepStats, RunStats], Any]
 class SparseAttentionState:
     """Attached to the patched clone: the provider, the current/last run's stats, step callbacks."""
 
-    def __init__(self, provider: MaskProvider, key: str):
+    def __init__(self, provider: MaskProvider, key: str, dense_attention: str = "auto"):
         self.provider = provider
         self.key = key
+        self.dense_attention = dense_attention
         self.stats: Optional[RunStats] = None
         self.step_callbacks: list[StepCallback] = []
 
@@ -282,7 +301,7 @@ class SparseAttentionState:
         return callback
 
     def start_run(self) -> "_Run":
-        run = _Run(self.provider, self.step_callbacks)
+        run = _Run(self.provider, self.step_callbacks, self.dense_attention)
         self.stats = run.stats
         return run
 
@@ -290,9 +309,11 @@ class SparseAttentionState:
 class _Run:
     """Per-run state: the current step, the masks of the current step bucket, statistics."""
 
-    def __init__(self, provider: MaskProvider, step_callbacks: list[StepCallback]):
+    def __init__(self, provider: MaskProvider, step_callbacks: list[StepCallback], dense_attention: str = "auto"):
         self.provider = provider
         self.step_callbacks = step_callbacks
+        self.dense_attention = dense_attention
+        self._dense_kernels: dict[tuple, Optional[Callable]] = {}  # (device, dtype, head_dim) -> kernel
         self.stats = RunStats()
         self._started = time.perf_counter()
         self._masks: dict[tuple, Any] = {}  # current step bucket only, so memory stays bounded
@@ -367,14 +388,16 @@ class _Run:
 
     # ---- the attention call
 
-    def attend(self, layer: int, transformer_options: dict, call: "AttentionCall") -> Optional[torch.Tensor]:
-        """Block-sparse self-attention, or None when this call runs dense.
+    def attend(self, layer: int, transformer_options: dict, call: "AttentionCall",
+               fast_dense: bool = True) -> Optional[torch.Tensor]:
+        """Block-sparse self-attention, the fast dense kernel where the mask source leaves the call
+        dense (``fast_dense``), or None: ComfyUI's function runs it.
 
         Any failure on the sparse path (mask source, conversion, validation, kernel compile or
         launch) makes the rest of the run dense with one warning: it costs speed, never the generation.
         """
         step = self.step_of(transformer_options)
-        if step is None or self._disabled or not self._kernel_usable(call):
+        if step is None or self._disabled or not self._kernel_usable(call.q.device):
             self.record(layer, None)
             return None
         cond_or_uncond = transformer_options.get("cond_or_uncond") or [0]
@@ -384,7 +407,7 @@ class _Run:
             prepared = self.mask_for(layer, step, cond_or_uncond, call.heads, call.seq_len, call.batch, call.q.device)
             if prepared is None:
                 self.record(layer, None)
-                return None
+                return self.dense(call) if fast_dense else None
             stage = "block-sparse attention failed"
             self._note_backend(call, prepared)
             out = block_sparse().block_sparse_attention(
@@ -409,15 +432,94 @@ class _Run:
             logging.warning("Chorus: %s", reason)
         self.record(layer, None)
 
-    def _kernel_usable(self, call: "AttentionCall") -> bool:
+    def dense(self, call: "AttentionCall") -> Optional[torch.Tensor]:
+        """A call the mask source leaves dense: the fast dense kernel where it applies, else None
+        (ComfyUI's own function runs it). Eager path; planned calls carry their kernel."""
+        head_dim = call.q.shape[-1] if call.skip_reshape else call.q.shape[-1] // call.heads
+        kernel = self.dense_kernel(call.q.device, call.q.dtype, head_dim)
+        if kernel is None:
+            return None
+        try:
+            return kernel(call.q, call.k, call.v, call.heads, call.skip_reshape, call.skip_output_reshape)
+        except Exception as exc:  # speed only: ComfyUI's function gives the same result
+            self._no_fast_dense(f"the dense FlashAttention-4 call failed ({type(exc).__name__}: {exc}); "
+                                "dense calls use ComfyUI's attention for the rest of this run")
+            return None
+
+    def dense_kernel(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[Callable]:
+        """``kernels.dense_attention.dense_attention`` when FA4 can run these calls and the user
+        left ``dense_attention`` on "auto"; None: ComfyUI's own function. Decided once per run."""
+        key = (str(device), dtype, head_dim)
+        if key not in self._dense_kernels:
+            kernel, why = None, "dense_attention='comfyui' was chosen"
+            if self.dense_attention == "auto":
+                dense = import_sibling("kernels.dense_attention")
+                why = dense.dense_unsupported_for(device, dtype, head_dim)
+                kernel = dense.dense_attention if why is None else None
+            self._dense_kernels[key] = kernel
+            if self.stats.dense_backend is None:
+                self.stats.dense_backend = ("fa4 (FlashAttention-4 dense forward)" if kernel is not None
+                                            else f"comfyui (ComfyUI's attention function; {why})")
+        return self._dense_kernels[key]
+
+    def _no_fast_dense(self, reason: str) -> None:
+        self._dense_kernels = {key: None for key in self._dense_kernels}
+        self.dense_attention = "comfyui"
+        self.stats.dense_backend = f"comfyui ({reason})"
+        if reason not in self.stats.warnings:
+            self.stats.warnings.append(reason)
+            logging.warning("Chorus: %s", reason)
+
+    # ---- planned model calls (see CallPlan)
+
+    def plan_call(self, options: dict, x: torch.Tensor, model) -> Optional["CallPlan"]:
+        """Every layer's mask (and the dense kernel) for this model call, before the model runs.
+
+        None when the call is decided per attention call instead: outside a sampler, after a
+        failure, or when the mask source looks at q and k (online prediction, recording).
+        """
+        step = self.step_of(options)
+        diffusion_model = getattr(model, "diffusion_model", None)
+        if step is None or self._disabled or diffusion_model is None or observes(self.provider, step):
+            return None
+        if x.device.type not in ("cuda", "cpu") or not self._kernel_usable(x.device):
+            return None  # the per-call path says why, once
+        heads = int(diffusion_model.num_heads)
+        seq_len = _video_token_count(x, diffusion_model)
+        chunks = options.get("cond_or_uncond") or [0]
+        try:
+            prepared = [self.mask_for(layer, step, chunks, heads, seq_len, x.shape[0], x.device)
+                        for layer in range(len(diffusion_model.blocks))]
+        except Exception as exc:
+            self._disable(f"masks unavailable at step {step} ({type(exc).__name__}: {exc}); the rest of this run "
+                          "is dense")
+            return None
+        head_dim = int(diffusion_model.dim) // heads
+        return CallPlan.build(seq_len, prepared, block_sparse().block_sparse_attention,
+                              self.dense_kernel(x.device, _compute_dtype(model), head_dim))
+
+    def record_plan(self, plan: "CallPlan") -> None:
+        """Statistics of a planned call, read after the model ran (a compiled model cannot count)."""
+        for layer, sparse in plan.answered:
+            self.record(layer, plan.densities[layer] if sparse else None)
+        for layer, seq_len, video_tokens in plan.extra_tokens:
+            self.dense_for_extra_tokens(layer, _BlockCall(layer, seq_len, video_tokens))
+        if self.stats.backend is None and any(sparse for _, sparse in plan.answered):
+            choice = block_sparse().last_backend_choice()
+            self.stats.backend = None if choice is None else str(choice)
+
+    def fail_planned(self, layer: int, exc: Exception) -> None:
+        self._disable(f"block-sparse attention failed at layer {layer} ({type(exc).__name__}: {exc}); "
+                      "the rest of this run is dense")
+
+    def _kernel_usable(self, device: torch.device) -> bool:
         """On a GPU without a kernel (no Triton, no FA4), or on MPS/XPU, the torch reference would be
         slower than dense: stay dense."""
-        device = call.q.device.type
-        if device not in ("cuda", "cpu"):
-            self._disable(f"block-sparse attention has no kernel for {device.upper()} devices (the per-block "
-                          "reference would be slower than dense); this run is dense")
+        if device.type not in ("cuda", "cpu"):
+            self._disable(f"block-sparse attention has no kernel for {device.type.upper()} devices (the "
+                          "per-block reference would be slower than dense); this run is dense")
             return False
-        if not call.q.is_cuda:
+        if device.type == "cpu":
             return True
         if self._triton is None:  # looked up once per run, not per call
             self._triton = block_sparse().gpu_kernel_available()
@@ -458,6 +560,52 @@ class _Run:
 
 
 _NO_BUCKET = object()
+
+
+@dataclass
+class CallPlan:
+    """What each layer's video self-attention runs in one model call, decided before the call.
+
+    The override reads only this: tensors (the masks), ints and the two kernel functions, all
+    the same kind of value at every step of a step bucket. So a compiled diffusion model guards
+    on their shapes, never on Python state that changes per step, and no graph breaks. What
+    happened is appended to ``answered``/``extra_tokens`` (side effects a compiled graph replays)
+    and counted after the call by ``_Run.record_plan``.
+    """
+
+    seq_len: int  # video tokens of this call
+    masks: tuple  # per layer: BlockSparseMask, or None (dense)
+    densities: tuple  # per layer: the mask's density, or None; read after the call only
+    sparse: Callable  # kernels.block_sparse.block_sparse_attention
+    dense: Optional[Callable]  # kernels.dense_attention.dense_attention, or None: ComfyUI's function
+    answered: list = field(default_factory=list)  # (layer, ran sparse) per self-attention answered
+    extra_tokens: list = field(default_factory=list)  # (layer, seq_len, video tokens): ran dense
+
+    @classmethod
+    def build(cls, seq_len: int, prepared: list, sparse: Callable, dense: Optional[Callable]) -> "CallPlan":
+        masks = tuple(None if p is None else p.mask for p in prepared)
+        for mask in masks:
+            if mask is not None:  # the live-list width changes per bucket: one graph for all widths
+                torch._dynamo.maybe_mark_dynamic(mask.live_blocks, 3)
+        return cls(seq_len, masks, tuple(None if p is None else p.density for p in prepared), sparse, dense)
+
+    def mask_of(self, layer: int):
+        return self.masks[layer] if 0 <= layer < len(self.masks) else None
+
+
+def _video_token_count(x: torch.Tensor, diffusion_model) -> int:
+    """Tokens of a video latent ``[B, C, T, H, W]`` after patchify (a plain loop: compiled
+    models trace it without a graph break, a generator would break it)."""
+    count = 1
+    for size, patch in zip(x.shape[2:], getattr(diffusion_model, "patch_size", (1, 2, 2))):
+        count *= -(-size // patch)
+    return count
+
+
+def _compute_dtype(model) -> torch.dtype:
+    """The dtype ComfyUI runs the diffusion model in (BaseModel._apply_model casts to it)."""
+    manual = getattr(model, "manual_cast_dtype", None)
+    return manual if manual is not None else model.get_dtype()
 
 
 # --------------------------------------------------------------------------------------------
@@ -510,6 +658,19 @@ def _video_key(key: str) -> str:
     return f"{key}_sparse_video_tokens"
 
 
+def _plan_key(key: str) -> str:
+    return f"{key}_sparse_plan"
+
+
+def _foreign_override_in(override: Optional[Callable]) -> bool:
+    """True when the override chain holds a function that is not one of Chorus's own."""
+    while override is not None:
+        if getattr(override, "chorus_key", None) is None:
+            return True
+        override = getattr(override, "chorus_previous", None)
+    return False
+
+
 def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable:
     """The override; it also declares ``container_function`` when ``previous`` has one.
 
@@ -518,10 +679,13 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
     declaring it keeps that fallback's memory-saving container path (e.g. Model Attention
     Backend's int8 kernel). Without one, wrap_attn unwraps the containers before calling us.
     """
-    run_key, block_key = _run_key(key), _block_key(key)
+    run_key, block_key, plan_key = _run_key(key), _block_key(key), _plan_key(key)
+    # An override another node installed below ours (Model Attention Backend, another pack) is the
+    # user's choice of dense attention: it keeps the dense calls, FA4 dense does not take them.
+    fast_dense = not _foreign_override_in(previous)
 
     def sparse_answer(args, kwargs):
-        """(block-sparse output or None, the parsed call or None)."""
+        """(block-sparse or fast dense output, or None; the parsed call or None)."""
         options = kwargs.get("transformer_options") or {}
         run, block = options.get(run_key), options.get(block_key)
         if run is None or block is None:
@@ -529,10 +693,45 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
         call = AttentionCall.parse(args, kwargs)
         if call is None or not block.claims(call):
             return None, call
+        plan = options.get(plan_key)
+        if plan is not None:
+            return planned_answer(run, plan, block, call), call
         if block.extra_tokens:
             run.dense_for_extra_tokens(block.layer, block)
             return None, call
-        return run.attend(block.layer, options, call), call
+        return run.attend(block.layer, options, call, fast_dense), call
+
+    def planned_answer(run, plan: CallPlan, block: _BlockCall, call: AttentionCall):
+        """The call under its model call's plan: no Python state is read (see CallPlan)."""
+        layer = block.layer
+        if block.extra_tokens or call.seq_len != plan.seq_len:
+            plan.extra_tokens.append((layer, block.seq_len, block.video_tokens))
+            return None
+        mask = plan.mask_of(layer)
+        if mask is None:
+            plan.answered.append((layer, False))
+            return fast_dense_call(run, plan, call)
+        plan.answered.append((layer, True))
+        sparse = functools.partial(plan.sparse, call.q, call.k, call.v, mask, call.heads,
+                                   skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape)
+        if torch.compiler.is_compiling():
+            return sparse()  # a failure raises out of the graph: the APPLY_MODEL wrapper handles it
+        if run.disabled:  # an earlier layer of this call failed
+            plan.answered[-1] = (layer, False)
+            return None
+        try:
+            return sparse()
+        except Exception as exc:
+            run.fail_planned(layer, exc)
+            plan.answered[-1] = (layer, False)
+            return None
+
+    def fast_dense_call(run, plan: CallPlan, call: AttentionCall):
+        if plan.dense is None or not fast_dense:
+            return None
+        if torch.compiler.is_compiling():
+            return plan.dense(call.q, call.k, call.v, call.heads, call.skip_reshape, call.skip_output_reshape)
+        return run.dense(call)
 
     def chorus_attention_override(func, *args, **kwargs):
         out, call = sparse_answer(args, kwargs)
@@ -604,12 +803,52 @@ def _make_video_tokens_wrapper(key: str) -> Callable:
     def chorus_video_tokens(executor, x, *args, **kwargs):
         options = kwargs.get("transformer_options", args[4] if len(args) > 4 else None)
         if isinstance(options, dict) and run_key in options:  # a per-call copy: safe to write
-            options[run_key].step_of(options)  # the step clock sees every model call, sparse or not
-            patch = getattr(executor.class_obj, "patch_size", (1, 2, 2))
-            options[video_key] = math.prod(math.ceil(n / p) for n, p in zip(x.shape[2:], patch))
+            options[video_key] = _video_token_count(x, executor.class_obj)
         return executor(x, *args, **kwargs)
 
     return chorus_video_tokens
+
+
+def _make_apply_model_wrapper(key: str) -> Callable:
+    """APPLY_MODEL wrapper: steps the run and plans the model call, outside the diffusion model.
+
+    ComfyUI's TorchCompileModel compiles the diffusion model only, so this runs eager in every
+    mode. Under compile a kernel failure cannot fall back inside the graph: it raises out of
+    the model call, and the call runs again with the rest of the run dense (one warning).
+    """
+    run_key, plan_key = _run_key(key), _plan_key(key)
+
+    def chorus_plan_model_call(executor, x, t, *args, **kwargs):
+        options = kwargs.get("transformer_options", args[3] if len(args) > 3 else None)
+        run = options.get(run_key) if isinstance(options, dict) else None
+        if run is None:
+            return executor(x, t, *args, **kwargs)
+        plan = run.plan_call(options, x, executor.class_obj)  # also steps the run clock
+        if plan is None:
+            return executor(x, t, *args, **kwargs)
+        options[plan_key] = plan
+        try:
+            out = executor(x, t, *args, **kwargs)
+        except Exception as exc:
+            if not _raised_in_kernels(exc):
+                raise
+            options.pop(plan_key, None)
+            run.fail_planned(plan.answered[-1][0] if plan.answered else -1, exc)
+            return executor(x, t, *args, **kwargs)
+        options.pop(plan_key, None)
+        run.record_plan(plan)
+        return out
+
+    return chorus_plan_model_call
+
+
+_KERNELS_DIR = str(Path(__file__).resolve().parent.parent / "kernels")
+
+
+def _raised_in_kernels(exc: BaseException) -> bool:
+    """True when the exception came out of Chorus's kernels (FA4, Triton, the reference)."""
+    return any(frame.f_code.co_filename.startswith(_KERNELS_DIR)
+               for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
@@ -659,22 +898,28 @@ def _chain_above_later_backend(options: dict, key: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def install_sparse_attention(model_patcher, provider: MaskProvider, key: str = "chorus"):
+def install_sparse_attention(model_patcher, provider: MaskProvider, key: str = "chorus",
+                             dense_attention: str = "auto"):
     """Return a clone of ``model_patcher`` whose Wan self-attention runs block-sparse.
 
     :param model_patcher: a ComfyUI ModelPatcher of a Wan 2.1 I2V/T2V model; never modified.
     :param provider: gives the block map per (layer, step, batch chunks); None = dense.
     :param key: namespace of the wrapper, attachment and transformer_options entries; installing
         again with the same key replaces the earlier install instead of stacking on it.
+    :param dense_attention: what the self-attention left dense (warm-up steps, dense layers) runs
+        on: "auto" = FlashAttention-4's dense forward where it applies, else ComfyUI's function;
+        "comfyui" = always ComfyUI's function. Speed only: results agree to bf16 rounding.
     :raises UnsupportedModelError: for any model other than Wan 2.1 I2V/T2V.
     :raises CompetingAttentionError: when core's Model Sparse Attention patches the model too.
     """
     check_supported_model(model_patcher)
     check_no_competing_sparse_attention(model_patcher, model_patcher.model_options.get("transformer_options", {}))
     _check_provider(provider)
+    if dense_attention not in DENSE_ATTENTION_MODES:
+        raise ValueError(f"dense_attention must be one of {', '.join(DENSE_ATTENTION_MODES)}, got {dense_attention!r}")
     _require_kernels()
     patched = model_patcher.clone()
-    holder = SparseAttentionState(provider, key)
+    holder = SparseAttentionState(provider, key, dense_attention)
 
     existing_blocks = patched.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
     for index in range(len(patched.model.diffusion_model.blocks)):
@@ -688,6 +933,8 @@ def install_sparse_attention(model_patcher, provider: MaskProvider, key: str = "
     patched.add_wrapper_with_key(OUTER_SAMPLE, key, _make_outer_sample_wrapper(holder))
     patched.remove_wrappers_with_key(DIFFUSION_MODEL, key)
     patched.add_wrapper_with_key(DIFFUSION_MODEL, key, _make_video_tokens_wrapper(key))
+    patched.remove_wrappers_with_key(APPLY_MODEL, key)
+    patched.add_wrapper_with_key(APPLY_MODEL, key, _make_apply_model_wrapper(key))
     patched.set_attachments(key, holder)
     return patched
 

@@ -1,4 +1,5 @@
-"""FlashAttention-4 (``flash-attn-4``, CuTe DSL) as a block-sparse backend, when installed.
+"""FlashAttention-4 (``flash-attn-4``, CuTe DSL) as a block-sparse backend, when installed,
+and its dense forward for the self-attention Chorus leaves dense (``fa4_dense_fwd``).
 
 FA4's forward takes block sparsity as per-(batch, head, query block) lists of key blocks:
 "full" blocks are attended without any mask, "mask" blocks through a mask function. Chorus
@@ -56,6 +57,20 @@ def device_capability(device: torch.device) -> tuple:
     if key not in _probe:
         _probe[key] = torch.cuda.get_device_capability(key[1])
     return _probe[key]
+
+
+def fa4_dense_unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why FA4's dense forward cannot run calls like these, or None if it can (probes cached)."""
+    if device.type != "cuda":
+        return f"inputs are on the {device.type.upper()}"
+    major, minor = device_capability(device)
+    if major not in (9, 10):
+        return f"FA4 is used on sm_90 and sm_100 only, this GPU is sm_{major}{minor}"
+    if dtype not in FA4_DTYPES:
+        return f"FA4 needs bf16 or fp16 inputs, got {dtype}"
+    if head_dim not in FA4_HEAD_DIMS:
+        return f"the FA4 path is used at head_dim 128, got {head_dim}"
+    return fa4_import_error()
 
 
 def fa4_unsupported_reason(q_bhnd: torch.Tensor, block_q: int, block_k: int) -> Optional[str]:
@@ -131,4 +146,21 @@ def fa4_block_sparse_fwd(q, k, v, o, live_blocks, live_counts, block_q: int, blo
     else:  # a later FA4 without the private entry point: the public one, one copy
         res = fa4.flash_attn_func(qn, kn, vn, block_sparse_tensors=sparse)
         on.copy_(res[0] if isinstance(res, tuple) else res)  # (out, lse) in 4.0.0b36
+    return o
+
+
+def fa4_dense_fwd(q, k, v, o) -> torch.Tensor:
+    """Dense attention on ``[B, H, N, D]`` views into ``o`` (same shape, any strides); returns ``o``.
+
+    Same numerics as the block-sparse path with every block live (bf16 in, fp32 softmax).
+    """
+    from flash_attn.cute import interface as fa4
+
+    qn, kn, vn, on = (x.transpose(1, 2) for x in (q, k, v, o))  # [B, N, H, D] views
+    fwd = getattr(fa4, "_flash_attn_fwd", None)
+    if fwd is not None:
+        fwd(qn, kn, vn, out=on)
+    else:
+        res = fa4.flash_attn_func(qn, kn, vn)
+        on.copy_(res[0] if isinstance(res, tuple) else res)
     return o

@@ -1,4 +1,4 @@
-"""``chorus::block_sparse_attention``: block-sparse attention as a ``torch.library`` custom op.
+"""``chorus::block_sparse_attention`` and ``chorus::dense_attention`` as ``torch.library`` custom ops.
 
 ``torch.compile`` sees one opaque op with a fake (meta) implementation instead of Python-side
 dispatch (backend probes, mask objects, launch-order caches), so a compiled Wan block keeps
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_sparse_attention_op", "OP_NAME"]
+__all__ = ["block_sparse_attention_op", "dense_attention_op", "OP_NAME", "DENSE_OP_NAME"]
 
 OP_NAME = "chorus::block_sparse_attention"
+DENSE_OP_NAME = "chorus::dense_attention"
 
 
 def _output_shape(q: torch.Tensor, heads: int, skip_reshape: bool, skip_output_reshape: bool):
@@ -46,16 +47,29 @@ def _fake(q, k, v, live_blocks, live_counts, block_q, block_k, seq_len, heads, s
     return q.new_empty(_output_shape(q, heads, skip_reshape, skip_output_reshape))
 
 
-def _define():
-    """Register the op once per process (a second copy of this package reuses it)."""
-    namespace, name = OP_NAME.split("::")
+def _dense_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, skip_reshape: bool,
+                skip_output_reshape: bool) -> torch.Tensor:
+    from . import dense_attention as da
+
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    return da.run_dense(q, k, v, heads, skip_reshape, skip_output_reshape)
+
+
+def _dense_fake(q, k, v, heads, skip_reshape, skip_output_reshape):
+    return q.new_empty(_output_shape(q, heads, skip_reshape, skip_output_reshape))
+
+
+def _define(qualified_name: str, impl, fake):
+    """Register an op once per process (a second copy of this package reuses it)."""
+    namespace, name = qualified_name.split("::")
     if getattr(getattr(torch.ops, namespace), name, None) is None:
         try:
-            op = torch.library.custom_op(OP_NAME, mutates_args=())(_impl)
+            op = torch.library.custom_op(qualified_name, mutates_args=())(impl)
         except RuntimeError:  # registered meanwhile under another import name of this package
             return getattr(getattr(torch.ops, namespace), name).default
-        op.register_fake(_fake)
+        op.register_fake(fake)
     return getattr(getattr(torch.ops, namespace), name).default
 
 
-block_sparse_attention_op = _define()
+block_sparse_attention_op = _define(OP_NAME, _impl, _fake)
+dense_attention_op = _define(DENSE_OP_NAME, _dense_impl, _dense_fake)

@@ -416,8 +416,7 @@ def test_mps_and_xpu_run_dense_with_one_line(comfy_runtime, device):
     from chorus_core.sparse_patch import SparseAttentionState
 
     run = SparseAttentionState(DenseProvider(), "chorus").start_run()
-    call = types.SimpleNamespace(q=types.SimpleNamespace(device=torch.device(device), is_cuda=False))
-    assert run._kernel_usable(call) is False and run._kernel_usable(call) is False
+    assert run._kernel_usable(torch.device(device)) is False and run._kernel_usable(torch.device(device)) is False
     assert run.disabled
     assert run.stats.warnings == [
         f"block-sparse attention has no kernel for {device.upper()} devices (the per-block reference would be "

@@ -171,33 +171,40 @@ class HostSyncCounter:
         return counted
 
 
-def test_a_hit_makes_no_host_sync_in_the_attention_calls_of_a_bucket_after_its_first(
-        bank_with_entry, tiny_wan_patcher, monkeypatch):
+def test_a_hit_makes_no_host_sync_inside_its_model_calls(bank_with_entry, tiny_wan_patcher, monkeypatch):
+    """A hit's masks are planned before each model call (APPLY_MODEL wrapper): inside the
+    diffusion model (block patches, attention override, kernels) Chorus reads nothing back."""
     from chorus_core import sparse_patch
 
     bank, _ = bank_with_entry
     counter = HostSyncCounter(monkeypatch)
-    seen_buckets, per_call = set(), []
-    real_attend = sparse_patch._Run.attend
+    per_call, planned = [], []
+    real_wrapper, real_plan = sparse_patch._make_video_tokens_wrapper, sparse_patch._Run.plan_call
 
-    def counted_attend(self, layer, options, call):
-        step = self.step_of(options)  # the once-per-model-call step lookup is not an attention call's cost
-        bucket_key = (sparse_patch.step_bucket_of(self.provider, step), layer)
-        first = bucket_key not in seen_buckets
-        seen_buckets.add(bucket_key)
-        counter.armed, before = True, counter.count
-        try:
-            return real_attend(self, layer, options, call)
-        finally:
-            counter.armed = False
-            if not first and step >= 1:
+    def counted_wrapper(key):
+        inner = real_wrapper(key)
+
+        def counted(executor, *args, **kwargs):
+            counter.armed, before = True, counter.count
+            try:
+                return inner(executor, *args, **kwargs)
+            finally:
+                counter.armed = False
                 per_call.append(counter.count - before)
 
-    monkeypatch.setattr(sparse_patch._Run, "attend", counted_attend)
+        return counted
+
+    def noted_plan(self, options, x, model):
+        plan = real_plan(self, options, x, model)
+        planned.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(sparse_patch, "_make_video_tokens_wrapper", counted_wrapper)
+    monkeypatch.setattr(sparse_patch._Run, "plan_call", noted_plan)
     positive, _, latent = request()
     _, report, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
     assert report.mode == "hit"
-    assert len(per_call) > 0
+    assert len(per_call) == len(planned) > 0 and all(planned)
     assert sum(per_call) == 0, counter.where
 
 

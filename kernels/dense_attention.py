@@ -1,0 +1,84 @@
+"""Dense self-attention for the calls Chorus leaves dense: dense warm-up steps and dense layers.
+
+On Hopper and datacenter Blackwell with ``flash-attn-4`` installed, FlashAttention-4's dense
+forward is faster than torch SDPA's cuDNN backend (measured in
+``tests/benchmarks/results/end_to_end_h200.md``). It changes speed, not results beyond bf16
+rounding: both compute softmax(QK^T / sqrt(d)) V in fp32 with bf16 inputs and output.
+
+``dense_unsupported_reason`` says whether FA4 can take a call; where it cannot, the caller
+hands the call to ComfyUI's own attention function (whatever backend the user chose there),
+never to a different one. The pure-torch reference (``dense_attention_reference``) is the
+CPU fallback and the test oracle. Under ``torch.compile`` the call is the
+``chorus::dense_attention`` custom op (``kernels.ops``), one opaque node in the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import fa4_block_sparse as fa4
+from .ops import dense_attention_op
+
+__all__ = ["dense_attention", "dense_attention_reference", "dense_unsupported_reason", "dense_unsupported_for"]
+
+
+def _to_bhnd(x: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
+    if skip_reshape:
+        return x
+    b, n, hd = x.shape
+    return x.view(b, n, heads, hd // heads).transpose(1, 2)
+
+
+def _out_buffer(q_bhnd: torch.Tensor, skip_output_reshape: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in the caller's layout, its [B, H, N, D] view) without a copy on return."""
+    b, h, n, d = q_bhnd.shape
+    if skip_output_reshape:
+        out = q_bhnd.new_empty(b, h, n, d)
+        return out, out
+    out = q_bhnd.new_empty(b, n, h * d)
+    return out, out.view(b, n, h, d).transpose(1, 2)
+
+
+def dense_unsupported_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """None when FA4's dense forward can run calls on ``device`` in ``dtype`` at ``head_dim``."""
+    return fa4.fa4_dense_unsupported_reason(torch.device(device), dtype, int(head_dim))
+
+
+def dense_unsupported_reason(q: torch.Tensor, heads: int, skip_reshape: bool = False) -> Optional[str]:
+    """None when FA4's dense forward can run this call, else why not (cheap: probes are cached)."""
+    if not skip_reshape and (q.dim() != 3 or q.shape[-1] % heads):
+        return f"q is not [B, N, H*D] with H={heads}"
+    if skip_reshape and q.dim() != 4:
+        return "q is not [B, H, N, D]"
+    return dense_unsupported_for(q.device, q.dtype, _to_bhnd(q, heads, skip_reshape).shape[-1])
+
+
+def dense_attention_reference(q, k, v, heads: int, skip_reshape=False, skip_output_reshape=False) -> torch.Tensor:
+    """Plain softmax attention in float32 (float64 for float64 inputs): oracle and CPU fallback."""
+    qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    o = torch.nn.functional.scaled_dot_product_attention(qh.to(cdt), kh.to(cdt), vh.to(cdt)).to(q.dtype)
+    if skip_output_reshape:
+        return o
+    b, h, n, d = o.shape
+    return o.transpose(1, 2).reshape(b, n, h * d)
+
+
+def run_dense(q, k, v, heads: int, skip_reshape=False, skip_output_reshape=False) -> torch.Tensor:
+    """Eager dispatch: FA4 where it applies, else the reference (what the custom op runs)."""
+    if dense_unsupported_reason(q, heads, skip_reshape) is not None:
+        return dense_attention_reference(q, k, v, heads, skip_reshape, skip_output_reshape)
+    qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
+    out, out_bhnd = _out_buffer(qh, skip_output_reshape)
+    fa4.fa4_dense_fwd(qh, kh, vh, out_bhnd)
+    return out
+
+
+def dense_attention(q, k, v, heads: int, skip_reshape=False, skip_output_reshape=False) -> torch.Tensor:
+    """Dense self-attention in ComfyUI's layouts (``[B, N, H*D]`` or ``[B, H, N, D]`` with
+    ``skip_reshape``); FA4 where ``dense_unsupported_reason`` is None, else the reference."""
+    if torch.compiler.is_compiling():
+        return dense_attention_op(q, k, v, heads, skip_reshape, skip_output_reshape)
+    return run_dense(q, k, v, heads, skip_reshape, skip_output_reshape)
