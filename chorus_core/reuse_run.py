@@ -28,8 +28,8 @@ from .masks import MaskRecorder
 from .model_identity import fingerprint_patcher  # noqa: F401  (also imported from here by benchmarks)
 from .online_predictor import predict_block_map
 from .prior_store import PRIOR_ENTRIES, load_prior
-from .sparse_patch import (OUTER_SAMPLE, check_no_competing_sparse_attention, check_supported_model, get_run_stats,
-                           get_sparse_state, install_sparse_attention)
+from .sparse_patch import (DENSE_ATTENTION_MODES, OUTER_SAMPLE, check_no_competing_sparse_attention,
+                           check_supported_model, get_run_stats, get_sparse_state, install_sparse_attention)
 
 log = logging.getLogger("chorus")
 MISS_MODES = ("online", "prior", "dense")
@@ -48,10 +48,13 @@ class ReuseOptions:
     max_density: float = 0.5
     record_on_miss: bool = True
     tags: tuple[str, ...] = ()
+    dense_attention: str = "auto"  # see sparse_patch.DENSE_ATTENTION_MODES
 
     def __post_init__(self):
         if self.miss_mode not in MISS_MODES:
             raise ValueError(f"miss_mode {self.miss_mode!r} is not one of {', '.join(MISS_MODES)}")
+        if self.dense_attention not in DENSE_ATTENTION_MODES:
+            raise ValueError(f"dense_attention {self.dense_attention!r} is not one of {', '.join(DENSE_ATTENTION_MODES)}")
         if not 0.0 < self.min_density <= self.max_density <= 1.0:
             raise ValueError(f"need 0 < min_density <= max_density <= 1, got {self.min_density} and {self.max_density}")
 
@@ -153,6 +156,7 @@ class RunReport:
     recorded_entry_id: str | None = None  # known at once; the entry is written in the background
     recording: str | None = None  # "queued" when this run's masks were handed to the bank writer
     backend: str | None = None  # block-sparse kernel backend and why (e.g. "fa4 (FlashAttention-4 ...)")
+    dense_backend: str | None = None  # what the dense self-attention calls ran on, and why
     warnings: list = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -336,7 +340,8 @@ class ReuseRun:
             raise ValueError("This model already went through Chorus Sparse Attention, which runs the reuse itself: "
                              "sample it with KSampler (or any sampler), or leave that node out and keep the "
                              "Chorus Sparse Wan Sampler.")
-        self.patched = install_sparse_attention(self.model_patcher, self.choose_provider())
+        self.patched = install_sparse_attention(self.model_patcher, self.choose_provider(),
+                                                dense_attention=self.options.dense_attention)
         if on_step is not None:
             get_sparse_state(self.patched).on_step(lambda step, run: on_step(self.progress(step, run)))
         self.report.timings["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 2)
@@ -434,6 +439,7 @@ class ReuseRun:
             self.report.timings["sampling_s"] = round(stats.seconds or 0.0, 3)
             self.report.warnings.extend(stats.warnings)
             self.report.backend = stats.backend
+            self.report.dense_backend = stats.dense_backend
         self.report.warnings.extend(_feature_reuse_warnings(self.patched))
         if self.entry_provider is not None and self.entry_provider.failure is not None:
             self._report_fallback(self.entry_provider.failure)
@@ -551,7 +557,7 @@ class ReusePatch:
         outer = self.model_patcher.clone()
         outer.remove_wrappers_with_key(OUTER_SAMPLE, REUSE_KEY)
         outer.add_wrapper_with_key(OUTER_SAMPLE, REUSE_KEY, self._outer_sample)  # first: outside the sparse wrapper
-        self.patched = install_sparse_attention(outer, self.provider)
+        self.patched = install_sparse_attention(outer, self.provider, dense_attention=self.options.dense_attention)
         get_sparse_state(self.patched).on_step(self._on_step)
         self.patched.set_attachments(REUSE_KEY, self)
         return self.patched

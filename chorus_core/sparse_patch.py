@@ -508,9 +508,10 @@ class _Run:
             choice = block_sparse().last_backend_choice()
             self.stats.backend = None if choice is None else str(choice)
 
-    def fail_planned(self, layer: int, exc: Exception) -> None:
-        self._disable(f"block-sparse attention failed at layer {layer} ({type(exc).__name__}: {exc}); "
-                      "the rest of this run is dense")
+    def fail_planned(self, layer: Optional[int], exc: Exception) -> None:
+        where = f"at layer {layer}" if layer is not None else "in a compiled model call"
+        self._disable(f"block-sparse attention failed {where} ({type(exc).__name__}: {exc}); the rest of this "
+                      "run is dense")
 
     def _kernel_usable(self, device: torch.device) -> bool:
         """On a GPU without a kernel (no Triton, no FA4), or on MPS/XPU, the torch reference would be
@@ -833,7 +834,7 @@ def _make_apply_model_wrapper(key: str) -> Callable:
             if not _raised_in_kernels(exc):
                 raise
             options.pop(plan_key, None)
-            run.fail_planned(plan.answered[-1][0] if plan.answered else -1, exc)
+            run.fail_planned(None, exc)  # a compiled graph replays plan.answered only when it completes
             return executor(x, t, *args, **kwargs)
         options.pop(plan_key, None)
         run.record_plan(plan)

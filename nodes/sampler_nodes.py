@@ -45,16 +45,24 @@ def reuse_option_inputs() -> list:
         io.Float.Input("max_density", default=0.5, min=0.01, max=1.0, step=0.01, tooltip="Most share of key blocks kept per query block (0.01 to 1, not below min_density)."),
         io.Boolean.Input("record_on_miss", default=True, tooltip="Add this run's masks to the bank after a successful miss."),
         io.String.Input("tag", default="", tooltip="Tag stored with a recorded entry, e.g. the effect template's name."),
+        # Optional, last: workflows and API prompts saved before it existed keep working unchanged.
+        io.Combo.Input("dense_attention", options=["auto", "comfyui"], default="auto", optional=True,
+                       tooltip="What the self-attention left dense (warm-up steps, dense layers) runs on. auto: "
+                               "FlashAttention-4's dense forward on Hopper/Blackwell datacenter GPUs when flash-attn-4 "
+                               "is installed, else ComfyUI's attention; comfyui: always ComfyUI's attention (and "
+                               "whatever backend you chose there). Speed only: results agree to bf16 rounding."),
     ]
 
 
-def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag):
+def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
+                  dense_attention="auto"):
     """ReuseOptions from the inputs of reuse_option_inputs()."""
     from ..chorus_core.reuse_run import ReuseOptions
 
     return ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=_parse_layers(dense_layers),
                         miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
-                        record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else ())
+                        record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else (),
+                        dense_attention=dense_attention)
 
 
 class ChorusSparseWanSampler(io.ComfyNode):
@@ -99,13 +107,13 @@ class ChorusSparseWanSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
                 dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
-                match=None) -> io.NodeOutput:
+                match=None, dense_attention="auto") -> io.NodeOutput:
         import nodes as comfy_nodes
 
         from ..chorus_core.reuse_run import ReuseRun, SamplingSettings
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
-                                record_on_miss, tag)
+                                record_on_miss, tag, dense_attention)
         run = ReuseRun(model, match, options, SamplingSettings(steps, sampler_name, scheduler))
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patched = run.prepare(on_step=lambda payload: _send(STEP_EVENT, {"node": node_id, **payload}))

@@ -56,11 +56,11 @@ class ChorusSparseAttention(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
-                record_on_miss, tag, match=None) -> io.NodeOutput:
+                record_on_miss, tag, match=None, dense_attention="auto") -> io.NodeOutput:
         from ..chorus_core.reuse_run import ReusePatch
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
-                                record_on_miss, tag)
+                                record_on_miss, tag, dense_attention)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patch = ReusePatch(model, match, options, events=_NodeEvents(node_id))
         return io.NodeOutput(patch.install())

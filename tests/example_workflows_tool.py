@@ -62,7 +62,7 @@ def wan21_i2v_chorus(resolution: str) -> dict:
             "match": ["11", 0], "seed": 42, "steps": 40, "cfg": 5.0, "sampler_name": "uni_pc",
             "scheduler": "simple", "denoise": 1.0, "dense_warmup_steps": 1, "dense_layers": "",
             "miss_mode": "online", "top_p": 0.9, "min_density": 0.05, "max_density": 0.5,
-            "record_on_miss": True, "tag": "my_effect_template"}},
+            "record_on_miss": True, "tag": "my_effect_template", "dense_attention": "auto"}},
         "13": {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["8", 0]}},
         "14": {"class_type": "CreateVideo", "inputs": {"images": ["13", 0], "fps": 16.0}},
         "15": {"class_type": "SaveVideo", "inputs": {"video": ["14", 0], "filename_prefix": "video/chorus_wan21_i2v",
@@ -89,7 +89,7 @@ def wan21_i2v_chorus_model_patch(resolution: str = "480p") -> dict:
     prompt = wan21_i2v_chorus(resolution)
     sampler = prompt.pop("12")["inputs"]
     reuse = {k: sampler[k] for k in ("match", "dense_warmup_steps", "dense_layers", "miss_mode", "top_p",
-                                     "min_density", "max_density", "record_on_miss", "tag")}
+                                     "min_density", "max_density", "record_on_miss", "tag", "dense_attention")}
     prompt["20"] = {"class_type": "ChorusSparseAttention", "inputs": {"model": ["1", 0], **reuse}}
     prompt["21"] = {"class_type": "CFGGuider", "inputs": {
         "model": ["20", 0], "positive": ["9", 0], "negative": ["9", 1], "cfg": sampler["cfg"]}}

@@ -155,3 +155,54 @@ def test_fa4_under_torch_compile_fullgraph_equals_eager(gen):
     got = compiled(q, k, v, mask)
     assert last_backend_choice().name == "fa4"
     assert rel_rms(got, attn_then_scale(q, k, v, mask)) < 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# FA4 dense: the calls Chorus leaves dense (warm-up steps, dense layers)
+# --------------------------------------------------------------------------------------------
+
+DENSE_CASES = [(1000, 4), (4097, 4), (16385, 2), (75600, 2)]
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: f"N{c[0]}-H{c[1]}")
+def test_fa4_dense_matches_fp64_reference_batch2(case, gen):
+    from kernels.dense_attention import dense_attention, dense_attention_reference, dense_unsupported_reason
+    from kernels.fa4_block_sparse import fa4_dense_fwd
+
+    n, h = case
+    q, k, v = (torch.randn(2, n, h * D, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    assert dense_unsupported_reason(q, h) is None
+    ref = dense_attention_reference(q.double(), k.double(), v.double(), h)
+    assert rel_rms(dense_attention(q, k, v, h), ref) <= 1e-2
+    layouts = LAYOUTS if n <= 4097 else LAYOUTS[:2]
+    for skip_reshape, skip_output_reshape in layouts:
+        qq, kk, vv = (x.view(2, n, h, D).transpose(1, 2).contiguous() if skip_reshape else x for x in (q, k, v))
+        out = dense_attention(qq, kk, vv, h, skip_reshape, skip_output_reshape)
+        expected = ref.view(2, n, h, D).transpose(1, 2) if skip_output_reshape else ref
+        assert torch.isfinite(out).all()
+        assert rel_rms(out, expected) <= 1e-2
+    o = poisoned((2, h, n, D), torch.bfloat16)  # every element written
+    fa4_dense_fwd(*(x.view(2, n, h, D).transpose(1, 2) for x in (q, k, v)), o)
+    assert torch.isfinite(o).all()
+
+
+def test_fa4_dense_under_torch_compile_fullgraph_equals_eager(gen):
+    from kernels.dense_attention import dense_attention
+
+    n, h = 4097, 4
+    q, k, v = (torch.randn(2, n, h * D, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+
+    def attn_then_scale(q, k, v):
+        return dense_attention(q * 1.0, k, v, h) * 0.5
+
+    got = torch.compile(attn_then_scale, fullgraph=True)(q, k, v)
+    assert rel_rms(got, attn_then_scale(q, k, v)) < 1e-6
+
+
+def test_fa4_dense_refuses_what_it_cannot_run_with_the_reason():
+    from kernels.dense_attention import dense_unsupported_reason
+
+    q64 = torch.empty(1, 10, 2 * 64, device="cuda", dtype=torch.bfloat16)
+    assert dense_unsupported_reason(q64, 2) == "the FA4 path is used at head_dim 128, got 64"
+    q32 = torch.empty(1, 10, 128, device="cuda", dtype=torch.float32)
+    assert dense_unsupported_reason(q32, 1) == "FA4 needs bf16 or fp16 inputs, got torch.float32"

@@ -163,7 +163,7 @@ def run_mode(ctx, key, spec, compiled: bool) -> dict:
     e2e.set_blocks(ctx["model"], ctx["all_blocks"], layers)
     before = dynamo_counts()
     torch._dynamo.reset()  # each mode compiles from scratch, as a fresh ComfyUI process would
-    with forced_backend(spec.get("backend")):
+    with forced_backend(spec.get("backend") if ctx["cuda"] else None):  # CPU: the reference, whatever the row
         patcher = patched_model(ctx, spec, layers, compiled)
         m = e2e.timed_sample(patcher, ctx["req"], ctx["steps"], ctx["cuda"], "comfyui")
     after = dynamo_counts()
@@ -358,6 +358,11 @@ def main(argv=None):
     cuda = torch.cuda.is_available() and not args.tiny
     device = "cuda" if cuda else "cpu"
     e2e.setup_comfy(cuda, args.extra_site)
+    if not cuda:  # ComfyUI's CPU attention (sub-quadratic, psutil) breaks graphs; on a GPU it is SDPA
+        import comfy.ldm.modules.attention as attention
+        import comfy.ldm.wan.model as wan
+
+        wan.optimized_attention = attention.attention_pytorch
     if args.tiny:
         dim, ffn, dtype, shapes, shape_table = 256, 512, torch.float32, ["tiny"], e2e.TINY_SHAPES
     else:

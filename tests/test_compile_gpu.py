@@ -1,0 +1,93 @@
+"""A compiled Wan model with Chorus on the GPU equals the eager one (FA4 sparse and dense).
+
+Runs with CHORUS_TEST_GPU=1 on a CUDA machine, in a pytest process of its own (ComfyUI is
+loaded here for the GPU, not with ``--cpu`` as the rest of the suite loads it):
+
+    CHORUS_TEST_GPU=1 python -m pytest tests/test_compile_gpu.py
+
+ComfyUI's WAN21_I2V ``WanModel`` at head_dim 128 (dim 1024, 8 heads, 2 blocks, random weights,
+bf16), a 5 x 33 x 64 latent (5 x 17 x 32 = 2,720 tokens: the last 128-row block is ragged),
+cond + uncond as one batch, 4 euler steps, one dense warm-up step; compiled as the core TorchCompileModel node
+does it, with ``fullgraph=True`` so any graph break fails.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+for path in (REPO_ROOT, REPO_ROOT / "tests" / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+GPU = os.environ.get("CHORUS_TEST_GPU") == "1" and torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not GPU, reason="set CHORUS_TEST_GPU=1 on a CUDA machine")
+LATENT = (5, 33, 64)
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def comfy_gpu():
+    from chorus_core.comfyui_locator import prepare_in_process
+
+    prepare_in_process(cpu=False)
+    import comfy.model_management  # noqa: F401
+
+
+def rel_rms(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+def sample(patcher, req):
+    import comfy.sample
+
+    positive, negative, latent, _ = req
+    noise = comfy.sample.prepare_noise(latent, 0)
+    return comfy.sample.sample(patcher, noise, STEPS, 5.0, "euler", "simple", positive, negative, latent,
+                               disable_pbar=True, seed=0)
+
+
+@pytest.mark.parametrize("backend", ["fa4", "triton"])
+def test_compiled_wan_model_with_a_hit_equals_eager_without_graph_breaks(comfy_gpu, backend, monkeypatch):
+    import bench_end_to_end as e2e
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from torch._dynamo.utils import counters
+
+    import kernels.fa4_block_sparse as fa4
+    from chorus_core.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
+    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+
+    probe = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda")
+    if backend == "fa4" and fa4.fa4_unsupported_reason(probe, 128, 128) is not None:
+        pytest.skip(f"FA4: {fa4.fa4_unsupported_reason(probe, 128, 128)}")
+    monkeypatch.setenv("CHORUS_BLOCK_SPARSE_BACKEND", backend)
+    model, patcher = e2e.build_model(1024, 2048, 2, "cuda", torch.bfloat16)
+    grid = e2e.token_grid(LATENT)
+    maps = {layer: e2e.structured_block_map(grid, 8, 0.3, 7 + layer, "cuda").cpu() for layer in range(2)}
+    req = e2e.make_request(LATENT)
+
+    def patched():
+        provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(maps, (128, 128)), 1)
+        return install_sparse_attention(patcher, provider)
+
+    eager = patched()
+    expected = sample(eager, req)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = patched().clone()
+    set_torch_compile_wrapper(model=compiled, backend="inductor", fullgraph=True)
+    out = sample(compiled, req)
+
+    assert torch.isfinite(out).all()
+    assert rel_rms(out, expected) <= 2e-2  # bf16; inductor fuses the non-attention ops differently
+    assert sum(counters["graph_break"].values()) == 0
+    stats = get_run_stats(compiled)
+    assert stats.backend.startswith(backend), stats.backend
+    assert stats.sparse_calls == 2 * (STEPS - 1) and not stats.warnings
+    expected_dense = "fa4" if fa4.fa4_import_error() is None else "comfyui"
+    assert stats.dense_backend.startswith(expected_dense), stats.dense_backend
+    assert get_run_stats(eager).backend == stats.backend

