@@ -55,11 +55,21 @@ def dense_unsupported_reason(q: torch.Tensor, heads: int, skip_reshape: bool = F
     return dense_unsupported_for(q.device, q.dtype, _to_bhnd(q, heads, skip_reshape).shape[-1])
 
 
+_REF_SCORE_BUDGET = 1 << 26  # scores per chunk (256 MB in fp32): the fallback stays memory-sane at 720p
+
+
 def dense_attention_reference(q, k, v, heads: int, skip_reshape=False, skip_output_reshape=False) -> torch.Tensor:
-    """Plain softmax attention in float32 (float64 for float64 inputs): oracle and CPU fallback."""
+    """Plain softmax attention in float32 (float64 for float64 inputs), query rows in chunks:
+    the test oracle and the CPU fallback."""
     qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
     cdt = torch.promote_types(q.dtype, torch.float32)
-    o = torch.nn.functional.scaled_dot_product_attention(qh.to(cdt), kh.to(cdt), vh.to(cdt)).to(q.dtype)
+    kc, vc = kh.to(cdt), vh.to(cdt)
+    b, h, n, _ = qh.shape
+    rows = max(1, _REF_SCORE_BUDGET // max(1, b * h * kh.shape[2]))
+    o = torch.empty(qh.shape, dtype=q.dtype, device=q.device)
+    for start in range(0, n, rows):
+        part = slice(start, min(n, start + rows))
+        o[:, :, part] = torch.nn.functional.scaled_dot_product_attention(qh[:, :, part].to(cdt), kc, vc).to(q.dtype)
     if skip_output_reshape:
         return o
     b, h, n, d = o.shape

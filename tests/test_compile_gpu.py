@@ -51,10 +51,29 @@ def sample(patcher, req):
                                disable_pbar=True, seed=0)
 
 
-@pytest.mark.parametrize("backend", ["fa4", "triton"])
-def test_compiled_wan_model_with_a_hit_equals_eager_without_graph_breaks(comfy_gpu, backend, monkeypatch):
-    import bench_end_to_end as e2e
+def compiled_clone(patcher):
     from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    clone = patcher.clone()
+    set_torch_compile_wrapper(model=clone, backend="inductor", fullgraph=True)
+    return clone
+
+
+@pytest.fixture(scope="module")
+def wan(comfy_gpu):
+    """(patcher, request, how far compiling moves the dense model's output: the control)."""
+    import bench_end_to_end as e2e
+
+    _, patcher = e2e.build_model(1024, 2048, 2, "cuda", torch.bfloat16)
+    req = e2e.make_request(LATENT)
+    torch._dynamo.reset()
+    control = rel_rms(sample(compiled_clone(patcher), req), sample(patcher, req))
+    return patcher, req, control
+
+
+@pytest.mark.parametrize("backend", ["fa4", "triton"])
+def test_compiled_wan_model_with_a_hit_equals_eager_without_graph_breaks(wan, backend, monkeypatch):
+    import bench_end_to_end as e2e
     from torch._dynamo.utils import counters
 
     import kernels.fa4_block_sparse as fa4
@@ -65,10 +84,9 @@ def test_compiled_wan_model_with_a_hit_equals_eager_without_graph_breaks(comfy_g
     if backend == "fa4" and fa4.fa4_unsupported_reason(probe, 128, 128) is not None:
         pytest.skip(f"FA4: {fa4.fa4_unsupported_reason(probe, 128, 128)}")
     monkeypatch.setenv("CHORUS_BLOCK_SPARSE_BACKEND", backend)
-    model, patcher = e2e.build_model(1024, 2048, 2, "cuda", torch.bfloat16)
+    patcher, req, control = wan
     grid = e2e.token_grid(LATENT)
     maps = {layer: e2e.structured_block_map(grid, 8, 0.3, 7 + layer, "cuda").cpu() for layer in range(2)}
-    req = e2e.make_request(LATENT)
 
     def patched():
         provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(maps, (128, 128)), 1)
@@ -78,12 +96,13 @@ def test_compiled_wan_model_with_a_hit_equals_eager_without_graph_breaks(comfy_g
     expected = sample(eager, req)
     torch._dynamo.reset()
     counters.clear()
-    compiled = patched().clone()
-    set_torch_compile_wrapper(model=compiled, backend="inductor", fullgraph=True)
+    compiled = compiled_clone(patched())
     out = sample(compiled, req)
 
     assert torch.isfinite(out).all()
-    assert rel_rms(out, expected) <= 2e-2  # bf16; inductor fuses the non-attention ops differently
+    # bf16: inductor fuses the other ops differently, and 4 steps of random weights amplify it;
+    # the sparse patch may add no more than that (the dense model, compiled vs eager, is the control)
+    assert rel_rms(out, expected) <= 1.25 * control + 1e-3, (rel_rms(out, expected), control)
     assert sum(counters["graph_break"].values()) == 0
     stats = get_run_stats(compiled)
     assert stats.backend.startswith(backend), stats.backend
