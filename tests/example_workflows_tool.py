@@ -103,7 +103,17 @@ def wan21_i2v_chorus_model_patch(resolution: str = "480p") -> dict:
     return prompt
 
 
+def wan21_i2v_chorus_compiled(resolution: str = "720p") -> dict:
+    """The Chorus example with ComfyUI's TorchCompileModel on the model: a hit compiles into one graph
+    (the fastest path measured, README "Benchmarks"); the first run of a resolution compiles."""
+    prompt = wan21_i2v_chorus(resolution)
+    prompt["25"] = {"class_type": "TorchCompileModel", "inputs": {"model": ["1", 0], "backend": "inductor"}}
+    prompt["12"]["inputs"]["model"] = ["25", 0]
+    return prompt
+
+
 WORKFLOWS = {f"chorus_wan21_i2v_{r}": (lambda r=r: wan21_i2v_chorus(r)) for r in ("480p", "720p")}
+WORKFLOWS["chorus_wan21_i2v_720p_torch_compile"] = wan21_i2v_chorus_compiled
 WORKFLOWS["chorus_wan21_i2v_480p_guidance_feature_reuse"] = lambda: wan21_i2v_chorus_extras("480p")
 WORKFLOWS["chorus_wan21_i2v_480p_sampler_custom_advanced"] = wan21_i2v_chorus_model_patch
 
