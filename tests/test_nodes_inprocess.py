@@ -102,6 +102,21 @@ def test_read_only_bank_matches_but_never_records(pack, tiny_wan_patcher):
     assert bank.stats()["entries"] == 1
 
 
+def test_dense_attention_input_reaches_the_run_and_its_report(pack, tiny_wan_patcher):
+    """Optional and last: the call without it (as saved workflows make it) is the "auto" default;
+    on the CPU "auto" still runs ComfyUI's function, and the report says why."""
+    _, sampler_nodes, testbed, _ = pack
+    positive, negative, latent, _, _ = request_outputs(testbed, "pan", 0, 0)
+    args = (tiny_wan_patcher, positive, negative, latent, 0, 2, 5.0, "euler", "simple", 1.0, 1, "", "dense", 0.9, 0.1,
+            0.6, False, "")
+    auto = sampler_nodes.ChorusSparseWanSampler.execute(*args).ui["chorus_report"][0]
+    chosen = sampler_nodes.ChorusSparseWanSampler.execute(*args, dense_attention="comfyui").ui["chorus_report"][0]
+    assert auto["dense_backend"] == "comfyui (ComfyUI's attention function; inputs are on the CPU)"
+    assert chosen["dense_backend"] == "comfyui (ComfyUI's attention function; dense_attention='comfyui' was chosen)"
+    with pytest.raises(ValueError, match="dense_attention 'fa4' is not one of auto, comfyui"):
+        sampler_nodes.reuse_options(1, "", "online", 0.9, 0.1, 0.6, True, "", dense_attention="fa4")
+
+
 def test_dense_layers_widget_rejects_garbage(pack):
     with pytest.raises(ValueError, match="comma-separated block indices"):
         pack[1]._parse_layers("first, last")
