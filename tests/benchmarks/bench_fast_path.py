@@ -249,7 +249,8 @@ def derive_rows(shape, res, densities, n_tokens):
         m = res[key]
         tag = "compiled" if m["compiled"] else "eager"
         mode = key[: -len(tag) - 1]
-        row = dict(shape=shape, N=n_tokens, batch=2, mode=mode, compiled=m["compiled"],
+        row = dict(shape=shape, N=n_tokens, batch=2, case=mode, mode=_results_mode(mode),
+                   kind="online_prediction" if mode == "miss_online" else None, compiled=m["compiled"],
                    density=_density_of(mode), measured_density=m.get("measured_density"),
                    backend=(m.get("backend") or "").split(" ")[0] or None,
                    dense_backend=(m.get("dense_backend") or "").split(" ")[0] or None,
@@ -265,6 +266,13 @@ def derive_rows(shape, res, densities, n_tokens):
     return rows
 
 
+def _results_mode(case: str) -> str:
+    """RESULTS.md's ``mode`` for a case: dense, hit, miss or hit+feature_reuse."""
+    if case.startswith("hit_fr"):
+        return "hit+feature_reuse"
+    return case.split("_", 1)[0]
+
+
 def _density_of(mode: str):
     tail = mode.rsplit("_", 1)[-1]
     try:
@@ -276,17 +284,17 @@ def _density_of(mode: str):
 def targets(rows) -> list[str]:
     out = []
     for r in rows:
-        if r["shape"] != "720p" or not r["mode"].startswith("hit_fa4"):
+        if r["shape"] != "720p" or not r["case"].startswith("hit_fa4"):
             continue
         goal_best = 2.5 if r["density"] >= 0.15 else 2.8
-        parts = [f"720p {r['mode']} {'compiled' if r['compiled'] else 'eager'}: {r['vs_best_dense']}x vs best "
+        parts = [f"720p {r['case']} {'compiled' if r['compiled'] else 'eager'}: {r['vs_best_dense']}x vs best "
                  f"dense (target >= {goal_best}x: {'MET' if r['vs_best_dense'] >= goal_best else 'NOT MET'})"]
         if r["density"] == 0.15:
             ok = r["vs_comfyui_default"] >= 3.0
             parts.append(f"{r['vs_comfyui_default']}x vs ComfyUI default (target >= 3.0x: {'MET' if ok else 'NOT MET'})")
         out.append(", ".join(parts))
     for compiled in (False, True):
-        by_mode = {r["mode"]: r for r in rows if r["compiled"] == compiled and r["shape"] == "720p"}
+        by_mode = {r["case"]: r for r in rows if r["compiled"] == compiled and r["shape"] == "720p"}
         hit, online = by_mode.get("hit_fa4_0.15"), by_mode.get("miss_online")
         if hit and online:
             ok = hit["generation_s"] < online["generation_s"]
@@ -299,7 +307,7 @@ def targets(rows) -> list[str]:
 # Output
 # --------------------------------------------------------------------------------------------
 
-COLUMNS = ["shape", "mode", "compiled", "density", "backend", "dense_backend", "step_ms", "step_ms_measured",
+COLUMNS = ["shape", "case", "mode", "compiled", "density", "backend", "dense_backend", "step_ms", "step_ms_measured",
            "generation_s", "vs_comfyui_default", "vs_best_dense", "graph_breaks", "graphs"]
 
 
@@ -339,6 +347,19 @@ def caveats(doc) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
+def rederive(path: Path, out_dir: Path, command: str) -> None:
+    """Rows, targets and markdown again from a results file's measurements (no timing)."""
+    doc = json.loads(path.read_text())
+    doc["rows"] = []
+    for shape, res in doc["details"]["measurements"].items():
+        grid = (e2e.SHAPES | e2e.TINY_SHAPES)[shape]
+        doc["rows"] += derive_rows(shape, res, None, math.prod(e2e.token_grid(grid)))
+    doc["targets"] = targets(doc["rows"])
+    doc["details"]["rederived"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                   "command": command}
+    write_results(out_dir, path.stem, doc)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(REPO_ROOT / "tests" / "benchmarks" / "results"))
@@ -353,7 +374,11 @@ def main(argv=None):
     p.add_argument("--git-commit", default=None)
     p.add_argument("--command", default=None)
     p.add_argument("--name", default=None, help="results file name (default fast_path_h200 / fast_path_tiny)")
+    p.add_argument("--rederive", default=None, metavar="JSON",
+                   help="recompute rows and targets from a results file's measurements; write to --out")
     args = p.parse_args(argv)
+    if args.rederive:
+        return rederive(Path(args.rederive), Path(args.out), " ".join(["python"] + sys.argv))
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = "cuda" if cuda else "cpu"
