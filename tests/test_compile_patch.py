@@ -152,14 +152,13 @@ class CountingDense:
 def test_dense_calls_take_the_fast_dense_kernel_when_asked(tiny_wan_patcher, dynamo, monkeypatch, compile_model):
     from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
 
-    fast = CountingDense(monkeypatch)
     provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(block_maps(5, 0.4), (BLOCK, BLOCK)), 1, (1,))
+    reference = sample(install_sparse_attention(tiny_wan_patcher, provider, dense_attention="comfyui"))
+    fast = CountingDense(monkeypatch)
     patched = install_sparse_attention(tiny_wan_patcher, provider)
     patched = compiled(patched) if compile_model else patched
     out = sample(patched)
 
-    monkeypatch.undo()
-    reference = sample(install_sparse_attention(tiny_wan_patcher, provider, dense_attention="comfyui"))
     torch.testing.assert_close(out, reference, **CLOSE)
     # the warm-up step's 2 layers, then layer 1 (a dense layer) at every later step
     assert fast.calls == LAYERS + (STEPS - 1)
