@@ -696,43 +696,11 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
             return None, call
         plan = options.get(plan_key)
         if plan is not None:
-            return planned_answer(run, plan, block, call), call
+            return _planned_answer(run, plan, block, call, fast_dense), call
         if block.extra_tokens:
             run.dense_for_extra_tokens(block.layer, block)
             return None, call
         return run.attend(block.layer, options, call, fast_dense), call
-
-    def planned_answer(run, plan: CallPlan, block: _BlockCall, call: AttentionCall):
-        """The call under its model call's plan: no Python state is read (see CallPlan)."""
-        layer = block.layer
-        if block.extra_tokens or call.seq_len != plan.seq_len:
-            plan.extra_tokens.append((layer, block.seq_len, block.video_tokens))
-            return None
-        mask = plan.mask_of(layer)
-        if mask is None:
-            plan.answered.append((layer, False))
-            return fast_dense_call(run, plan, call)
-        plan.answered.append((layer, True))
-        sparse = functools.partial(plan.sparse, call.q, call.k, call.v, mask, call.heads,
-                                   skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape)
-        if torch.compiler.is_compiling():
-            return sparse()  # a failure raises out of the graph: the APPLY_MODEL wrapper handles it
-        if run.disabled:  # an earlier layer of this call failed
-            plan.answered[-1] = (layer, False)
-            return None
-        try:
-            return sparse()
-        except Exception as exc:
-            run.fail_planned(layer, exc)
-            plan.answered[-1] = (layer, False)
-            return None
-
-    def fast_dense_call(run, plan: CallPlan, call: AttentionCall):
-        if plan.dense is None or not fast_dense:
-            return None
-        if torch.compiler.is_compiling():
-            return plan.dense(call.q, call.k, call.v, call.heads, call.skip_reshape, call.skip_output_reshape)
-        return run.dense(call)
 
     def chorus_attention_override(func, *args, **kwargs):
         out, call = sparse_answer(args, kwargs)
@@ -760,6 +728,41 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
 
         chorus_attention_override.container_function = chorus_attention_containers
     return mark_own(chorus_attention_override, key, previous)
+
+
+def _planned_answer(run, plan: CallPlan, block: _BlockCall, call: AttentionCall, fast_dense: bool):
+    """A self-attention call under its model call's plan: no Python state is read (see CallPlan)."""
+    layer = block.layer
+    if block.extra_tokens or call.seq_len != plan.seq_len:
+        plan.extra_tokens.append((layer, block.seq_len, block.video_tokens))
+        return None
+    mask = plan.mask_of(layer)
+    if mask is None:
+        plan.answered.append((layer, False))
+        return _planned_dense(run, plan, call) if fast_dense else None
+    plan.answered.append((layer, True))
+    sparse = functools.partial(plan.sparse, call.q, call.k, call.v, mask, call.heads,
+                               skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape)
+    if torch.compiler.is_compiling():
+        return sparse()  # a failure raises out of the graph: the APPLY_MODEL wrapper handles it
+    if run.disabled:  # an earlier layer of this call failed
+        plan.answered[-1] = (layer, False)
+        return None
+    try:
+        return sparse()
+    except Exception as exc:
+        run.fail_planned(layer, exc)
+        plan.answered[-1] = (layer, False)
+        return None
+
+
+def _planned_dense(run, plan: CallPlan, call: AttentionCall):
+    """The fast dense kernel of the plan, or None (ComfyUI's function runs the call)."""
+    if plan.dense is None:
+        return None
+    if torch.compiler.is_compiling():
+        return plan.dense(call.q, call.k, call.v, call.heads, call.skip_reshape, call.skip_output_reshape)
+    return run.dense(call)  # eager: a failure goes back to ComfyUI's function for the run
 
 
 def _unwrapped(args: tuple, kwargs: dict, call: AttentionCall) -> tuple[tuple, dict]:
