@@ -509,7 +509,8 @@ class _Run:
             self.stats.backend = None if choice is None else str(choice)
 
     def fail_planned(self, layer: Optional[int], exc: Exception) -> None:
-        where = f"at layer {layer}" if layer is not None else "in a compiled model call"
+        step = self._step.step if self._step is not None else None
+        where = f"at layer {layer}, step {step}" if layer is not None else "in a compiled model call"
         self._disable(f"block-sparse attention failed {where} ({type(exc).__name__}: {exc}); the rest of this "
                       "run is dense")
 

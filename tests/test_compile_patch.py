@@ -116,6 +116,23 @@ def test_a_kernel_failure_inside_a_compiled_model_reruns_that_call_dense(tiny_wa
     assert dict(dynamo["graph_break"]) == {}  # the failing op ran inside a whole graph
 
 
+def test_a_kernel_failure_in_an_eager_planned_call_makes_the_rest_dense(tiny_wan_patcher, monkeypatch):
+    import kernels.block_sparse as block_sparse
+
+    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel launch failed (test)")
+
+    monkeypatch.setattr(block_sparse, "run_backend", broken)
+    patched = install_sparse_attention(tiny_wan_patcher, hit_provider())
+    torch.testing.assert_close(sample(patched), sample(tiny_wan_patcher), **CLOSE)
+    stats = get_run_stats(patched)
+    assert stats.warnings == ["block-sparse attention failed at layer 0, step 1 (RuntimeError: kernel launch "
+                              "failed (test)); the rest of this run is dense"]
+    assert (stats.sparse_calls, stats.dense_calls) == (0, LAYERS * STEPS)
+
+
 def test_an_error_outside_the_kernels_is_not_swallowed(tiny_wan_patcher, dynamo):
     """Only failures raised in Chorus's kernels are retried dense; ComfyUI's own errors propagate."""
     from chorus_core.sparse_patch import install_sparse_attention
