@@ -543,6 +543,7 @@ class _Run:
         sparse_run.record(layer, density)
         if out is not None:
             self.stats.sparse_reduced_calls += 1
+            sparse_run.note_last_backend()
         return out
 
     def _sparse_usable(self, sparse_run, call: AttentionCall) -> bool:

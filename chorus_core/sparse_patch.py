@@ -504,7 +504,13 @@ class _Run:
             self.record(layer, plan.densities[layer] if sparse else None)
         for layer, seq_len, video_tokens in plan.extra_tokens:
             self.dense_for_extra_tokens(layer, _BlockCall(layer, seq_len, video_tokens))
-        if self.stats.backend is None and any(sparse for _, sparse in plan.answered):
+        if any(sparse for _, sparse in plan.answered):
+            self.note_last_backend()
+
+    def note_last_backend(self) -> None:
+        """Name the backend of the latest block-sparse call in the run's statistics, once
+        (for calls made where the choice is not at hand: compiled graphs, Feature Reuse)."""
+        if self.stats.backend is None:
             choice = block_sparse().last_backend_choice()
             self.stats.backend = None if choice is None else str(choice)
 

@@ -336,6 +336,24 @@ def test_dense_reduced_calls_pass_no_mask(tiny_wan_patcher, sparse):
     assert fr_stats(patched).sparse_reduced_calls == 0
 
 
+def test_a_run_whose_sparse_calls_are_all_reduced_names_the_kernel_backend(tiny_wan_patcher):
+    from i2v_inputs import sample_request
+
+    from chorus_core.feature_reuse import FeatureReuseSettings, install_feature_reuse
+    from chorus_core.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
+    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+
+    everywhere = FeatureReuseSettings(layers=(0, 1), start_percent=0.0, rim=0)
+    maps = {layer: torch.ones(1, HEADS, SEQ_LEN // BLOCK, SEQ_LEN // BLOCK, dtype=torch.bool) for layer in (0, 1)}
+    provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(maps, (BLOCK, BLOCK)), 1)
+    patched = install_sparse_attention(install_feature_reuse(tiny_wan_patcher, region_map(), GRID, everywhere),
+                                       provider)
+    sample_request(patched, seed=0, steps=STEPS)
+    stats = fr_stats(patched)
+    assert (stats.full_calls, stats.sparse_reduced_calls) == (0, 2 * (STEPS - 1))
+    assert get_run_stats(patched).backend == "reference (CPU tensors: the pure-torch reference)"
+
+
 # --------------------------------------------------------------------------------------------
 # Failures on the sparse reduced path cost speed, never the generation
 # --------------------------------------------------------------------------------------------
