@@ -25,8 +25,9 @@ is compiled and Chorus's APPLY_MODEL wrapper stays outside it):
 - ``hit_triton_<d>``: the same on the Triton kernel with ComfyUI's dense attention (what a
   GPU without FA4 runs);
 - ``miss_online``: online prediction (pooled q/k, top-p 0.9 clamped to density 0.15), FA4;
-- ``hit_fr_<d>``: the FA4 hit plus Feature Reuse with its shipped settings except that every
-  measured block and step is reduced (scaled to its default window below).
+- ``hit_fr_<d>``: the FA4 hit plus Feature Reuse at strength 0.5 (half the start frame's cells
+  pooled) with its shipped settings otherwise, except that every measured block and step is
+  reduced (scaled to its default window below).
 
 Whole generation: 40 euler steps at 40 blocks, each step ``a + 40 x per-block time`` with
 ``a`` the same run mode's step with no blocks (``nonblock``). Dense rows: 40 dense steps. Hit and
