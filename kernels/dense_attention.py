@@ -1,8 +1,9 @@
 """Dense self-attention for the calls Chorus leaves dense: dense warm-up steps and dense layers.
 
 On Hopper and datacenter Blackwell with ``flash-attn-4`` installed, FlashAttention-4's dense
-forward is faster than torch SDPA's cuDNN backend (measured in
-``tests/benchmarks/results/end_to_end_h200.md``). It changes speed, not results beyond bf16
+forward is faster than torch SDPA's cuDNN backend (0.83-0.87x its time per call in
+``tests/benchmarks/results/block_sparse_h200.md``; a whole dense generation 1.12x faster in
+``fast_path_h200_*.md``). It changes speed, not results beyond bf16
 rounding: both compute softmax(QK^T / sqrt(d)) V in fp32 with bf16 inputs and output.
 
 ``dense_unsupported_reason`` says whether FA4 can take a call; where it cannot, the caller

@@ -205,7 +205,7 @@ def reduced_step_count(shift: float = 5.0, start_percent: float = 0.3) -> int:
     return sum(1 for s in sigmas[:-1].tolist() if s <= bound)
 
 
-def derive_rows(shape, res, densities, n_tokens):
+def derive_rows(shape, res, n_tokens):
     rows = []
     step40, gens = {}, {}
     for compiled in (False, True):
@@ -354,7 +354,7 @@ def rederive(path: Path, out_dir: Path, command: str) -> None:
     doc["rows"] = []
     for shape, res in doc["details"]["measurements"].items():
         grid = (e2e.SHAPES | e2e.TINY_SHAPES)[shape]
-        doc["rows"] += derive_rows(shape, res, None, math.prod(e2e.token_grid(grid)))
+        doc["rows"] += derive_rows(shape, res, math.prod(e2e.token_grid(grid)))
     doc["targets"] = targets(doc["rows"])
     doc["details"]["rederived"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                    "command": command}
@@ -420,7 +420,7 @@ def main(argv=None):
         for shape in shapes:
             res = doc["details"]["measurements"].get(shape, {})
             n = math.prod(e2e.token_grid(shape_table[shape]))
-            doc["rows"] += derive_rows(shape, res, densities, n)
+            doc["rows"] += derive_rows(shape, res, n)
         doc["targets"] = targets(doc["rows"])
         doc["not_measured"] = caveats(doc)
         write_results(out_dir, name, doc)
