@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import fa4_block_sparse as fa4
+from .layouts import from_bhnd, output_buffer, to_bhnd
 from .ops import block_sparse_attention_op
 
 __all__ = [
@@ -218,20 +219,8 @@ def block_map_to_element_mask(block_map: torch.Tensor, block_q: int, block_k: in
 
 
 # --------------------------------------------------------------------------------------------
-# Layouts
+# Input checks
 # --------------------------------------------------------------------------------------------
-
-
-def _to_bhnd(x: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
-    """``[B, N, H*D]`` (or ``[B, H, N, D]`` already) -> a ``[B, H, N, D]`` view, no copy."""
-    if skip_reshape:
-        if x.dim() != 4 or x.shape[1] != heads:
-            raise ValueError(f"skip_reshape=True wants [B, H={heads}, N, D], got {tuple(x.shape)}")
-        return x
-    if x.dim() != 3 or x.shape[-1] % heads:
-        raise ValueError(f"wants [B, N, H*D] with H={heads}, got {tuple(x.shape)}")
-    b, n, hd = x.shape
-    return x.view(b, n, heads, hd // heads).transpose(1, 2)
 
 
 def _check_inputs(q, k, v, mask: BlockSparseMask, validate: bool = True) -> None:
@@ -257,13 +246,6 @@ def _check_inputs(q, k, v, mask: BlockSparseMask, validate: bool = True) -> None
         mask.validate()
 
 
-def _output(o_bhnd: torch.Tensor, skip_output_reshape: bool) -> torch.Tensor:
-    if skip_output_reshape:
-        return o_bhnd
-    b, h, n, d = o_bhnd.shape
-    return o_bhnd.transpose(1, 2).reshape(b, n, h * d)
-
-
 # --------------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------------
@@ -279,7 +261,7 @@ def block_sparse_attention_reference(
     Loops over query blocks and head chunks, scoring a query block against all keys with the
     block map expanded to columns; computes in float32 (float64 for float64 inputs).
     """
-    qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
+    qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
     _check_inputs(qh, kh, vh, mask, validate)
     b, h, n, d = qh.shape
     cdt = torch.promote_types(q.dtype, torch.float32)
@@ -295,7 +277,7 @@ def block_sparse_attention_reference(
             s = qh[:, hs, rows].to(cdt) @ kh[:, hs].to(cdt).transpose(-1, -2) * scale
             s = s.masked_fill(~cols[:, hs, None, :], float("-inf"))
             out[:, hs, rows] = (s.softmax(-1) @ vh[:, hs].to(cdt)).to(q.dtype)
-    return _output(out, skip_output_reshape)
+    return from_bhnd(out, skip_output_reshape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,7 +305,7 @@ def last_backend_choice() -> Optional[BackendChoice]:
 
 def _head_dim_view(q: torch.Tensor, mask: BlockSparseMask) -> torch.Tensor:
     """A ``[B, H, N, D]`` view of q in either ComfyUI layout (4D = already heads-first)."""
-    return q if q.dim() == 4 else _to_bhnd(q, mask.heads, False)
+    return q if q.dim() == 4 else to_bhnd(q, mask.heads, False)
 
 
 def select_backend(q: torch.Tensor, mask: BlockSparseMask, backend: str = "auto") -> BackendChoice:
@@ -431,13 +413,12 @@ def run_backend(
             q, k, v, mask, heads, skip_reshape, skip_output_reshape, validate=validate
         )
         return res if out is None else out.copy_(res)
-    qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
+    qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
     _check_inputs(qh, kh, vh, mask, validate)
-    b, h, n, d = qh.shape
     if out is None:
-        shape = (b, h, n, d) if skip_output_reshape else (b, n, h * d)
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    oh = out if skip_output_reshape else _to_bhnd(out, heads, False)
+        out, oh = output_buffer(qh, skip_output_reshape)
+    else:
+        oh = out if skip_output_reshape else to_bhnd(out, heads, False)
     if choice.name == "fa4":
         fa4.fa4_block_sparse_fwd(qh, kh, vh, oh, mask.live_blocks, mask.live_counts, mask.block_q, mask.block_k)
         return out

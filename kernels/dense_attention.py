@@ -20,26 +20,10 @@ from typing import Optional
 import torch
 
 from . import fa4_block_sparse as fa4
+from .layouts import from_bhnd, output_buffer, to_bhnd
 from .ops import dense_attention_op
 
 __all__ = ["dense_attention", "dense_attention_reference", "dense_unsupported_reason", "dense_unsupported_for"]
-
-
-def _to_bhnd(x: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
-    if skip_reshape:
-        return x
-    b, n, hd = x.shape
-    return x.view(b, n, heads, hd // heads).transpose(1, 2)
-
-
-def _out_buffer(q_bhnd: torch.Tensor, skip_output_reshape: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output in the caller's layout, its [B, H, N, D] view) without a copy on return."""
-    b, h, n, d = q_bhnd.shape
-    if skip_output_reshape:
-        out = q_bhnd.new_empty(b, h, n, d)
-        return out, out
-    out = q_bhnd.new_empty(b, n, h * d)
-    return out, out.view(b, n, h, d).transpose(1, 2)
 
 
 def dense_unsupported_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
@@ -53,7 +37,7 @@ def dense_unsupported_reason(q: torch.Tensor, heads: int, skip_reshape: bool = F
         return f"q is not [B, N, H*D] with H={heads}"
     if skip_reshape and q.dim() != 4:
         return "q is not [B, H, N, D]"
-    return dense_unsupported_for(q.device, q.dtype, _to_bhnd(q, heads, skip_reshape).shape[-1])
+    return dense_unsupported_for(q.device, q.dtype, q.shape[-1] if skip_reshape else q.shape[-1] // heads)
 
 
 _REF_SCORE_BUDGET = 1 << 26  # scores per chunk (256 MB in fp32): the fallback stays memory-sane at 720p
@@ -62,7 +46,7 @@ _REF_SCORE_BUDGET = 1 << 26  # scores per chunk (256 MB in fp32): the fallback s
 def dense_attention_reference(q, k, v, heads: int, skip_reshape=False, skip_output_reshape=False) -> torch.Tensor:
     """Plain softmax attention in float32 (float64 for float64 inputs), query rows in chunks:
     the test oracle and the CPU fallback."""
-    qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
+    qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
     cdt = torch.promote_types(q.dtype, torch.float32)
     kc, vc = kh.to(cdt), vh.to(cdt)
     b, h, n, _ = qh.shape
@@ -71,18 +55,15 @@ def dense_attention_reference(q, k, v, heads: int, skip_reshape=False, skip_outp
     for start in range(0, n, rows):
         part = slice(start, min(n, start + rows))
         o[:, :, part] = torch.nn.functional.scaled_dot_product_attention(qh[:, :, part].to(cdt), kc, vc).to(q.dtype)
-    if skip_output_reshape:
-        return o
-    b, h, n, d = o.shape
-    return o.transpose(1, 2).reshape(b, n, h * d)
+    return from_bhnd(o, skip_output_reshape)
 
 
 def run_dense(q, k, v, heads: int, skip_reshape=False, skip_output_reshape=False) -> torch.Tensor:
     """Eager dispatch: FA4 where it applies, else the reference (what the custom op runs)."""
     if dense_unsupported_reason(q, heads, skip_reshape) is not None:
         return dense_attention_reference(q, k, v, heads, skip_reshape, skip_output_reshape)
-    qh, kh, vh = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
-    out, out_bhnd = _out_buffer(qh, skip_output_reshape)
+    qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
+    out, out_bhnd = output_buffer(qh, skip_output_reshape)
     fa4.fa4_dense_fwd(qh, kh, vh, out_bhnd)
     return out
 
