@@ -463,8 +463,8 @@ class _Run:
         return self._dense_kernels[key]
 
     def _no_fast_dense(self, reason: str) -> None:
-        self._dense_kernels = {key: None for key in self._dense_kernels}
         self.dense_attention = "comfyui"
+        self._dense_kernels.clear()  # decided again, now as "comfyui"
         self.stats.dense_backend = f"comfyui ({reason})"
         if reason not in self.stats.warnings:
             self.stats.warnings.append(reason)
@@ -592,7 +592,7 @@ class CallPlan:
     @classmethod
     def build(cls, seq_len: int, prepared: list, sparse: Callable, dense: Optional[Callable]) -> "CallPlan":
         masks = tuple(None if p is None else p.mask for p in prepared)
-        for mask in masks:
+        for mask in masks:  # outside any compiled region (the per-call path must not mark: it runs traced)
             if mask is not None:  # the live-list width changes per bucket: one graph for all widths
                 torch._dynamo.maybe_mark_dynamic(mask.live_blocks, 3)
         return cls(seq_len, masks, tuple(None if p is None else p.density for p in prepared), sparse, dense)
