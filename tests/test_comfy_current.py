@@ -173,17 +173,27 @@ def sparse_provider():
     return StaticBlockMapProvider.for_all_steps(cond_uncond_maps(), (BLOCK, BLOCK))
 
 
-def sample(patcher, extra_cond=None):
-    import comfy.sample
-
+def i2v_request():
     from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
 
-    positive, negative, latent = i2v_conditioning(generate_request(I2VRequest()))
+    return i2v_conditioning(generate_request(I2VRequest()))
+
+
+def sample_conditioned(patcher, request, extra_cond=None, steps=STEPS):
+    """Euler, cfg 5, seed 1 on ``request`` = (positive, negative, latent), with ``extra_cond``
+    added to both conditionings."""
+    import comfy.sample
+
+    positive, negative, latent = request
     for cond in (positive, negative):
         cond[0][1].update(extra_cond or {})
     noise = comfy.sample.prepare_noise(latent["samples"], 1)
-    return comfy.sample.sample(patcher, noise, STEPS, 5.0, "euler", "simple", positive, negative,
+    return comfy.sample.sample(patcher, noise, steps, 5.0, "euler", "simple", positive, negative,
                                latent["samples"], seed=1, disable_pbar=True)
+
+
+def sample(patcher, extra_cond=None):
+    return sample_conditioned(patcher, i2v_request(), extra_cond)
 
 
 @pytest.fixture(scope="session")
@@ -219,14 +229,7 @@ def t2v_request(subject=0):
 
 
 def sample_t2v(patcher, extra_cond=None, steps=STEPS):
-    import comfy.sample
-
-    positive, negative, latent = t2v_request()
-    for cond in (positive, negative):
-        cond[0][1].update(extra_cond or {})
-    noise = comfy.sample.prepare_noise(latent["samples"], 1)
-    return comfy.sample.sample(patcher, noise, steps, 5.0, "euler", "simple", positive, negative,
-                               latent["samples"], seed=1, disable_pbar=True)
+    return sample_conditioned(patcher, t2v_request(), extra_cond, steps)
 
 
 @pytest.fixture(scope="module")
