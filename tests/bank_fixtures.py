@@ -55,6 +55,24 @@ def add_toy(bank, seed=0, tags=(), sig=None, fp=FP, layout=LAYOUT):
                           density=0.3, recall=0.95, tags=list(tags))
 
 
+def prune_least_recently_used(bank) -> list:
+    """The eviction order and pruning every bank backend must give (shared by the SQLite folder
+    bank's and the PostgreSQL bank's tests); returns the four entry ids, of which ids[0] is left."""
+    ids = [add_toy(bank, seed=s) for s in range(4)]
+    now = time.time()
+    # (created, last_hit, hits): ids[1] is the oldest use; ids[2] and ids[3] tie on last use
+    times = {ids[0]: (now - 50, now - 10, 5), ids[1]: (now - 40, None, 0),
+             ids[2]: (now - 30, now - 20, 1), ids[3]: (now - 35, now - 20, 3)}
+    for entry, (created, last_hit, hits) in times.items():
+        bank.db.execute("UPDATE entries SET created=?, last_hit=?, hits=? WHERE id=?",
+                        [created, last_hit, hits, entry])
+    assert [r["id"] for r in bank.eviction_order()] == [ids[1], ids[2], ids[3], ids[0]]
+    assert bank.prune(max_entries=2, dry_run=True) == [ids[1], ids[2]]
+    assert bank.prune(max_bytes=bank.show(ids[0])["blob_bytes"]) == [ids[1], ids[2], ids[3]]
+    assert [r["id"] for r in bank.entries()] == [ids[0]]
+    return ids
+
+
 def writer_main(path, count, seed, pause=0.0):
     """Subprocess body: add ``count`` entries (forever when count < 0), then exit."""
     bank = MaskBank.open(path)

@@ -18,8 +18,8 @@ import warnings
 import numpy as np
 import pytest
 import test_bank_store as store_tests
-from bank_fixtures import (FP, LAYOUT, add_toy, python_command, toy_masks, toy_signature,
-                           writer_command)
+from bank_fixtures import (FP, LAYOUT, add_toy, prune_least_recently_used, python_command, toy_masks,
+                           toy_signature, writer_command)
 from bank_pg_cluster import PASSWORD, running_cluster
 
 from chorus_core.bank import BankEntryCorrupt, BankError, BankReadOnly, BankUnavailable, MaskBank
@@ -140,17 +140,7 @@ def test_load_of_corrupt_blob_raises_after_quarantine(bank, how):
 
 
 def test_prune_evicts_least_recently_used_and_their_blobs(bank):
-    ids = [add_toy(bank, seed=s) for s in range(4)]
-    now = time.time()
-    times = {ids[0]: (now - 50, now - 10, 5), ids[1]: (now - 40, None, 0),
-             ids[2]: (now - 30, now - 20, 1), ids[3]: (now - 35, now - 20, 3)}
-    for entry, (created, last_hit, hits) in times.items():
-        bank.db.execute("UPDATE entries SET created=?, last_hit=?, hits=? WHERE id=?",
-                        [created, last_hit, hits, entry])
-    assert [r["id"] for r in bank.eviction_order()] == [ids[1], ids[2], ids[3], ids[0]]
-    assert bank.prune(max_entries=2, dry_run=True) == [ids[1], ids[2]]
-    assert bank.prune(max_bytes=bank.show(ids[0])["blob_bytes"]) == [ids[1], ids[2], ids[3]]
-    assert [r["id"] for r in bank.entries()] == [ids[0]]
+    ids = prune_least_recently_used(bank)
     assert bank.verify()["orphans_removed"] == 0  # the pruned blobs went with their rows
     assert bank.delete([ids[0], "f" * 32]) == 1 and bank.stats()["entries"] == 0
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from bank_fixtures import FP, LAYOUT, SCHEDULE, add_toy, toy_masks, toy_signature
+from bank_fixtures import FP, LAYOUT, SCHEDULE, add_toy, prune_least_recently_used, toy_masks, toy_signature
 from safetensors.numpy import save as st_save
 
 from chorus_core.bank import (BankEntryCorrupt, BankError, BankIncompatible, BankReadOnly,
@@ -151,19 +151,7 @@ def test_load_of_corrupt_blob_raises_after_quarantine(bank, how):
 
 
 def test_prune_evicts_least_recently_used_then_fewest_hits(bank):
-    ids = [add_toy(bank, seed=s) for s in range(4)]
-    now = time.time()
-    # (created, last_hit, hits): ids[1] is the oldest use; ids[2] and ids[3] tie on last use
-    times = {ids[0]: (now - 50, now - 10, 5), ids[1]: (now - 40, None, 0),
-             ids[2]: (now - 30, now - 20, 1), ids[3]: (now - 35, now - 20, 3)}
-    for entry, (created, last_hit, hits) in times.items():
-        bank.db.execute("UPDATE entries SET created=?, last_hit=?, hits=? WHERE id=?",
-                        [created, last_hit, hits, entry])
-    assert [r["id"] for r in bank.eviction_order()] == [ids[1], ids[2], ids[3], ids[0]]
-    assert bank.prune(max_entries=2, dry_run=True) == [ids[1], ids[2]]
-    size = bank.show(ids[0])["blob_bytes"]
-    assert bank.prune(max_bytes=size) == [ids[1], ids[2], ids[3]]
-    assert [r["id"] for r in bank.entries()] == [ids[0]]
+    prune_least_recently_used(bank)
     assert sum(1 for p in (bank.root / "blobs").rglob("*.safetensors")) == 1
 
 
