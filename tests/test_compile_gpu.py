@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-for path in (REPO_ROOT, REPO_ROOT / "tests" / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+BENCHMARKS = Path(__file__).resolve().parent / "benchmarks"  # the benchmark's model and request builders
+if str(BENCHMARKS) not in sys.path:  # (conftest puts the repository and tests/ on the path)
+    sys.path.insert(0, str(BENCHMARKS))
 
 GPU = os.environ.get("CHORUS_TEST_GPU") == "1" and torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not GPU, reason="set CHORUS_TEST_GPU=1 on a CUDA machine")
