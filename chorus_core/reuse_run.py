@@ -299,13 +299,37 @@ class RecordingProvider:
         return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
 
 
-def recorded_steps(step_buckets, per_bucket: int = 2) -> list[list[int]]:
-    """Which steps feed each bucket's recorded mass: the first and the middle one of the bucket."""
+def recorded_steps(step_buckets, per_bucket: Optional[int] = None) -> list[list[int]]:
+    """Which steps feed each bucket's recorded mass: every step of the bucket (``per_bucket`` None),
+    else that many spread over its first half (2: the first and the middle one, what was recorded
+    before every step was).
+
+    Every step is the default because a bucket's mask serves every step of it: masks selected from
+    the first and middle steps only missed the blocks the later steps attend to and cost 1.4 to
+    11 dB against the same rule over the whole bucket on the sharp16k testbed
+    (tests/benchmarks/results/hit_stages_h200.md).
+    """
     chosen = []
     for start, end in step_buckets:
-        picks = sorted({start, (start + end - 1) // 2})[:per_bucket]
-        chosen.append([s for s in picks if s < end])
+        if per_bucket is None:
+            chosen.append(list(range(start, end)))
+        else:
+            spread = 2 * max(1, per_bucket - 1)
+            chosen.append(sorted({start + (i * (end - start - 1)) // spread for i in range(per_bucket)}))
     return chosen
+
+
+@dataclass(frozen=True)
+class RecordingPlan:
+    """What a recording miss records: how many steps of each bucket, and every how many queries.
+
+    :param steps_per_bucket: None = every step of each bucket (see :func:`recorded_steps`)
+    :param query_stride: block mass from every ``query_stride``-th query; None = 4 on a GPU
+        (a quarter of the cost), 1 elsewhere
+    """
+
+    steps_per_bucket: Optional[int] = None
+    query_stride: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -322,8 +346,9 @@ class ReuseRun:
     """
 
     def __init__(self, model_patcher, match: ReuseMatch | None, options: ReuseOptions,
-                 sampling: SamplingSettings, block_size: int = 128):
+                 sampling: SamplingSettings, block_size: int = 128, recording_plan: RecordingPlan = RecordingPlan()):
         self.model_patcher, self.match, self.options, self.sampling = model_patcher, match, options, sampling
+        self.recording_plan = recording_plan
         self.block_size = match.request.layout.block_size[0] if match else block_size
         self.report = RunReport(mode="miss", steps=sampling.steps)
         self.schedule = Schedule(steps=sampling.steps, sampler=sampling.sampler, scheduler=sampling.scheduler,
@@ -420,10 +445,12 @@ class ReuseRun:
         o = self.options
         # Accumulators live on the model's device, one step bucket at a time (float16 on a GPU:
         # 1.1 GB at 720p-14B), and each layer's masks are selected there as its bucket ends.
+        plan = self.recording_plan
         return MaskRecorder(num_layers=len(self.model_patcher.model.diffusion_model.blocks),
-                            step_buckets=recorded_steps(self.schedule.step_buckets), block_size=self.block_size,
-                            top_p=o.top_p, min_density=o.min_density, max_density=o.max_density,
-                            query_stride=_recording_query_stride(self.model_patcher))
+                            step_buckets=recorded_steps(self.schedule.step_buckets, plan.steps_per_bucket),
+                            block_size=self.block_size, top_p=o.top_p, min_density=o.min_density,
+                            max_density=o.max_density,
+                            query_stride=plan.query_stride or _recording_query_stride(self.model_patcher))
 
     def progress(self, step_stats, run_stats) -> dict:
         """A per-step event for the web view: per-layer share of attention run sparse, so far."""

@@ -15,13 +15,16 @@ seed, in a fresh SQLite bank:
 - the target is matched against the bank and runs as a hit through ``ReuseRun``
   (``reused_similar_product``): the masks a user gets;
 - comparison sources at **matched density** (in every sparse step, layer, head and query-block
-  row the same number of kept blocks as the hit's mask): ``oracle`` (the target's own exact block
-  mass, mean over the hit's step bucket), ``reused_dissimilar`` (the dissimilar request's dense
+  row the same number of kept blocks as the hit's mask): ``reused_similar`` (the similar request's
+  own dense mass, mean over the hit's step bucket: what the served entry should equal, so the gap
+  to ``reused_similar_product`` is what recording, bank and serving cost), ``oracle`` (the
+  target's own exact block mass, likewise), ``reused_dissimilar`` (the dissimilar request's dense
   mass), ``online`` (pooled q/k block scores of the call, as shipped), ``population_prior``
   (keep frequency over the masks recorded from requests of other layouts, a bank of their own),
-  ``static`` (local 3D windows);
+  ``population_prior_dense`` (keep frequency over the recorder's rule applied to the same
+  requests' dense runs), ``static`` (local 3D windows);
 - every source at its own **natural density** (what the defaults give): the hit, ``oracle``
-  (top-p on exact mass), ``reused_dissimilar_product`` (the recorded entry), ``online`` and
+  and ``reused_similar`` (top-p on exact mass), ``reused_dissimilar_product`` (the recorded entry), ``online`` and
   ``population_prior`` as shipped (``OnlinePredictionProvider`` / ``ReuseRun`` in prior mode);
   static windows have no natural density in the pack, so they appear at matched density only.
 
@@ -66,8 +69,10 @@ WAN21_LATENT_RGB_FACTORS = torch.tensor([
     [-0.1251, 0.0927, 0.1699], [0.0060, -0.0633, 0.0005], [0.3477, 0.2275, 0.2950], [0.1984, 0.0913, 0.1861]])
 WAN21_LATENT_RGB_BIAS = torch.tensor([-0.1835, -0.0868, -0.3360])
 
-MATCHED_KINDS = ("reused_similar_product", "oracle", "reused_dissimilar", "online", "population_prior", "static")
-NATURAL_KINDS = ("reused_similar_product", "oracle", "reused_dissimilar_product", "online", "population_prior")
+MATCHED_KINDS = ("reused_similar_product", "reused_similar", "oracle", "reused_dissimilar", "online",
+                 "population_prior", "population_prior_dense", "static")
+NATURAL_KINDS = ("reused_similar_product", "reused_similar", "oracle", "reused_dissimilar_product", "online",
+                 "population_prior")
 METRICS = ("density", "recall", "recall_vs_oracle", "rel_rms", "psnr_db", "ssim")
 RECORD_THRESHOLD = 1.0  # recording runs must miss: only an identical request reaches similarity 1
 
@@ -268,6 +273,15 @@ def bucket_mean_mass(mass: torch.Tensor, maps_steps: dict, steps_of_bucket) -> d
     return {k: mass[list(steps_of_bucket(k[0]))].mean(0)[k[1]] for k in maps_steps}
 
 
+def dense_prior_scores(dense_masses: list, maps_steps: dict, steps_of_bucket, options) -> dict:
+    """Keep frequency over masks made by the recorder's rule (top-p over each bucket's mean mass)
+    from the population's dense runs: the prior that recorded entries should reproduce."""
+    per_request = [bucket_mean_mass(m, maps_steps, steps_of_bucket) for m in dense_masses]
+    return {k: keep_frequency(torch.stack([select_blocks(scores[k], options.top_p, options.min_density,
+                                                         options.max_density) for scores in per_request]))
+            for k in maps_steps}
+
+
 # --------------------------------------------------------------------------------------------
 # The measurement
 # --------------------------------------------------------------------------------------------
@@ -295,8 +309,10 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     started = time.time()
     # the population: requests of other layouts, recorded once into a bank of their own (the prior's source)
     pop_bank = MaskBank.open(pp.workdir / "population")
+    pop_dense = []  # the same requests' dense block mass: the prior the recorded entries should match
     for p in population:
         pp.record(pop_bank, i2v_conditioning(generate_request(p)), 0)
+        pop_dense.append(pp.dense(i2v_conditioning(generate_request(p)), 0)[1])
     for seed in range(seed_start, seed_start + seeds):
         for ti in picks:
             target, sim, dis = tgts[ti], similar[ti], similar[dissimilar_of[ti]]
@@ -306,6 +322,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             dis_id = pp.record(bank, i2v_conditioning(generate_request(dis)), seed)
             dense_final, mass = pp.dense(conds, seed)
             _, dis_mass = pp.dense(i2v_conditioning(generate_request(dis)), seed)
+            _, sim_mass = pp.dense(i2v_conditioning(generate_request(sim)), seed)
             sharp_masses.append(mass)
 
             hit = pp.match(bank, conds, threshold)
@@ -336,12 +353,16 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             # matched density: every source keeps the hit's blocks-per-row
             oracle_scores = bucket_mean_mass(mass, hit_maps, bucket_steps)
             dis_scores = bucket_mean_mass(dis_mass, hit_maps, bucket_steps)
+            sim_scores = bucket_mean_mass(sim_mass, hit_maps, bucket_steps)
             pop_entries = [pop_bank.load_masks(e, record_hit=False)
                            for e in pop_bank.compatible_entries(hit.request.fingerprint, hit.request.layout, limit=64)]
             pop_maps = [pp.entry_maps(e) for e in pop_entries]
             pop_freq = {k: keep_frequency(torch.stack([m[k] for m in pop_maps])) for k in hit_maps}
-            sources = {"oracle": lambda s, l: oracle_scores[(s, l)], "reused_dissimilar": lambda s, l: dis_scores[(s, l)],
+            pop_dense_freq = dense_prior_scores(pop_dense, hit_maps, bucket_steps, o)
+            sources = {"reused_similar": lambda s, l: sim_scores[(s, l)],
+                       "oracle": lambda s, l: oracle_scores[(s, l)], "reused_dissimilar": lambda s, l: dis_scores[(s, l)],
                        "online": None, "population_prior": lambda s, l: pop_freq[(s, l)],
+                       "population_prior_dense": lambda s, l: pop_dense_freq[(s, l)],
                        "static": lambda s, l: static_scores}
             matched = {}
             for kind, scores_of in sources.items():
@@ -357,6 +378,9 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             top_p_oracle = {k: select_blocks(v, o.top_p, o.min_density, o.max_density) for k, v in oracle_scores.items()}
             row("natural", "oracle", pp.with_provider(pp.static_provider(top_p_oracle), conds, seed), top_p_oracle,
                 oracle_recall)
+            top_p_similar = {k: select_blocks(v, o.top_p, o.min_density, o.max_density) for k, v in sim_scores.items()}
+            row("natural", "reused_similar", pp.with_provider(pp.static_provider(top_p_similar), conds, seed),
+                top_p_similar, oracle_recall)
             dis_maps = pp.entry_maps(bank.load_masks(dis_id, record_hit=False))
             row("natural", "reused_dissimilar_product", pp.with_provider(pp.static_provider(dis_maps), conds, seed),
                 dis_maps, oracle_recall)
