@@ -2,7 +2,9 @@
 
 ComfyUI detects it as ``WAN21_I2V`` (``in_dim`` 36, an ``img_emb`` projector), so it goes
 through exactly the code paths a real Wan2.1-I2V-14B checkpoint does, at a size a CPU
-runs in seconds. Head width stays 128 because ComfyUI derives ``num_heads = dim // 128``.
+runs in seconds. Head width defaults to 128 because ComfyUI's checkpoint detection derives
+``num_heads = dim // 128``; a narrower ``head_dim`` builds a model in process (the testbed
+probe's many-head candidates) that UNETLoader would load with the wrong head count.
 """
 
 from __future__ import annotations
@@ -20,16 +22,17 @@ WAN_LATENT_CHANNELS = 16
 
 @dataclass(frozen=True)
 class TinyWanConfig:
-    """Shape of the tiny model; ``heads = dim // 128`` as ComfyUI's detection assumes."""
+    """Shape of the tiny model; ``heads = dim // head_dim`` (128: what ComfyUI's detection assumes)."""
 
     dim: int = 256
     ffn_dim: int = 512
     num_layers: int = 2
     seed: int = 0
+    head_dim: int = WAN_HEAD_DIM
 
     @property
     def num_heads(self) -> int:
-        return self.dim // WAN_HEAD_DIM
+        return self.dim // self.head_dim
 
 
 def build_tiny_wan_i2v(config: TinyWanConfig = TinyWanConfig()) -> torch.nn.Module:
@@ -66,7 +69,7 @@ def save_tiny_wan_i2v(path: Path, config: TinyWanConfig = TinyWanConfig(), dtype
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {k: str(v) for k, v in asdict(config).items()}
+    metadata = {k: str(v) for k, v in asdict(config).items() if k != "head_dim" or v != WAN_HEAD_DIM}  # files as before
     metadata["architecture"] = "wan2.1-i2v-tiny"
     save_file(state, str(path), metadata=metadata)
     return path

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 TEMPLATES = ("pan", "zoom", "orbit", "bounce", "fade")
-TEXTURES = ("plain", "detailed")  # "plain": the original smooth sprites; "detailed": see render_detailed_video
+# "plain": the original smooth sprites; "detailed": see render_detailed_video; "multi": render_multi_video
+TEXTURES = ("plain", "detailed", "multi")
 CLIP_TOKENS, CLIP_DIM = 257, 1280
 TEXT_DIM = 4096
 LATENT_CHANNELS = 16
@@ -31,7 +32,7 @@ class I2VRequest:
     height: int = 16  # latent height (pixels / 8)
     width: int = 16
     text_tokens: int = 16
-    texture: str = "plain"  # "detailed": later frames copy high-frequency texture from the first
+    texture: str = "plain"  # "detailed" / "multi": later frames copy high-frequency texture from the first
 
     def __post_init__(self):
         if self.template not in TEMPLATES:
@@ -98,6 +99,8 @@ def render_video(request: I2VRequest) -> torch.Tensor:
     """The request's latent video [16, T, H, W]: a textured sprite moving over a background."""
     if request.texture == "detailed":
         return render_detailed_video(request)
+    if request.texture == "multi":
+        return render_multi_video(request)
     T, H, W = request.frames, request.height, request.width
     x0, y0, size, background = _layout(request.layout, H, W)
     video = background[:, None].repeat(1, T, 1, 1).clone()
@@ -157,6 +160,68 @@ def render_detailed_video(request: I2VRequest) -> torch.Tensor:
                                                                                 mode="nearest")[0]
         top, left = int(round(y * H - side / 2)), int(round(x * W - side / 2))
         _replace(video[:, f], look, amplitude, top, left)
+    return video
+
+
+MULTI_OBJECTS = 3
+
+
+def _multi_start(layout: int, index: int):
+    """Start centre (x, y) of object ``index`` of a layout, in [0.15, 0.85]."""
+    return (0.15 + 0.7 * torch.rand(2, generator=_generator("multi-start", layout, index))).tolist()
+
+
+def _multi_motion(template: str, layout: int, index: int, t: float):
+    """Centre (x, y), scale and amplitude of object ``index`` at time t in [0, 1].
+
+    Object 0 follows the template over twice its usual path; the others move in straight lines at
+    velocities seeded by (template, layout, object), so every object moves differently. Centres wrap
+    round the frame: an object leaving one side comes back in on the other.
+    """
+    x0, y0 = _multi_start(layout, index)
+    if index == 0:
+        x, y, scale, amplitude = _trajectory(template, t, x0, y0)
+        x, y = x0 + 2 * (x - x0), y0 + 2 * (y - y0)
+    else:
+        vx, vy = (1.2 * torch.rand(2, generator=_generator("multi-velocity", template, layout, index)) - 0.6).tolist()
+        x, y, scale, amplitude = x0 + vx * t, y0 + vy * t, 1.0, 1.0
+    return x % 1.0, y % 1.0, scale, amplitude
+
+
+def _multi_occluder(layout: int, height: int, width: int):
+    """A static textured vertical bar [16, H, w] in front of every object, and its left column."""
+    g = _generator("multi-occluder", layout)
+    bar_width = max(1, round(0.1 * width))
+    left = int(round((0.3 + 0.4 * float(torch.rand(1, generator=g))) * width - bar_width / 2))
+    colour = torch.randn(LATENT_CHANNELS, generator=g)
+    return colour[:, None, None] + 0.8 * torch.randn(LATENT_CHANNELS, height, bar_width, generator=g), left
+
+
+def render_multi_video(request: I2VRequest) -> torch.Tensor:
+    """The "multi" family: the detailed family's look-ups made harder.
+
+    Three white-noise-textured objects over a white-noise background, each moving differently
+    (``_multi_motion``) over large distances, drawn in a fixed depth order (later objects cover
+    earlier ones), and a static textured bar in front of them all: an object passing behind it or
+    another object disappears and reappears, so its detail must come from the first frame (or the
+    last frame it was seen in), far from where it is now.
+    """
+    T, H, W = request.frames, request.height, request.width
+    _, _, size, _ = _layout(request.layout, H, W)
+    background = _detailed_background(request.layout, H, W)
+    bar, bar_left = _multi_occluder(request.layout, H, W)
+    base_side = max(2, int(round(0.7 * size * min(H, W))))
+    sprites = [_detailed_subject(MULTI_OBJECTS * request.subject + j, base_side) for j in range(MULTI_OBJECTS)]
+    video = background[:, None].repeat(1, T, 1, 1).clone()
+    for f in range(T):
+        t = f / max(T - 1, 1)
+        for j, sprite in enumerate(sprites):
+            x, y, scale, amplitude = _multi_motion(request.template, request.layout, j, t)
+            side = max(2, int(round(base_side * scale)))
+            look = sprite if side == base_side else torch.nn.functional.interpolate(sprite[None], size=(side, side),
+                                                                                    mode="nearest")[0]
+            _replace(video[:, f], look, amplitude, int(round(y * H - side / 2)), int(round(x * W - side / 2)))
+        video[:, f, :, bar_left:bar_left + bar.shape[-1]] = bar  # the bar lies inside the frame (0.25..0.75 W)
     return video
 
 

@@ -53,7 +53,7 @@ def test_detailed_frames_copy_the_start_frame_texture_where_the_template_moves_i
     # high frequency: neighbouring latent pixels are far less correlated than in the plain family
     assert _neighbour_correlation(first) < 0.5
     assert _neighbour_correlation(render_video(I2VRequest("pan", 5, 0, frames=5, height=32, width=32))[:, 0]) > 0.8
-    with pytest.raises(ValueError, match="unknown texture 'rough'; choose one of plain, detailed"):
+    with pytest.raises(ValueError, match="unknown texture 'rough'; choose one of plain, detailed, multi"):
         I2VRequest(texture="rough")
 
 

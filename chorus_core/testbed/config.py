@@ -1,8 +1,9 @@
 """Sizes and hyper-parameters of the quality testbed (model, training, report).
 
-Three presets: ``full`` (the committed checkpoint, trained on an H200 in about 3.5 minutes),
-``cpu2k`` (the report of that checkpoint at 2,048 tokens on a 2-core CPU) and ``smoke`` (a few
-CPU seconds; what ``tests/test_testbed.py`` runs). Every field can be
+Presets: ``full`` (the committed checkpoint, trained on an H200 in about 3.5 minutes),
+``cpu2k`` (the report of that checkpoint at 2,048 tokens on a 2-core CPU), ``smoke`` (a few
+CPU seconds; what ``tests/test_testbed.py`` runs), ``sharp16k`` / ``tiny_sharp`` (issue 16) and
+the probe candidates of issue 23 (``PROBE_CANDIDATES``). Every field can be
 overridden from the command line of ``train`` / ``report`` with ``--set name=value``.
 """
 
@@ -34,8 +35,9 @@ def size_name(size) -> str:
 class TestbedConfig:
     __test__ = False  # not a pytest class
 
-    # model (ComfyUI WanModel, I2V; heads = dim // 128)
+    # model (ComfyUI WanModel, I2V; heads = dim // head_dim)
     dim: int = 256
+    head_dim: int = 128           # Wan's; narrower heads only in process (ComfyUI's loader assumes 128)
     ffn_dim: int = 896            # 4 layers x 896 keeps the fp16 file under 16 MiB
     num_layers: int = 4
     model_seed: int = 0
@@ -45,6 +47,7 @@ class TestbedConfig:
     short_size: tuple = SHORT_SIZE
     long_size: tuple = LONG_SIZE
     long_share: float = 0.8        # share of steps at the long size
+    curriculum_steps: int = 0      # > 0: the long share ramps from 0 to long_share over these first steps
     batch_short: int = 16
     batch_long: int = 4
     lr: float = 6e-4
@@ -101,7 +104,7 @@ class TestbedConfig:
 
     @property
     def num_heads(self) -> int:
-        return self.dim // 128
+        return self.dim // self.head_dim
 
 
 def smoke_config() -> TestbedConfig:
@@ -167,8 +170,69 @@ def tiny_sharp_config() -> TestbedConfig:
                    block_size=32, table_density=0.3, sample_steps=4, step_buckets=((0,), (1,), (2, 3)))
 
 
+# --------------------------------------------------------------------------------------------
+# Probe candidates (issue 23): each changes sharp16k in one way (the combination in two), so a
+# short probe run (``chorus_core.testbed.probe``) tells which change concentrates attention.
+# --------------------------------------------------------------------------------------------
+
+WIDE_SIZE = (16, 32, 128)      # 16,384 tokens in rows of 64 (a 128-token block = 2 rows; Wan 480p: 52)
+FRAMES32_SIZE = (32, 64, 64)   # 32,768 tokens: 32 frames of 1,024 tokens (8 blocks a frame)
+
+
+def probe_heads8x48_config() -> TestbedConfig:
+    """8 heads of 48 at sharp16k's width and depth (same parameter count): do more, narrower heads
+    specialise (one job a head) where 3 heads of 128 each do several?"""
+    return replace(sharp16k_config(), head_dim=48)
+
+
+def probe_heads8x64_config() -> TestbedConfig:
+    """8 heads of 64 over 4 layers at width 512: more heads per layer, fewer layers (Wan: 40 x 128)."""
+    return replace(sharp16k_config(), dim=512, head_dim=64, ffn_dim=1024, num_layers=4)
+
+
+def probe_wide_config() -> TestbedConfig:
+    """Latents 32 x 128 (rows of 64 tokens) instead of 64 x 64 (rows of 32): a 128-token block is a
+    2-row patch, not a 4-row strip, so a local neighbourhood covers fewer blocks."""
+    return replace(sharp16k_config(), long_size=WIDE_SIZE, short_size=(5, 16, 64))
+
+
+def probe_multi_config() -> TestbedConfig:
+    """The "multi" workload: three textured objects moving differently (one over twice the template's
+    path, wrapping round the frame), occluding each other and hidden by a bar they pass behind, so
+    a later frame must look up exact detail far away in the first frame."""
+    return replace(sharp16k_config(), texture="multi")
+
+
+def probe_frames32_config() -> TestbedConfig:
+    """32 frames at 64 x 64 (32,768 tokens): a frame is 8 of 256 key blocks, so spatial structure
+    (one frame) and temporal structure (one place in every frame) each fill a small share."""
+    return replace(sharp16k_config(), long_size=FRAMES32_SIZE, batch_long=1)
+
+
+def probe_curriculum_config() -> TestbedConfig:
+    """Short clips first: 4 frames at full 64 x 64 size, the long (16-frame) share ramping from 0 to 0.7
+    over the first 600 steps, so spatial look-ups are learnt before temporal ones."""
+    return replace(sharp16k_config(), short_size=(4, 64, 64), batch_short=8, curriculum_steps=600)
+
+
+def probe_combo_config() -> TestbedConfig:
+    """More heads, wide latents and the multi workload together."""
+    return replace(probe_heads8x64_config(), long_size=WIDE_SIZE, short_size=(5, 16, 64), texture="multi")
+
+
+def tiny_probe_heads_config() -> TestbedConfig:
+    """A CPU-test probe candidate: tiny_sharp with 4 heads of 32 and the multi workload."""
+    return replace(tiny_sharp_config(), head_dim=32, texture="multi")
+
+
+PROBE_CANDIDATES = {"sharp16k": sharp16k_config, "probe_heads8x48": probe_heads8x48_config,
+                    "probe_heads8x64": probe_heads8x64_config, "probe_wide": probe_wide_config,
+                    "probe_multi": probe_multi_config, "probe_frames32": probe_frames32_config,
+                    "probe_curriculum": probe_curriculum_config, "probe_combo": probe_combo_config,
+                    "tiny_sharp": tiny_sharp_config, "tiny_probe_heads": tiny_probe_heads_config}
+
 PRESETS = {"full": TestbedConfig, "smoke": smoke_config, "cpu2k": cpu2k_config, "sharp16k": sharp16k_config,
-           "tiny_sharp": tiny_sharp_config}
+           "tiny_sharp": tiny_sharp_config, **PROBE_CANDIDATES}
 
 
 def _parse_value(text: str, current):

@@ -39,7 +39,8 @@ def process_in(latent: torch.Tensor) -> torch.Tensor:
 
 def build_model(config) -> torch.nn.Module:
     return build_tiny_wan_i2v(TinyWanConfig(dim=config.dim, ffn_dim=config.ffn_dim,
-                                            num_layers=config.num_layers, seed=config.model_seed))
+                                            num_layers=config.num_layers, seed=config.model_seed,
+                                            head_dim=config.head_dim))
 
 
 @dataclass

@@ -48,6 +48,24 @@ def lr_at(config: TestbedConfig, step: int) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def long_share_at(config: TestbedConfig, step: int) -> float:
+    """Share of long batches at ``step``: ``long_share``, or a linear ramp up to it (curriculum)."""
+    if config.curriculum_steps <= 0:
+        return config.long_share
+    return config.long_share * min(1.0, step / config.curriculum_steps)
+
+
+# The fp32 math-attention reference of the gradient check keeps every attention matrix for the
+# backward pass; this many scores (sharp16k's: batch 2 x 3 heads x 6 layers at 16,384 tokens)
+# fitted the H200. Larger designs are checked on the short pool (same attention path and head width).
+GRADIENT_CHECK_MAX_SCORES = 2 * 3 * 6 * 16384**2
+
+
+def _gradient_check_pool(pools: dict, config: TestbedConfig):
+    scores = 2 * config.num_heads * config.num_layers * tokens_of(config.long_size) ** 2
+    return pools["long"] if "long" in pools and scores <= GRADIENT_CHECK_MAX_SCORES else pools["short"]
+
+
 def _grads(model, batch, config, options, autocast, device):
     model.zero_grad(set_to_none=True)
     gen = torch.Generator().manual_seed(config.seed + 99)
@@ -94,12 +112,14 @@ def _optimizer(model, config: TestbedConfig):
 
 
 def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, resume: dict = None,
-          stop_after_steps: int = None) -> dict:
+          stop_after_steps: int = None, on_checkpoint=None, checkpoint_every: int = 0) -> dict:
     """Train in place; returns ``{"model", "log": [...], "steps", "seconds", "state", ...}``.
 
     ``resume``: a state from ``load_state`` (model, optimizer, step, RNGs, log): training goes on
     exactly where that chunk stopped. ``stop_after_steps``: end this chunk after that many steps
     (the schedule still runs to ``config.max_steps``). ``result["state"]`` is what the next chunk resumes.
+    ``on_checkpoint(step, model)``: called (model in eval mode) every ``checkpoint_every`` steps; its
+    time counts neither against ``config.time_budget_s`` nor in ``result["seconds"]``.
     """
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
@@ -133,14 +153,14 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
         check["options"] = _attention_options(check["choice"])
         log(f"resumed at step {step} ({check['choice']} attention)")
     else:
-        check_pool = pools.get("long", pools["short"])
+        check_pool = _gradient_check_pool(pools, config)
         check = gradient_check(model, check_pool.select(torch.arange(min(2, len(check_pool)), device=check_pool.x0.device)),
                                config, device, log)
     options, autocast = check["options"], check["autocast"]
-    start, first_step = time.time(), step
+    start, first_step, paused = time.time(), step, 0.0
     chunk_end = config.max_steps if stop_after_steps is None else min(config.max_steps, step + stop_after_steps)
-    while step < chunk_end and time.time() - start < config.time_budget_s:
-        which = "long" if ("long" in pools and rng.random() < config.long_share) else "short"
+    while step < chunk_end and time.time() - start - paused < config.time_budget_s:
+        which = "long" if ("long" in pools and rng.random() < long_share_at(config, step)) else "short"
         pool = pools[which]
         bsz = config.batch_long if which == "long" else config.batch_short
         idx = torch.randint(len(pool), (bsz,), generator=gen)
@@ -159,12 +179,14 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
             if not math.isfinite(value):
                 raise FloatingPointError(f"loss became {value} at step {step}")
             history.append({"step": step, "size": which, "loss": value, "grad_norm": float(grad_norm),
-                            "lr": lr_at(config, step - 1), "seconds": round(trained_s + time.time() - start, 2)})
-            log(f"step {step:5d} {which:5s} loss {value:.4f} grad {float(grad_norm):.3f} t {time.time() - start:.0f}s")
+                            "lr": lr_at(config, step - 1), "seconds": round(trained_s + time.time() - start - paused, 2)})
+            log(f"step {step:5d} {which:5s} loss {value:.4f} grad {float(grad_norm):.3f} t {time.time() - start - paused:.0f}s")
+        if on_checkpoint is not None and checkpoint_every > 0 and step % checkpoint_every == 0:
+            paused += _paused_call(on_checkpoint, step, model, device)
     if device != "cpu":
         torch.cuda.synchronize()
     model.eval()
-    seconds = time.time() - start
+    seconds = time.time() - start - paused
     attention = {"choice": check["choice"], "cosines": check["cosines"], "autocast": autocast}
     state = {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
              "optimizer": opt.state_dict(), "step": step, "log": history, "train_seconds": trained_s + seconds,
@@ -175,6 +197,18 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
     return {"model": model, "log": history, "steps": step, "seconds": seconds, "data_seconds": data_s,
             "attention": {"choice": check["choice"], "cosines": check["cosines"], "autocast_bf16": autocast},
             "state": state, "total_train_seconds": trained_s + seconds}
+
+
+def _paused_call(on_checkpoint, step: int, model, device: str) -> float:
+    """Run ``on_checkpoint(step, model)`` with the model in eval mode; the seconds it took (queued
+    training work is finished first, so it is not counted as the checkpoint's)."""
+    if device != "cpu":
+        torch.cuda.synchronize()
+    t0 = time.time()
+    model.eval()
+    on_checkpoint(step, model)
+    model.train()
+    return time.time() - t0
 
 
 def _attention_options(choice: str) -> dict:
