@@ -190,6 +190,12 @@ def probe_heads8x64_config() -> TestbedConfig:
     return replace(sharp16k_config(), dim=512, head_dim=64, ffn_dim=1024, num_layers=4)
 
 
+def probe_heads6x128_config() -> TestbedConfig:
+    """6 heads of 128 over 3 layers at width 768: more heads of Wan's own width (ComfyUI's loader
+    derives heads as dim // 128, so only 128-wide heads reach the product path)."""
+    return replace(sharp16k_config(), dim=768, ffn_dim=1024, num_layers=3)
+
+
 def probe_wide_config() -> TestbedConfig:
     """Latents 32 x 128 (rows of 64 tokens) instead of 64 x 64 (rows of 32): a 128-token block is a
     2-row patch, not a 4-row strip, so a local neighbourhood covers fewer blocks."""
@@ -226,7 +232,8 @@ def tiny_probe_heads_config() -> TestbedConfig:
 
 
 PROBE_CANDIDATES = {"sharp16k": sharp16k_config, "probe_heads8x48": probe_heads8x48_config,
-                    "probe_heads8x64": probe_heads8x64_config, "probe_wide": probe_wide_config,
+                    "probe_heads8x64": probe_heads8x64_config, "probe_heads6x128": probe_heads6x128_config,
+                    "probe_wide": probe_wide_config,
                     "probe_multi": probe_multi_config, "probe_frames32": probe_frames32_config,
                     "probe_curriculum": probe_curriculum_config, "probe_combo": probe_combo_config,
                     "tiny_sharp": tiny_sharp_config, "tiny_probe_heads": tiny_probe_heads_config}
