@@ -219,3 +219,28 @@ def test_a_cancelled_hit_releases_its_prefetched_entry(pack, tiny_wan_patcher):
     assert len(runs) == 1 and runs[0].prefetch is not None  # the run the traceback keeps alive
     prefetch = runs[0].prefetch
     assert not prefetch._thread.is_alive() and prefetch._host == {} and prefetch._entry is None
+
+
+def test_a_received_bank_with_priors_linked_to_the_models_keeps_them_and_the_generation(pack, tiny_wan_patcher,
+                                                                                        tmp_path):
+    """priors/ -> a folder of checkpoints: the prior-mode miss (and its recording) run, and no
+    file there is written or removed."""
+    bank_nodes, sampler_nodes, testbed, banks = pack
+    _, first, _, bank = generate(pack, tiny_wan_patcher, "linked_priors", seed=1)
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "wan2.1_i2v_14b.safetensors").write_bytes(b"weights")
+    (bank.root / "priors").symlink_to(checkpoints)
+    positive, negative, latent, clip, start = request_outputs(testbed, "orbit", 3, 5)
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, positive, latent, 0.9, 0.5, 0.3,
+                                                        0.2, 32, start_latent=start, clip_vision_output=clip).args
+    with pytest.warns(UserWarning, match="priors is a symbolic link"):
+        output = sampler_nodes.ChorusSparseWanSampler.execute(
+            tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "prior", 0.9,
+            0.1, 0.6, True, "", match=match)
+        flush_writes(sampler_nodes)  # the recording refreshes the prior too
+    report = output.ui["chorus_report"][0]
+    assert (report["mode"], report["mask_source"], report["recording"]) == (
+        "miss", "population prior of 1 entries", "queued")
+    assert bank.stats()["entries"] == 2
+    assert [(p.name, p.read_bytes()) for p in checkpoints.iterdir()] == [("wan2.1_i2v_14b.safetensors", b"weights")]
