@@ -5,27 +5,39 @@ the prior of one compatibility key is built once from the most recently used com
 encoded with the entry codec and kept in ``<bank>/priors/`` under a name derived from the bank's
 content token, so adding, pruning or quarantining entries makes the next prior a new file (old
 ones are removed). A read-only bank keeps its priors in this process's memory instead.
+
+A received bank folder is untrusted: ``priors/`` may be a symbolic link to the user's models.
+Every file operation here goes through a descriptor of ``priors/`` opened without following
+links, and only names of the prior-key pattern are read, replaced or removed; a ``priors/`` that
+is a link (or not a folder) is never used: its priors stay in memory, with a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import stat
 import threading
 import uuid
-from pathlib import Path
+import warnings
 
 import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .bank import EntryMasks, LatentLayout, Schedule, compat_key, encode_masks
+from .bank import validation
 from .population_prior import population_prior
 
 PRIOR_ENTRIES = 8  # most recently used compatible entries that form the prior
 PRIORS_DIR = "priors"
-_memory: dict[str, EntryMasks] = {}  # read-only banks: key -> prior, newest content only
+PRIOR_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{24}\.safetensors")  # f"{prior_key(...)}.safetensors"
+_NO_FOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_memory: dict[str, EntryMasks] = {}  # banks without a usable priors/ folder: key -> prior, newest content only
 _lock = threading.Lock()
 
 
@@ -46,26 +58,64 @@ def load_prior(bank, fingerprint, layout, min_density: float, max_density: float
         cached = _memory.get(key)
     if cached is not None:
         return cached
-    in_memory = bank.read_only or bank.root is None
-    path = None if in_memory else Path(bank.root) / PRIORS_DIR / f"{key}.safetensors"
-    if path is not None and path.is_file() and not path.is_symlink():
-        try:
-            return _read(path, key)
-        except Exception:  # a damaged prior is only a cache: build it again
-            pass
+    folder = None if bank.read_only or bank.root is None else _open_priors_folder(bank.root)
+    try:
+        return _load_or_build(bank, key, folder, fingerprint, layout, min_density, max_density)
+    finally:
+        if folder is not None:
+            os.close(folder)
+
+
+def _load_or_build(bank, key, folder, fingerprint, layout, min_density, max_density):
+    """The prior from ``folder`` (a descriptor of priors/), else built and stored there (or in memory)."""
+    name = f"{key}.safetensors"
+    if folder is not None:
+        limit = validation.max_blob_bytes((validation.MAX_BUCKETS, fingerprint.layers, fingerprint.heads,
+                                           *layout.blocks))
+        with contextlib.suppress(Exception):  # missing, or damaged: a prior is only a cache, build it again
+            return _read(folder, name, key, limit)
     built = build_prior(bank, fingerprint, layout, min_density, max_density)
     if built is None:
         return None
     prior = _entry(key, *built)
-    if in_memory:
+    if folder is None:
         with _lock:  # only the newest bank content: memory stays bounded
             content = key.split("-")[0]
             for old in [k for k in _memory if not k.startswith(content)]:
                 del _memory[old]
             _memory[key] = prior
     else:
-        _write(path, *built)
+        _write(folder, name, *built)
     return prior
+
+
+def _open_priors_folder(root) -> int | None:
+    """A descriptor of ``<root>/priors`` (made when missing), never through a symbolic link;
+    None (priors then stay in memory) when it is a link or not a folder, or cannot be made."""
+    path = os.path.join(root, PRIORS_DIR)
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the folder the user chose
+    except OSError as exc:
+        return _memory_only(f"the bank folder cannot be opened ({exc.strerror or exc})")
+    try:
+        with contextlib.suppress(FileExistsError):  # an existing link is not followed by mkdir
+            os.mkdir(PRIORS_DIR, 0o755, dir_fd=root_fd)
+        return os.open(PRIORS_DIR, _NO_FOLLOW_DIR, dir_fd=root_fd)
+    except OSError as exc:  # a link (O_NOFOLLOW), a file (O_DIRECTORY), or no permission
+        if os.path.islink(path):
+            return _memory_only(f"{path} is a symbolic link (to {os.readlink(path)[:200]!r})")
+        what = "not a folder" if exc.errno == errno.ENOTDIR else f"unusable ({exc.strerror or exc})"
+        return _memory_only(f"{path} is {what}")
+    finally:
+        os.close(root_fd)
+
+
+def _memory_only(problem: str) -> None:
+    warnings.warn(f"Chorus mask bank: {problem}. Chorus never reads, writes or deletes through a link "
+                  "or outside the bank folder, so this bank's population priors stay in memory and nothing "
+                  "there was touched. Replace it with a real folder (or remove it) to store priors again.",
+                  stacklevel=4)
+    return None
 
 
 def build_prior(bank, fingerprint, layout, min_density, max_density):
@@ -91,20 +141,36 @@ def build_prior(bank, fingerprint, layout, min_density, max_density):
     return tensors, meta
 
 
-def _write(path: Path, tensors: dict, meta: dict) -> None:
-    path.parent.mkdir(exist_ok=True)
+def _write(folder: int, name: str, tensors: dict, meta: dict) -> None:
+    """Store a prior under ``name`` in ``folder`` (readers see all of it or none), then remove
+    the priors of older bank content; only prior-named regular files are ever removed."""
     data = st_save(tensors, metadata={"chorus": json.dumps(meta, sort_keys=True)})
-    tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
-    tmp.write_bytes(data)
-    os.replace(tmp, path)  # readers see the whole prior or none
-    content = path.name.split("-")[0]
-    for old in path.parent.glob("*.safetensors"):  # priors of older bank content only
-        if not old.name.startswith(content) and old.is_file() and not old.is_symlink():
-            old.unlink(missing_ok=True)
+    tmp = f".tmp-{uuid.uuid4().hex}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)  # replaces a link itself, never its target
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=folder)
+        raise
+    content = name.split("-")[0]
+    for old in os.listdir(folder):  # priors of older bank content only
+        if PRIOR_NAME.fullmatch(old) and not old.startswith(content):
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(old, dir_fd=folder).st_mode):
+                    os.unlink(old, dir_fd=folder)
 
 
-def _read(path: Path, key: str) -> EntryMasks:
-    data = path.read_bytes()
+def _read(folder: int, name: str, key: str, limit: int) -> EntryMasks:
+    """The prior ``name`` of ``folder``: a regular file (never a link) of at most ``limit`` bytes."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fh.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            raise ValueError(f"prior {name} is not a regular file of at most {limit} bytes")
+        data = fh.read(limit + 1)
     header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
     return _entry(key, st_load(data), json.loads(header["__metadata__"]["chorus"]))
 

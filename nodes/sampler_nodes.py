@@ -120,8 +120,12 @@ class ChorusSparseWanSampler(io.ComfyNode):
         _send(RUN_START_EVENT, {"node": node_id, "mode": run.report.mode, "steps": steps,
                                 "mask_source": run.report.mask_source, "entry_id": run.report.entry_id,
                                 "similarity": run.report.similarity})
-        (latent,) = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, positive,
-                                                negative, latent_image, denoise=denoise)
+        try:
+            (latent,) = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, positive,
+                                                    negative, latent_image, denoise=denoise)
+        finally:
+            if run.prefetch is not None:  # also when sampling raises: its worker holds pinned host memory
+                run.prefetch.join()
         report = run.finish()
         return io.NodeOutput(latent, ui={"chorus_report": [report.to_json()]})
 

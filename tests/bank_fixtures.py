@@ -55,6 +55,27 @@ def add_toy(bank, seed=0, tags=(), sig=None, fp=FP, layout=LAYOUT):
                           density=0.3, recall=0.95, tags=list(tags))
 
 
+def corrupt(bank, entry, how):
+    """Damage an entry's blob where its backend keeps it (file, or bytea row)."""
+    row = bank.show(entry)
+    if bank.root is not None:
+        path = bank.blob_path(row["blob_name"])
+        data = path.read_bytes()
+        if how == "missing":
+            path.unlink()
+        else:
+            path.write_bytes(data[: len(data) // 2] if how == "truncate"
+                             else data[:-1] + bytes([data[-1] ^ 0xFF]))
+        return
+    sha = row["blob_sha256"]
+    if how == "missing":
+        bank.db.execute("DELETE FROM blobs WHERE sha256 = ?", [sha])
+        return
+    data = bank.db.query("SELECT data FROM blobs WHERE sha256 = ?", [sha])[0]["data"]
+    data = data[: len(data) // 2] if how == "truncate" else data[:-1] + bytes([data[-1] ^ 0xFF])
+    bank.db.execute("UPDATE blobs SET data = ? WHERE sha256 = ?", [data, sha])
+
+
 def prune_least_recently_used(bank) -> list:
     """The eviction order and pruning every bank backend must give (shared by the SQLite folder
     bank's and the PostgreSQL bank's tests); returns the four entry ids, of which ids[0] is left."""

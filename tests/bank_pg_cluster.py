@@ -17,6 +17,8 @@ import tempfile
 import time
 import uuid
 
+import pytest
+
 USER, PASSWORD, DATABASE = "chorus", "S3cret-chorus-pw", "chorus_test"
 REQUIRE_ENV = "CHORUS_REQUIRE_POSTGRES"  # set by `make test`: a missing server fails, not skips
 
@@ -108,8 +110,6 @@ def running_cluster():
     Without PostgreSQL's server binaries the tests skip, or fail when ``CHORUS_REQUIRE_POSTGRES=1``
     (``make test`` sets it, so CI never skips them silently).
     """
-    import pytest
-
     if server_bin() is None:
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail("PostgreSQL server binaries are missing: apt-get install postgresql")
@@ -119,3 +119,18 @@ def running_cluster():
         yield cluster
     finally:
         cluster.remove()
+
+
+@pytest.fixture(scope="module")
+def pg():
+    """A throwaway cluster for one test module (import it there with ``location``)."""
+    yield from running_cluster()
+
+
+@pytest.fixture(params=["folder", "postgres"])
+def location(request, tmp_path):
+    """Where a fresh bank lives: a folder, or a new schema of the test server."""
+    if request.param == "folder":
+        return str(tmp_path / "bank")
+    cluster = request.getfixturevalue("pg")
+    return cluster.url(cluster.fresh_schema())

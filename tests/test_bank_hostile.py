@@ -10,19 +10,22 @@ import io
 import json
 import os
 import resource
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-from bank_fixtures import (FP, LAYOUT, SCHEDULE, add_toy, python_command, toy_masks,
+from bank_fixtures import (FP, LAYOUT, SCHEDULE, add_toy, corrupt, python_command, toy_masks,
                            toy_signature)
+from bank_pg_cluster import location, pg  # noqa: F401  (fixtures: a folder, or a PostgreSQL schema)
 from safetensors.numpy import save as st_save
 
 from chorus_core.bank import (BankEntryCorrupt, BankError, BankIncompatible, BankReadOnly,
@@ -81,9 +84,16 @@ def write_tar(path, rows=None, members=(), doc=None, extra=()):
     return path
 
 
-def target(tmp_path):
-    bank = MaskBank.open(tmp_path / "dst")
-    return bank
+def target(location):
+    """The bank an import goes into: a folder, or a schema of the test server (``location``)."""
+    return MaskBank.open(location)
+
+
+def stored_blobs(bank) -> int:
+    """How many blobs the bank holds where its backend keeps them (files, or bytea rows)."""
+    if bank.root is not None:
+        return len(list((bank.root / "blobs").rglob("*.safetensors")))
+    return bank.db.query("SELECT COUNT(*) AS n FROM blobs")[0]["n"]
 
 
 def raw_entry(bank, masks=None, data=None, **row):
@@ -113,14 +123,14 @@ def cli(*argv):
 
 
 # ---- 1. nothing outside the bank --------------------------------------------------------
-def test_import_rebuilds_rows_and_ignores_row_blob_name(tmp_path):
+def test_import_rebuilds_rows_and_ignores_row_blob_name(tmp_path, location):
     src, ids = new_bank(tmp_path, n=1, name="src")
     rows, members = exported(src, tmp_path)
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
     rows[0].update(blob_name="../../victim.txt", compat="forged", hits=999, status="quarantined",
                    rowid=5, evil_column="x")
-    dst = target(tmp_path)
+    dst = target(location)
     assert dst.import_file(write_tar(tmp_path / "t.tar", rows, members.items())) == {
         "added": 1, "skipped": 0}
     row = dst.show(ids[0])
@@ -129,15 +139,17 @@ def test_import_rebuilds_rows_and_ignores_row_blob_name(tmp_path):
     assert dst.prune(max_entries=1) == [] and dst.delete(ids) == 1
     dst.verify()
     assert victim.read_text() == "keep me"
-    assert tree(dst.root / "blobs") == [row["blob_sha256"][:2]]  # blob deleted, shard folder kept
+    assert stored_blobs(dst) == 0
+    if dst.root is not None:
+        assert tree(dst.root / "blobs") == [row["blob_sha256"][:2]]  # blob deleted, shard folder kept
 
 
 @pytest.mark.parametrize("bad_id", ["../../../../X", "A" * 32, "0" * 31, "../" + "0" * 29])
-def test_import_refuses_bad_ids_and_adds_nothing(tmp_path, bad_id):
+def test_import_refuses_bad_ids_and_adds_nothing(tmp_path, location, bad_id):
     src, ids = new_bank(tmp_path, n=2, name="src")
     rows, members = exported(src, tmp_path)
     rows[1]["id"] = bad_id
-    dst = target(tmp_path)
+    dst = target(location)
     tar_path = write_tar(tmp_path / "t.tar", rows, members.items())
     before = tree(tmp_path)
     with pytest.raises(BankError, match=r"row 1 .*is not 32 lowercase hex digits.*Nothing was imported"):
@@ -146,11 +158,11 @@ def test_import_refuses_bad_ids_and_adds_nothing(tmp_path, bad_id):
     assert tree(tmp_path) == before  # not one file more (the failing row's blob neither)
 
 
-def test_import_never_extracts_member_names(tmp_path):
+def test_import_never_extracts_member_names(tmp_path, location):
     src, ids = new_bank(tmp_path, n=1, name="src")
     rows, members = exported(src, tmp_path)
     evil = [("../../evil.txt", b"x"), ("/tmp/evil-abs.txt", b"x"), ("blobs/../../../evil2", b"x")]
-    dst = target(tmp_path)
+    dst = target(location)
     assert dst.import_file(write_tar(tmp_path / "t.tar", rows, [*members.items(), *evil])) == {
         "added": 1, "skipped": 0}
     assert not (tmp_path.parent / "evil.txt").exists() and not Path("/tmp/evil-abs.txt").exists()
@@ -158,40 +170,40 @@ def test_import_never_extracts_member_names(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink"])
-def test_import_refuses_link_members(tmp_path, kind):
+def test_import_refuses_link_members(tmp_path, location, kind):
     src, ids = new_bank(tmp_path, n=1, name="src")
     rows, members = exported(src, tmp_path)
     (name, _), = members.items()
     link = tarfile.TarInfo(name)
     link.type = tarfile.SYMTYPE if kind == "symlink" else tarfile.LNKTYPE
     link.linkname = "/etc/passwd"
-    dst = target(tmp_path)
+    dst = target(location)
     with pytest.raises(BankError, match=f"member {name} is a link or special file"):
         dst.import_file(write_tar(tmp_path / "t.tar", rows, extra=[(link, None)]))
     assert dst.stats()["entries"] == 0
 
 
-def test_import_with_a_missing_blob_adds_nothing(tmp_path):
+def test_import_with_a_missing_blob_adds_nothing(tmp_path, location):
     src, ids = new_bank(tmp_path, n=2, name="src")
     rows, members = exported(src, tmp_path)
     missing = f"blobs/{rows[1]['blob_sha256']}.safetensors"
-    dst = target(tmp_path)
+    dst = target(location)
     with pytest.raises(BankError, match=f"member {missing} is missing. Nothing was imported"):
         dst.import_file(write_tar(tmp_path / "t.tar", rows,
                                   [(k, v) for k, v in members.items() if k != missing]))
     assert dst.stats()["entries"] == 0
 
 
-def test_a_refused_import_leaves_no_blob_behind(tmp_path):
+def test_a_refused_import_leaves_no_blob_behind(tmp_path, location):
     """The first entry's blob is fine, the second's is damaged: nothing is staged at all."""
     src, ids = new_bank(tmp_path, n=2, name="src")
     rows, members = exported(src, tmp_path)
     bad = f"blobs/{rows[1]['blob_sha256']}.safetensors"
     members[bad] = members[bad][:-1] + bytes([members[bad][-1] ^ 1])
-    dst = target(tmp_path)
+    dst = target(location)
     with pytest.raises(BankError, match=f"the blob of entry {rows[1]['id']} fails its sha256"):
         dst.import_file(write_tar(tmp_path / "t.tar", rows, list(members.items())))
-    assert dst.stats()["entries"] == 0 and tree(dst.root / "blobs") == []
+    assert dst.stats()["entries"] == 0 and stored_blobs(dst) == 0
 
 
 @pytest.mark.parametrize("doc, message", [
@@ -201,15 +213,15 @@ def test_a_refused_import_leaves_no_blob_behind(tmp_path):
     (b'[1, 2]', "format is 'list'"),
     (b'{"format": "chorus-bank-export-v1", "rows": [7]}', r"row 0 \('None'\): row is not a JSON object"),
 ])
-def test_import_refuses_malformed_rows_json(tmp_path, doc, message):
-    dst = target(tmp_path)
+def test_import_refuses_malformed_rows_json(tmp_path, location, doc, message):
+    dst = target(location)
     with pytest.raises(BankError, match=message):
         dst.import_file(write_tar(tmp_path / "t.tar", doc=doc))
     assert dst.stats()["entries"] == 0
 
 
-def test_import_refuses_non_tar_and_compressed_files(tmp_path):
-    dst = target(tmp_path)
+def test_import_refuses_non_tar_and_compressed_files(tmp_path, location):
+    dst = target(location)
     junk = tmp_path / "junk.tar"
     junk.write_bytes(os.urandom(4096))
     with pytest.raises(BankError, match="not an uncompressed tar"):
@@ -229,11 +241,11 @@ def test_import_refuses_non_tar_and_compressed_files(tmp_path):
     assert dst.stats()["entries"] == 0
 
 
-def test_import_refuses_huge_members_without_reading_them(tmp_path):
+def test_import_refuses_huge_members_without_reading_them(tmp_path, location):
     """A 10 GiB entries.json and a 3 GiB blob member, declared in truncated tar headers."""
     src, ids = new_bank(tmp_path, n=1, name="src")
     rows, members = exported(src, tmp_path)
-    dst = target(tmp_path)
+    dst = target(location)
     for name in ("entries.json", f"blobs/{rows[0]['blob_sha256']}.safetensors"):
         path = tmp_path / f"huge-{name.replace('/', '_')}.tar"
         with open(path, "wb") as fh:
@@ -264,22 +276,22 @@ def test_import_refuses_huge_members_without_reading_them(tmp_path):
     ("sig_clip", "AAAA", "sig_clip must be 256 float32 values"),
     ("codec", "pickle", "codec 'pickle' is not one of packbits-xor-zlib-v1, rowshift-zlib-v1"),
 ])
-def test_import_refuses_bad_row_values(tmp_path, field, value, message):
+def test_import_refuses_bad_row_values(tmp_path, location, field, value, message):
     src, ids = new_bank(tmp_path, n=1, name="src")
     rows, members = exported(src, tmp_path)
     rows[0][field] = value
-    dst = target(tmp_path)
+    dst = target(location)
     with pytest.raises(BankError, match=message):
         dst.import_file(write_tar(tmp_path / "t.tar", rows, members.items()))
     assert dst.stats()["entries"] == 0
 
 
-def test_import_refuses_blob_with_wrong_digest_or_empty_row(tmp_path):
+def test_import_refuses_blob_with_wrong_digest_or_empty_row(tmp_path, location):
     src, ids = new_bank(tmp_path, n=1, name="src")
     rows, members = exported(src, tmp_path)
     (name, data), = members.items()
     flipped = data[:-1] + bytes([data[-1] ^ 1])
-    dst = target(tmp_path)
+    dst = target(location)
     with pytest.raises(BankError, match=f"the blob of entry {ids[0]} fails its sha256"):
         dst.import_file(write_tar(tmp_path / "a.tar", rows, [(name, flipped)]))
     masks = toy_masks(0)
@@ -291,15 +303,15 @@ def test_import_refuses_blob_with_wrong_digest_or_empty_row(tmp_path):
     with pytest.raises(BankError, match=r"bucket 1 layer 1: block map has 1 empty query rows "
                                         r"\(first: head 0, query block 3\)"):
         dst.import_file(write_tar(tmp_path / "b.tar", rows, [(f"blobs/{sha}.safetensors", empty)]))
-    assert dst.stats()["entries"] == 0 and tree(dst.root / "blobs") == []
+    assert dst.stats()["entries"] == 0 and stored_blobs(dst) == 0
 
 
-def test_three_parallel_imports_of_one_file(tmp_path):
+def test_three_parallel_imports_of_one_file(tmp_path, location):
     src, ids = new_bank(tmp_path, n=3, name="src")
     src.export(tmp_path / "all.tar")
-    MaskBank.open(tmp_path / "dst").close()
+    MaskBank.open(location).close()
     procs = [subprocess.Popen([sys.executable, "-m", "chorus_core.bank", "import",
-                               str(tmp_path / "dst"), str(tmp_path / "all.tar"), "--json"],
+                               location, str(tmp_path / "all.tar"), "--json"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
              for _ in range(3)]
     outs = [p.communicate(timeout=90) for p in procs]
@@ -307,7 +319,7 @@ def test_three_parallel_imports_of_one_file(tmp_path):
     assert all("Traceback" not in err for _, err in outs)
     assert sorted(json.loads(out)["added"] for out, _ in outs) == [0, 0, 3]
     assert sorted(json.loads(out)["skipped"] for out, _ in outs) == [0, 3, 3]
-    with MaskBank.open(tmp_path / "dst") as dst:
+    with MaskBank.open(location) as dst:
         assert sorted(r["id"] for r in dst.entries()) == sorted(ids)
         assert dst.verify()["ok"] == 3
 
@@ -342,6 +354,105 @@ def test_symlinked_shard_folder_is_never_written_through(tmp_path):
     with pytest.raises(BankError, match="its path would leave"):
         add_toy(bank, seed=3)
     assert tree(outside) == [] and bank.stats()["entries"] == 0
+
+
+def decoy_models(folder: Path) -> dict:
+    """A folder of the user's "checkpoints" (one named like a prior): {name: bytes} as written."""
+    folder.mkdir()
+    files = {"wan2.1_i2v_14b.safetensors": os.urandom(4096), "vae.safetensors": os.urandom(512),
+             "0123456789abcdef-0123456789abcdef01234567.safetensors": os.urandom(64)}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return files
+
+
+def contents(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_a_linked_priors_folder_never_reaches_the_models_behind_it(tmp_path):
+    """A received bank whose priors/ links to ../checkpoints: prior-mode use stores its prior in
+    memory and says why; prune, export and verify leave the checkpoints as they were."""
+    from chorus_core.prior_store import load_prior
+    decoys = decoy_models(tmp_path / "checkpoints")
+    bank, ids = new_bank(tmp_path, n=2)
+    (bank.root / "priors").symlink_to("../checkpoints")
+    for max_density in (0.5, 0.4):  # two priors, each built once
+        with pytest.warns(UserWarning, match=r"priors is a symbolic link \(to '\.\./checkpoints'\)\. "
+                                             "Chorus never reads, writes or deletes through a link .*stay in memory"):
+            prior = load_prior(bank, FP, LAYOUT, 0.05, max_density)
+        assert prior.block_map_numpy(0, 0).shape == (2, 8, 8)
+        assert load_prior(bank, FP, LAYOUT, 0.05, max_density) is prior  # from memory, no new warning
+    assert bank.prune(max_entries=1) == [ids[0]]
+    assert bank.export(tmp_path / "out.tar") == 1 and bank.verify()["problems"] == []
+    assert contents(tmp_path / "checkpoints") == decoys
+    assert (bank.root / "priors").is_symlink()
+
+
+def test_a_priors_folder_of_links_or_a_file_is_never_followed(tmp_path):
+    from chorus_core.prior_store import load_prior, prior_key
+    decoys = decoy_models(tmp_path / "checkpoints")
+    bank, ids = new_bank(tmp_path, n=1)
+    (bank.root / "priors").mkdir()
+    name = f"{prior_key(bank, FP, LAYOUT, 0.05, 0.5)}.safetensors"
+    (bank.root / "priors" / name).symlink_to(tmp_path / "checkpoints" / "vae.safetensors")
+    stale = bank.root / "priors" / "fedcba9876543210-0123456789abcdef01234567.safetensors"
+    stale.symlink_to(tmp_path / "checkpoints" / "wan2.1_i2v_14b.safetensors")
+    assert load_prior(bank, FP, LAYOUT, 0.05, 0.5).block_map_numpy(2, 1).shape == (2, 8, 8)
+    assert (bank.root / "priors" / name).is_file() and not (bank.root / "priors" / name).is_symlink()
+    assert stale.is_symlink()  # another content's prior name, but a link: left alone
+    assert contents(tmp_path / "checkpoints") == decoys
+    other, _ = new_bank(tmp_path, n=1, name="other")
+    (other.root / "priors").write_bytes(b"not a folder")
+    with pytest.warns(UserWarning, match="priors is not a folder"):
+        assert load_prior(other, FP, LAYOUT, 0.05, 0.5) is not None
+
+
+@pytest.mark.parametrize("name", ["blobs", "quarantine", "bank.sqlite", "bank.sqlite-wal",
+                                  "bank.sqlite-journal"])
+def test_a_bank_with_a_linked_folder_or_index_file_is_refused(tmp_path, name):
+    decoys = decoy_models(tmp_path / "checkpoints")
+    bank, ids = new_bank(tmp_path, n=2)
+    bank.close()
+    path = bank.root / name
+    if name == "bank.sqlite":  # the index itself lives elsewhere: it would be changed there
+        path.rename(tmp_path / "checkpoints" / "index.sqlite")
+        decoys["index.sqlite"] = (tmp_path / "checkpoints" / "index.sqlite").read_bytes()
+        path.symlink_to(tmp_path / "checkpoints" / "index.sqlite")
+    elif name == "blobs":  # the real blobs behind the link: the bank would work through it
+        for blob in path.rglob("*.safetensors"):
+            blob.rename(tmp_path / "checkpoints" / blob.name)
+            decoys[blob.name] = (tmp_path / "checkpoints" / blob.name).read_bytes()
+        shutil.rmtree(path)
+        path.symlink_to("../checkpoints")
+    elif name == "quarantine":
+        path.rmdir()
+        path.symlink_to(tmp_path / "checkpoints")
+    else:  # SQLite would write its log through the link, over the model
+        path.symlink_to(tmp_path / "checkpoints" / "wan2.1_i2v_14b.safetensors")
+    for read_only in (False, True):
+        with pytest.raises(BankError, match=f"{name} is a symbolic link .*Chorus never follows a "
+                                            "link in a bank folder.*nothing was opened or changed"):
+            MaskBank.open(bank.root, read_only=read_only)
+    for command in ("prune", "verify", "export", "stats"):
+        extra = {"prune": ["--max-entries", "1"], "export": [tmp_path / "x.tar"]}.get(command, [])
+        code, _, err = cli(command, bank.root, *extra)
+        assert (code, "Traceback" in err, "symbolic link" in err) == (2, False, True), (command, err)
+    assert contents(tmp_path / "checkpoints") == decoys and path.is_symlink()
+
+
+def test_a_linked_shard_folder_is_never_read_or_emptied(tmp_path):
+    bank, ids = new_bank(tmp_path, n=2)
+    shard = blob_of(bank, ids[0]).parent
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(shard, copy)
+    shutil.rmtree(shard)
+    shard.symlink_to(copy)  # the right blob, behind a link
+    with pytest.warns(UserWarning, match="quarantining"), pytest.raises(
+            BankEntryCorrupt, match="blob path leaves the bank folder"):
+        bank.load_masks(ids[0])
+    assert bank.delete([ids[0]]) == 1 and bank.prune(max_entries=1) == [] and bank.verify()["ok"] == 1
+    assert len(list(copy.iterdir())) == 1 and shard.is_symlink()
 
 
 # ---- 2. no command loses data by itself -------------------------------------------------
@@ -459,11 +570,13 @@ def test_orphan_removal_only_touches_old_unreferenced_blobs(tmp_path):
     {"max_bytes": 1.5}, {"max_bytes": True}, {"max_entries": -1}, {"max_entries": 0},
     {"max_entries": "3"},
 ])
-def test_prune_refuses_meaningless_limits(tmp_path, kwargs):
-    bank, ids = new_bank(tmp_path, n=2)
+def test_prune_refuses_meaningless_limits(location, kwargs):
+    bank = MaskBank.open(location)
+    ids = [add_toy(bank, seed=s) for s in range(2)]
     with pytest.raises(BankInvalidArgument, match="must be a positive whole number.*to empty a bank"):
         bank.prune(**kwargs)
     assert bank.stats()["entries"] == 2
+    bank.close()
 
 
 @pytest.mark.parametrize("flag, value", [
@@ -558,31 +671,39 @@ def test_verify_quarantines_each_bad_blob_kind(tmp_path, kind):
     assert code == 0 and "Traceback" not in err
 
 
-def test_read_only_bank_reports_would_quarantine_and_skips(tmp_path):
-    bank, ids = new_bank(tmp_path, n=2)
+def test_read_only_bank_reports_would_quarantine_and_skips(tmp_path, location):
+    """On both backends: the damaged entry is skipped for the rest of the process, and every
+    later match (which then looks past it) still works."""
+    with MaskBank.open(location) as bank:
+        ids = [add_toy(bank, seed=s) for s in range(2)]
+        corrupt(bank, ids[0], "truncate")
+        blobs = stored_blobs(bank)
     sig = toy_signature(0)
-    path = blob_of(bank, ids[0])
-    bank.close()
-    path.write_bytes(path.read_bytes()[:10])
-    reader = MaskBank.open(tmp_path / "bank", read_only=True)
+    reader = MaskBank.open(location, read_only=True)
     assert reader.match(sig, FP, LAYOUT).entry_id == ids[0]
     with pytest.warns(UserWarning, match="would quarantine entry .*nothing was moved") as caught:
         with pytest.raises(BankEntryCorrupt) as info:
             reader.load_masks(ids[0])
     assert "it was moved" not in str(info.value) and "nothing was moved" in str(info.value)
     assert all("quarantining" not in str(w.message) for w in caught)
-    assert path.exists() and tree(tmp_path / "bank" / "quarantine") == []
-    again = MaskBank.open(tmp_path / "bank", read_only=True)  # same process: still skipped
-    result = again.match(sig, FP, LAYOUT, threshold=0.0)
-    assert result.entry_id == ids[1] and result.candidates == 2
-    assert set(result.components) == {"clip", "text", "layout"}
+    again = MaskBank.open(location, read_only=True)  # same process: still skipped
+    for _ in range(2):  # not only the first request after the damage
+        result = again.match(sig, FP, LAYOUT, threshold=0.0)
+        assert result.entry_id == ids[1] and result.candidates == 2
+        assert set(result.components) == {"clip", "text", "layout"}
     assert again.compatible_entries(FP, LAYOUT) == [ids[1]]
     started = time.monotonic()
     with pytest.raises(BankEntryCorrupt, match="nothing was moved"):
         again.load_masks(ids[0])
     assert time.monotonic() - started < 0.05
-    code, _, err = cli("export", tmp_path / "bank", tmp_path / "out.tar")
-    assert code == 0 and "would quarantine" in err and path.exists()
+    reader.close()
+    again.close()
+    code, _, err = cli("export", location, tmp_path / "out.tar")  # read-only by itself
+    assert code == 0 and "would quarantine" in err
+    with MaskBank.open(location) as bank:
+        assert stored_blobs(bank) == blobs and bank.show(ids[0])["status"] == "ok"
+    if bank.root is not None:
+        assert tree(bank.root / "quarantine") == []
 
 
 def test_shape_mismatch_and_huge_declared_shape_are_quarantined(tmp_path):
@@ -711,11 +832,11 @@ def test_quarantine_killed_after_the_move_loses_nothing(tmp_path):
     assert healthy(bank) == [ids[1]]
 
 
-def test_import_killed_before_commit_adds_nothing_and_can_be_rerun(tmp_path):
+def test_import_killed_before_commit_adds_nothing_and_can_be_rerun(tmp_path, location):
     src, ids = new_bank(tmp_path, n=2, name="src")
     src.export(tmp_path / "all.tar")
-    dst = target(tmp_path)
-    run_victim(dst.root, "import", "import-before-commit", arg=tmp_path / "all.tar")
+    dst = target(location)
+    run_victim(location, "import", "import-before-commit", arg=tmp_path / "all.tar")
     assert dst.stats()["entries"] == 0
     assert dst.import_file(tmp_path / "all.tar") == {"added": 2, "skipped": 0}
     assert sorted(healthy(dst)) == sorted(ids)
@@ -742,6 +863,86 @@ def test_writers_readers_prune_and_verify_in_parallel(tmp_path):
         report = bank.verify()
         assert report["quarantined"] == [] and report["ok"] == report["checked"]
         assert len(healthy(bank)) == report["checked"]
+
+
+def pause_at(monkeypatch, module, point):
+    """Hold the bank operation that reaches fault ``point`` of ``module`` (in another thread)
+    until the returned ``go_on`` is set; ``reached`` is set when it is there."""
+    reached, go_on, real = threading.Event(), threading.Event(), module._fault
+
+    def pause(name):
+        if name == point:
+            reached.set()
+            assert go_on.wait(60)
+        real(name)
+
+    monkeypatch.setattr(module, "_fault", pause)
+    return reached, go_on
+
+
+@pytest.mark.parametrize("writer", ["import", "add"])
+def test_verify_raises_no_alarm_while_an_import_or_a_writer_is_midway(tmp_path, monkeypatch, writer):
+    """Into an empty bank: the blobs are written, the rows not yet committed. verify (another
+    process) must neither say the index looks lost nor remove those blobs."""
+    from chorus_core.bank import store, transfer
+    src, ids = new_bank(tmp_path, n=3, name="src")
+    src.export(tmp_path / "all.tar")
+    dst = MaskBank.open(tmp_path / "dst")
+    module, point = (transfer, "import-blobs-staged") if writer == "import" else (store, "add-blob-written")
+    reached, go_on = pause_at(monkeypatch, module, point)
+    work = (lambda: dst.import_file(tmp_path / "all.tar")) if writer == "import" else (lambda: add_toy(dst, seed=0))
+    done = {}
+    worker = threading.Thread(target=lambda: done.update(result=work()))
+    worker.start()
+    try:
+        assert reached.wait(30)
+        code, out, err = cli("verify", dst.root, "--json")
+    finally:
+        go_on.set()
+        worker.join(60)
+    assert (code, json.loads(out)["problems"], json.loads(out)["orphans_removed"]) == (0, [], 0), err
+    added = sorted(ids) if writer == "import" else [done["result"]]
+    assert done["result"] == {"added": 3, "skipped": 0} or writer == "add"
+    assert sorted(healthy(dst)) == added
+    assert dst.verify() == {"checked": len(added), "ok": len(added), "quarantined": [],
+                            "orphans_removed": 0, "problems": [], "read_only": False}
+    dst.close()
+
+
+def test_an_export_changed_during_its_import_adds_nothing(tmp_path, location, monkeypatch):
+    """After every check, the file changes in place (same size, one byte) before the rows go
+    in: the blob read again in the transaction is checked again, so nothing is added."""
+    from chorus_core.bank import transfer
+    src, ids = new_bank(tmp_path, n=2, name="src")
+    rows, members = exported(src, tmp_path)
+    (one, two), padding = members.items(), ("padding", bytes(2 ** 20))  # no read buffer spans both
+    tar_path = write_tar(tmp_path / "all.tar", rows, [one, padding, two])
+    with tarfile.open(tar_path) as tar:
+        first = next(m for m in tar if m.name.startswith("blobs/"))
+    dst = target(location)
+    real = transfer._fault
+
+    def change_the_file(point):
+        if point == "import-blobs-staged":
+            with open(tar_path, "r+b") as fh:
+                fh.seek(first.offset_data + first.size - 1)
+                last = fh.read(1)
+                fh.seek(-1, os.SEEK_CUR)
+                fh.write(bytes([last[0] ^ 0xFF]))
+            if dst.root is not None:  # the folder's staged copy is gone too: it reads the file again
+                (dst.root / "blobs" / first.name[6:8] / first.name[6:]).unlink()
+        real(point)
+
+    monkeypatch.setattr(transfer, "_fault", change_the_file)
+    with pytest.raises(BankError, match=r"the blob of entry [0-9a-f]{32} changed while it was imported\. "
+                                        "Nothing was imported"):
+        dst.import_file(tar_path)
+    assert dst.stats()["entries"] == 0
+    if dst.root is None:
+        assert stored_blobs(dst) == 0
+    for blob in (dst.root or tmp_path / "none").rglob("*.safetensors"):  # only intact content
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name[:64]
+    dst.close()
 
 
 # ---- full disk ----------------------------------------------------------------------------

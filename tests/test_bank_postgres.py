@@ -18,27 +18,13 @@ import warnings
 import numpy as np
 import pytest
 import test_bank_store as store_tests
-from bank_fixtures import (FP, LAYOUT, add_toy, prune_least_recently_used, python_command, toy_masks,
-                           toy_signature, writer_command)
-from bank_pg_cluster import PASSWORD, running_cluster
+from bank_fixtures import (FP, LAYOUT, add_toy, corrupt, prune_least_recently_used, python_command,
+                           toy_masks, toy_signature, writer_command)
+from bank_pg_cluster import PASSWORD, location, pg  # noqa: F401  (fixtures)
 
 from chorus_core.bank import BankEntryCorrupt, BankError, BankReadOnly, BankUnavailable, MaskBank
 from chorus_core.bank import bank_url
 from chorus_core.bank.__main__ import main
-
-
-@pytest.fixture(scope="module")
-def pg():
-    yield from running_cluster()
-
-
-@pytest.fixture(params=["folder", "postgres"])
-def location(request, tmp_path):
-    """Where a fresh bank lives: a folder, or a new schema of the test server."""
-    if request.param == "folder":
-        return str(tmp_path / "bank")
-    cluster = request.getfixturevalue("pg")
-    return cluster.url(cluster.fresh_schema())
 
 
 @pytest.fixture
@@ -65,27 +51,6 @@ test_hits_do_not_change_content_token = store_tests.test_hits_do_not_change_cont
 test_identical_masks_share_one_blob = store_tests.test_identical_masks_share_one_blob
 test_large_banks_shortlist_by_sketch_then_rank_exactly = \
     store_tests.test_large_banks_shortlist_by_sketch_then_rank_exactly
-
-
-def corrupt(bank, entry, how):
-    """Damage an entry's blob where its backend keeps it (file, or bytea row)."""
-    row = bank.show(entry)
-    if bank.root is not None:
-        path = bank.blob_path(row["blob_name"])
-        data = path.read_bytes()
-        if how == "missing":
-            path.unlink()
-        else:
-            path.write_bytes(data[: len(data) // 2] if how == "truncate"
-                             else data[:-1] + bytes([data[-1] ^ 0xFF]))
-        return
-    sha = row["blob_sha256"]
-    if how == "missing":
-        bank.db.execute("DELETE FROM blobs WHERE sha256 = ?", [sha])
-        return
-    data = bank.db.query("SELECT data FROM blobs WHERE sha256 = ?", [sha])[0]["data"]
-    data = data[: len(data) // 2] if how == "truncate" else data[:-1] + bytes([data[-1] ^ 0xFF])
-    bank.db.execute("UPDATE blobs SET data = ? WHERE sha256 = ?", [data, sha])
 
 
 def test_index_refreshes_when_another_connection_writes(location):

@@ -2,6 +2,7 @@
 
 import importlib.util
 import sys
+import traceback
 
 import pytest
 import torch
@@ -183,3 +184,63 @@ def test_prior_miss_mode_predicts_online_when_the_bank_is_empty(pack, tiny_wan_p
         tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "prior", 0.9, 0.1,
         0.6, False, "", match=match)
     assert output.ui["chorus_report"][0]["mask_source"] == "online prediction"
+
+
+def test_a_cancelled_hit_releases_its_prefetched_entry(pack, tiny_wan_patcher):
+    """Cancel during sampling (ComfyUI's progress hook raises, as its server does on Cancel):
+    the prefetch worker is joined and its host buffers (pinned on a GPU) dropped at once, not
+    whenever the garbage collector gets to the traceback that still holds the run."""
+    import comfy.model_management
+    import comfy.utils
+
+    bank_nodes, sampler_nodes, testbed, _ = pack
+    _, first, _, bank = generate(pack, tiny_wan_patcher, "cancelled", seed=1)
+    positive, negative, latent, clip, start = request_outputs(testbed, "pan", 2)
+    match, summary = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, positive, latent, 0.9, 0.5,
+                                                              0.3, 0.2, 32, start_latent=start,
+                                                              clip_vision_output=clip).args
+    assert summary.startswith("Chorus: HIT")
+
+    def cancel(value, total, preview, **_):
+        if value >= 2:  # after the first sparse step: the entry is loaded and decoded
+            comfy.model_management.interrupt_current_processing(True)
+            comfy.model_management.throw_exception_if_processing_interrupted()
+
+    comfy.utils.set_progress_bar_global_hook(cancel)
+    try:
+        with pytest.raises(comfy.model_management.InterruptProcessingException) as info:
+            sampler_nodes.ChorusSparseWanSampler.execute(
+                tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "online",
+                0.9, 0.1, 0.6, False, "", match=match)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(None)
+    runs = [frame.f_locals["run"] for frame, _ in traceback.walk_tb(info.value.__traceback__)
+            if frame.f_code.co_name == "execute" and "run" in frame.f_locals]
+    assert len(runs) == 1 and runs[0].prefetch is not None  # the run the traceback keeps alive
+    prefetch = runs[0].prefetch
+    assert not prefetch._thread.is_alive() and prefetch._host == {} and prefetch._entry is None
+
+
+def test_a_received_bank_with_priors_linked_to_the_models_keeps_them_and_the_generation(pack, tiny_wan_patcher,
+                                                                                        tmp_path):
+    """priors/ -> a folder of checkpoints: the prior-mode miss (and its recording) run, and no
+    file there is written or removed."""
+    bank_nodes, sampler_nodes, testbed, banks = pack
+    _, first, _, bank = generate(pack, tiny_wan_patcher, "linked_priors", seed=1)
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "wan2.1_i2v_14b.safetensors").write_bytes(b"weights")
+    (bank.root / "priors").symlink_to(checkpoints)
+    positive, negative, latent, clip, start = request_outputs(testbed, "orbit", 3, 5)
+    match, _ = bank_nodes.ChorusSimilarityMatch.execute(bank, tiny_wan_patcher, positive, latent, 0.9, 0.5, 0.3,
+                                                        0.2, 32, start_latent=start, clip_vision_output=clip).args
+    with pytest.warns(UserWarning, match="priors is a symbolic link"):
+        output = sampler_nodes.ChorusSparseWanSampler.execute(
+            tiny_wan_patcher, positive, negative, latent, 0, 3, 5.0, "euler", "simple", 1.0, 1, "", "prior", 0.9,
+            0.1, 0.6, True, "", match=match)
+        flush_writes(sampler_nodes)  # the recording refreshes the prior too
+    report = output.ui["chorus_report"][0]
+    assert (report["mode"], report["mask_source"], report["recording"]) == (
+        "miss", "population prior of 1 entries", "queued")
+    assert bank.stats()["entries"] == 2
+    assert [(p.name, p.read_bytes()) for p in checkpoints.iterdir()] == [("wan2.1_i2v_14b.safetensors", b"weights")]

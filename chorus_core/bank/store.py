@@ -12,6 +12,9 @@ Safety rules:
 * Only files inside ``blobs/`` and ``quarantine/`` are ever written, moved or deleted, and
   only under names Chorus derives itself (the sha256 of the content, an entry id of 32 hex
   digits); every path is resolved and checked to lie inside its folder first.
+* A bank folder may come from someone else: a bank whose index files, ``blobs/`` or
+  ``quarantine/`` are symbolic links is refused at open, before SQLite or anything else opens
+  a file through them; a shard folder that is a link is never written, read or emptied.
 * A blob is written to a temporary file, fsynced and renamed before its row is committed,
   so a row never points at a partial blob. Writes are ``BEGIN IMMEDIATE`` transactions of
   plain ``sqlite3`` statements with a busy timeout, so several processes can share a bank.
@@ -55,6 +58,11 @@ from .records import LatentLayout, Schedule
 from .signature import COMPONENTS, DIM, Signature
 
 DB_NAME = "bank.sqlite"
+# What this module opens in a bank folder: SQLite's files (SQLite would write through a link at
+# -wal or -journal) and the folders of blobs. priors/ is prior_store.py's: it never follows a link
+# there either, and keeps the priors in memory instead, so a bad priors/ fails no generation.
+INDEX_FILES = (DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm", f"{DB_NAME}-journal")
+BANK_FOLDERS = ("blobs", "quarantine")
 BUSY_TIMEOUT_S = 60.0
 STALE_TEMP_S = 3600.0  # temp/orphan blobs younger than this may belong to a live writer
 FAULT_ENV = "CHORUS_BANK_FAULT"  # test seam: SIGKILL this process at a named point
@@ -527,11 +535,13 @@ class BankStorage:
         best, sim = top[0]
         comps = result.components
         if best != result.entry_id:
-            row = next(self.db.query("SELECT sig_clip, sig_text, sig_layout FROM entries "
-                                     "WHERE id = ?", [best]))
-            vec = stack_vectors([row])[0]
-            comps = {c: float(vec[j * DIM:(j + 1) * DIM] @ signature.vector(c))
-                     for j, c in enumerate(COMPONENTS) if c in signature.components}
+            # list(): the folder bank's query yields rows lazily, PostgreSQL's returns a list
+            rows = list(self.db.query("SELECT sig_clip, sig_text, sig_layout FROM entries "
+                                      "WHERE id = ?", [best]))
+            vec = stack_vectors(rows[:1])[0] if rows else None  # None: removed meanwhile
+            comps = {} if vec is None else {
+                c: float(vec[j * DIM:(j + 1) * DIM] @ signature.vector(c))
+                for j, c in enumerate(COMPONENTS) if c in signature.components}
         return MatchResult(sim >= threshold, best, sim, comps, result.candidates, top[:top_k])
 
     @_guarded
@@ -629,6 +639,7 @@ class MaskBank(BankStorage):
             return _open_postgres(path, read_only, create)
         root = Path(path).expanduser()
         db_path = root / DB_NAME
+        cls._refuse_links(root)
         exists = cls._check_db_file(db_path)
         if not exists and (read_only or not create):
             raise BankError(f"No mask bank at {root}. Create one with "
@@ -640,12 +651,36 @@ class MaskBank(BankStorage):
             conn = cls._connect(str(db_path), root)
         bank = cls(root, conn, read_only)
         try:
-            bank._check_folders()
+            cls._refuse_links(root)  # again: _make_dirs and SQLite made files since the first look
             bank._prepare()
         except BaseException:
             conn.close()
             raise
         return bank
+
+    @staticmethod
+    def _refuse_links(root: Path) -> None:
+        """Refuse a bank whose own files or folders are links (or folders that are files): a
+        received bank's ``blobs`` linked to ``../../checkpoints`` must not reach the models."""
+        for name in INDEX_FILES + BANK_FOLDERS:
+            path = root / name
+            try:
+                mode = os.lstat(path).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                raise BankError(f"Cannot read {path} ({exc.strerror}); check its permissions.") from exc
+            if stat.S_ISLNK(mode):
+                what = f"a symbolic link (to {os.readlink(path)[:200]!r})"
+            elif name in BANK_FOLDERS and not stat.S_ISDIR(mode):
+                what = f"a {_file_kind(mode)}, not a folder"
+            else:
+                continue
+            raise BankError(
+                f"{path} is {what}. Chorus never follows a link in a bank folder, so that nothing "
+                "outside the bank is read, written or deleted; nothing was opened or changed. "
+                "Replace it with a real folder or file holding its content (or remove it), then "
+                "open the bank again.")
 
     @staticmethod
     def _check_db_file(db_path: Path) -> bool:
@@ -677,7 +712,7 @@ class MaskBank(BankStorage):
             for sub in ("blobs", "quarantine"):
                 (root / sub).mkdir(parents=True, exist_ok=True)
             probe = root / f".write-probe-{uuid.uuid4().hex}"
-            probe.write_bytes(b"")
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
             probe.unlink()
         except OSError as exc:
             raise BankReadOnly(
@@ -695,13 +730,6 @@ class MaskBank(BankStorage):
         except sqlite3.Error as exc:
             raise BankError(f"Cannot open the mask bank database in {root} ({exc}). "
                             "Check the path and its permissions.") from exc
-
-    def _check_folders(self) -> None:
-        for name, real in (("blobs", self._real_blobs), ("quarantine", self._real_quarantine)):
-            if os.path.commonpath([self._real_root, real]) != self._real_root:
-                raise BankError(f"{self.root / name} leads outside the bank folder (to {real}); "
-                                "Chorus only touches files inside the bank. Replace the link "
-                                "with a real folder.")
 
     def _blob_files(self, limit: int | None = None) -> int:
         """How many content-addressed blob files ``blobs/`` holds (stops at ``limit``)."""
@@ -877,11 +905,13 @@ class MaskBank(BankStorage):
 
     # ---- paths ---------------------------------------------------------------------------
     def _blob_path(self, sha) -> Path | None:
-        """Where the blob of digest ``sha`` lives, or None when ``sha`` is not a digest or
-        the path would leave ``blobs/`` (e.g. a shard folder replaced by a symlink)."""
+        """Where the blob of digest ``sha`` lives, or None when ``sha`` is not a digest, its
+        shard folder is a symlink, or the path would leave ``blobs/``."""
         if not validation.is_sha256(sha):
             return None
         path = self.blobs / sha[:2] / validation.blob_name(sha)
+        if os.path.islink(path.parent):  # even a link to another shard: never followed
+            return None
         return path if validation.inside(self._real_blobs, path) else None
 
     def blob_path(self, name: str) -> Path:
@@ -907,7 +937,7 @@ class MaskBank(BankStorage):
         if final is None:
             raise BankError(f"Refusing to write blob {sha[:80]!r}: its path would leave "
                             f"{self.blobs}. Replace the symlinked shard folder with a real one.")
-        final.parent.mkdir(parents=True, exist_ok=True)
+        final.parent.mkdir(exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             if not stat.S_ISREG(os.lstat(final).st_mode):  # something squats the name
                 self._move_aside(final, {"id": None, "rowid": 0, "blob_sha256": sha})
@@ -942,6 +972,8 @@ class MaskBank(BankStorage):
             return False
         try:
             self.quarantine_dir.mkdir(exist_ok=True)
+            if not stat.S_ISDIR(os.lstat(self.quarantine_dir).st_mode):  # replaced by a link since open
+                raise OSError(errno.ELOOP, "quarantine/ is no longer a real folder")
             os.replace(path, target)
             return True
         except OSError as exc:
@@ -1039,45 +1071,50 @@ class MaskBank(BankStorage):
         """Blobs no row names, left by writers killed before their commit (if old enough).
 
         Refused when the index looks wrong (no rows but blobs present, or most blobs unknown):
-        removing "orphans" of a lost or foreign index would delete the user's masks.
+        removing "orphans" of a lost or foreign index would delete the user's masks. Only blobs
+        older than ``STALE_TEMP_S`` count: a live writer or importer writes its blobs before its
+        rows commit, and those are neither orphans nor a sign of a lost index.
         """
-        known = {r[0] for r in self.conn.execute("SELECT DISTINCT blob_sha256 FROM entries")}
-        rows = self.conn.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
         cutoff = time.time() - STALE_TEMP_S
-        blobs, candidates = 0, []
-        for shard in _scandir(self.blobs):
-            if shard.name.startswith(".tmp-") and shard.is_file(follow_symlinks=False):
-                if _mtime(shard) < cutoff:
-                    candidates.append((Path(shard.path), None))
-            elif _is_shard(shard):
-                for entry in _scandir(shard.path):
-                    if _is_blob_file(shard.name, entry):
-                        blobs += 1
-                        sha = entry.name[:64]
-                        if sha not in known and _mtime(entry) < cutoff:
-                            candidates.append((Path(entry.path), sha))
-        unknown = sum(1 for _, sha in candidates if sha)
-        if blobs and rows == 0:
-            problems.append(f"the index has no entries but blobs/ holds {blobs} blob(s): the index "
-                            "looks lost, so no orphan was removed. Restore bank.sqlite from a backup.")
-            return 0
-        if unknown > 16 and unknown * 2 > blobs:
-            problems.append(f"{unknown} of {blobs} blobs are not in the index: it looks like an old "
-                            "or another bank's bank.sqlite, so no orphan was removed. Restore the "
-                            "right index from a backup.")
-            return 0
-        removed = 0
-        with self._write(bump=False):  # re-check under the lock: a writer may reference it now
-            for path, sha in candidates:
-                if sha and self.conn.execute("SELECT 1 FROM entries WHERE blob_sha256 = ?",
-                                             [sha]).fetchone():
-                    continue
+        old_blobs, candidates = self._old_files(cutoff)  # old files stay old: scanned unlocked
+        with self._write(bump=False):  # the rows as committed now; a writer re-checks under it too
+            known = {r[0] for r in self.conn.execute("SELECT DISTINCT blob_sha256 FROM entries")}
+            rows = self.conn.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
+            orphans = [(path, sha) for path, sha in candidates if sha is None or sha not in known]
+            unknown = sum(1 for _, sha in orphans if sha)
+            if old_blobs and rows == 0:
+                problems.append(f"the index has no entries but blobs/ holds {old_blobs} blob(s): the "
+                                "index looks lost, so no orphan was removed. Restore bank.sqlite from "
+                                "a backup.")
+                return 0
+            if unknown > 16 and unknown * 2 > old_blobs:
+                problems.append(f"{unknown} of {old_blobs} blobs are not in the index: it looks like an "
+                                "old or another bank's bank.sqlite, so no orphan was removed. Restore "
+                                "the right index from a backup.")
+                return 0
+            removed = 0
+            for path, _ in orphans:
                 with contextlib.suppress(FileNotFoundError):
                     info = os.lstat(path)
                     if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
                         os.unlink(path)
                         removed += 1
-        return removed
+            return removed
+
+    def _old_files(self, cutoff: float) -> tuple[int, list]:
+        """(how many blob files are older than ``cutoff``, [(path, sha or None)] of those and of
+        old temp files), from a scan that follows no link."""
+        blobs, found = 0, []
+        for shard in _scandir(self.blobs):
+            if shard.name.startswith(".tmp-") and shard.is_file(follow_symlinks=False):
+                if _mtime(shard) < cutoff:
+                    found.append((Path(shard.path), None))
+            elif _is_shard(shard):
+                for entry in _scandir(shard.path):
+                    if _is_blob_file(shard.name, entry) and _mtime(entry) < cutoff:
+                        blobs += 1
+                        found.append((Path(entry.path), entry.name[:64]))
+        return blobs, found
 
     def _delete_rows(self, ids: list[str]) -> tuple[int, list[str]]:
         shas, count = set(), 0

@@ -67,8 +67,11 @@ def export_entries(bank, out_path, tag: str | None = None, ids=None) -> int:
         wanted = [i for i in wanted if i in chosen]
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex}"
     try:
-        count = _write_tar(bank, tmp, wanted)
-        os.replace(tmp, out)
+        # a new file of our own: never opened through a link someone placed under that name
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            count = _write_tar(bank, fh, wanted)
+        os.replace(tmp, out)  # replaces a link at ``out`` itself, never its target
     except OSError as exc:
         raise BankError(f"Cannot write the export file {out} ({exc.strerror or exc}); check the "
                         "folder's permissions and free space.") from exc
@@ -87,9 +90,9 @@ def _check_export_target(out: Path) -> None:
                         "Pick a file name (e.g. pan.tar).")
 
 
-def _write_tar(bank, tmp: Path, wanted: list[str]) -> int:
+def _write_tar(bank, fh, wanted: list[str]) -> int:
     rows, written = [], set()
-    with tarfile.open(tmp, "w") as tar:
+    with tarfile.open(fileobj=fh, mode="w") as tar:
         for entry_id in wanted:
             row = bank._get_row(entry_id)
             reason, loaded = bank._problem(row)
@@ -297,13 +300,20 @@ def import_entries(bank, in_path) -> dict:
             except ValueError as exc:
                 raise export._bad(f"the blob of entry {row['id']} {exc}") from None
         for row, spec in rows:  # read again rather than hold every blob in memory at once
-            data = export.read(f"blobs/{row['blob_name']}", row["blob_bytes"], spec.max_blob_bytes)
-            if hashlib.sha256(data).hexdigest() != row["blob_sha256"]:  # the file changed under us
-                raise export._bad(f"the blob of entry {row['id']} changed while it was imported")
-            bank._stage_blob(data, row["blob_sha256"])  # a folder writes it now (content-addressed: harmless)
+            # a folder writes it now (content-addressed: harmless)
+            bank._stage_blob(_read_again(export, row), row["blob_sha256"])
+        _fault("import-blobs-staged")
         return _insert_rows(bank, export, rows)
     finally:
         export.close()
+
+
+def _read_again(export: _ExportFile, row: dict) -> bytes:
+    """A blob checked earlier, read again: refused when the file changed under us since."""
+    data = export.read(f"blobs/{row['blob_name']}", row["blob_bytes"], row["blob_bytes"])
+    if hashlib.sha256(data).hexdigest() != row["blob_sha256"]:
+        raise export._bad(f"the blob of entry {row['id']} changed while it was imported")
+    return data
 
 
 def _insert_rows(bank, export: _ExportFile, rows) -> dict:
@@ -313,9 +323,9 @@ def _insert_rows(bank, export: _ExportFile, rows) -> dict:
             if bank._has_entry(row["id"]):
                 skipped += 1
                 continue
-            # the backend stores row and blob; a folder re-writes a blob removed meanwhile
-            bank._import_row(row, lambda row=row: export.read(
-                f"blobs/{row['blob_name']}", row["blob_bytes"], row["blob_bytes"]))
+            # the backend stores row and blob (PostgreSQL: always; a folder: a blob removed
+            # meanwhile), each read again and digest-checked, as the file may have changed
+            bank._import_row(row, lambda row=row: _read_again(export, row))
             added += 1
         _fault("import-before-commit")
         if added:
