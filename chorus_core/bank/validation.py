@@ -292,14 +292,26 @@ def entry_spec(row: dict) -> EntrySpec:
     return EntrySpec(fp, layout, schedule, shape)
 
 
+SIGNATURE_NORM_TOLERANCE = 1e-3  # float32 rounding of a unit vector is ~1e-7
+
+
 def signature_bytes(value, key) -> bytes | None:
-    """A signature component as stored: None or DIM float32 values, all finite."""
+    """A signature component as stored: None or DIM float32 values, finite, of unit length.
+
+    Chorus only ever stores unit vectors; any other length in an export was put there by
+    hand, and would score beyond the metric (a vector 1000x too long took every match).
+    """
     if value is None:
         return None
     if not isinstance(value, bytes) or len(value) != DIM * 4:
         raise ValueError(f"{key} must be {DIM} float32 values")
-    if not np.isfinite(np.frombuffer(value, np.float32)).all():
+    vec = np.frombuffer(value, np.float32)
+    if not np.isfinite(vec).all():
         raise ValueError(f"{key} holds NaN or infinite values")
+    norm = float(np.linalg.norm(vec.astype(np.float64)))
+    if abs(norm - 1.0) > SIGNATURE_NORM_TOLERANCE:
+        raise ValueError(f"{key} has norm {norm:.4g}, not 1: signatures are unit vectors, so "
+                         "this row was altered after its export")
     return value
 
 
