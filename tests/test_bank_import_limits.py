@@ -9,8 +9,11 @@
 """
 
 import base64
+import hashlib
 import io
 import json
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -140,3 +143,147 @@ def test_weights_that_would_unbound_similarity_are_refused(bank):
     add_toy(bank, seed=0)
     with pytest.raises(ValueError, match="weight of text must be a finite number >= 0"):
         bank.match(toy_signature(0), FP, LAYOUT, weights={"clip": 2.0, "text": -1.0})
+
+
+# ---- item 3: a small export cannot make import read gigabytes ---------------------------
+# A row may declare a layout large enough that its blob may legitimately be GBs: 3 buckets x
+# 40 layers x 40 heads x 2560 x 2560 blocks. Its blob must still be in the file, be what its
+# header says, and have its header checked before the rest is read.
+BIG_FP = {"architecture": "wan2.1-i2v", "dim": 5120, "layers": 40, "heads": 40, "in_dim": 36,
+          "digest": "0" * 64}
+BIG_SHAPE = (3, 40, 40, 2560, 2560)
+
+
+def big_row(row: dict, blob: bytes | None = None, size: int | None = None) -> dict:
+    """``row`` (a real export row) declaring the large layout and the given blob."""
+    row = dict(row, fingerprint=json.dumps(BIG_FP, sort_keys=True), grid_t=16, grid_h=40,
+               grid_w=40, block_q=10, block_k=10)
+    if blob is not None:
+        row.update(blob_sha256=hashlib.sha256(blob).hexdigest(), blob_bytes=len(blob))
+    if size is not None:
+        row["blob_bytes"] = size
+    return row
+
+
+def big_header(part_bytes: int, shape=BIG_SHAPE) -> bytes:
+    """The first bytes of a packbits blob of ``shape`` whose every part has ``part_bytes``."""
+    s_count, layers = shape[:2]
+    names = sorted(f"b{s}.l{layer}.{'p' if s == 0 else 'q'}"
+                   for s in range(s_count) for layer in range(layers))
+    header = {name: {"dtype": "U8", "shape": [part_bytes],
+                     "data_offsets": [i * part_bytes, (i + 1) * part_bytes]}
+              for i, name in enumerate(names)}
+    meta = {"codec": "packbits-xor-zlib-v1", "shape": ",".join(map(str, shape)),
+            "stored_blocks": f"{shape[3]},{shape[4]}", "coarsen": "1"}
+    header["__metadata__"] = {"chorus": json.dumps(meta, sort_keys=True)}
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text
+
+
+def tar_with_huge_member(path, rows, name: str, head: bytes, size: int) -> Path:
+    """entries.json, then member ``name`` of ``size`` bytes starting with ``head`` and then
+    zeros; the zeros are a hole in the file (truncate), so no disk space is used."""
+    payload = json.dumps({"format": "chorus-bank-export-v1", "rows": rows}).encode()
+    with open(path, "wb") as fh:
+        for member, data in (("entries.json", payload), (name, None)):
+            info = tarfile.TarInfo(member)
+            info.size = len(data) if data is not None else size
+            fh.write(info.tobuf())
+            if data is not None:
+                fh.write(data + b"\0" * (-len(data) % 512))
+        fh.write(head)
+        fh.truncate(fh.tell() - len(head) + size + (-size % 512) + 1024)
+    return path
+
+
+# Runs one import in a fresh interpreter whose address space may grow by at most 256 MiB
+# past what importing the bank takes: reading a member whole would raise MemoryError.
+BOUNDED_IMPORT = """
+import resource, sys, time
+from chorus_core.bank import BankError, MaskBank
+bank = MaskBank.open(sys.argv[1])
+with open('/proc/self/statm') as fh:
+    used = int(fh.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + 256 * 2 ** 20, resource.RLIM_INFINITY))
+started = time.monotonic()
+try:
+    bank.import_file(sys.argv[2])
+    print('imported')
+except BankError as exc:
+    print('refused:', exc)
+except MemoryError:
+    print('MemoryError')
+print(time.monotonic() - started)
+"""
+
+
+def bounded_import(bank_path, tar_path) -> tuple[str, float]:
+    done = subprocess.run([sys.executable, "-c", BOUNDED_IMPORT, str(bank_path), str(tar_path)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    lines = done.stdout.strip().split("\n")
+    assert len(lines) == 2, done.stdout + done.stderr
+    return lines[0], float(lines[1])
+
+
+def test_a_sparse_member_is_refused_unread(source, tmp_path):
+    """A 10 kB tar whose blob member is a 1 GiB sparse file (holes read back as zeros)."""
+    rows, _ = source
+    size = 2 ** 30
+    path = tmp_path / "sparse.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        payload = json.dumps({"format": "chorus-bank-export-v1",
+                              "rows": [big_row(rows[0], size=size)]}).encode()
+        member = tarfile.TarInfo(f"blobs/{rows[0]['blob_sha256']}.safetensors")
+        member.pax_headers = {"GNU.sparse.map": f"{size - 1},0", "GNU.sparse.size": str(size)}
+        tar.addfile(member, io.BytesIO(b""))
+        info = tarfile.TarInfo("entries.json")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    assert path.stat().st_size < 16_384
+    MaskBank.open(tmp_path / "dst").close()
+    outcome, seconds = bounded_import(tmp_path / "dst", path)
+    assert outcome.startswith("refused:") and "is a sparse file (Chorus exports never hold one)" \
+        in outcome and "Nothing was imported" in outcome, outcome
+    assert seconds < 5
+
+
+def test_a_huge_blob_with_a_wrong_header_is_refused_before_it_is_read(source, tmp_path):
+    """1 GiB member (a hole on disk) whose header declares the toy layout, not its row's."""
+    rows, _ = source
+    size = 2 ** 30
+    name = f"blobs/{rows[0]['blob_sha256']}.safetensors"
+    path = tar_with_huge_member(tmp_path / "big.tar", [big_row(rows[0], size=size)], name,
+                                big_header(4, shape=(3, 2, 2, 8, 8)), size)
+    MaskBank.open(tmp_path / "dst").close()
+    outcome, seconds = bounded_import(tmp_path / "dst", path)
+    assert outcome.startswith("refused:") and "blob declares mask shape '3,2,2,8,8', its row's " \
+        "model, layout and schedule say '3,40,40,2560,2560'" in outcome, outcome
+    assert seconds < 5
+
+
+def test_a_huge_blob_with_a_wrong_digest_is_refused_in_bounded_memory(source, tmp_path):
+    """480 MiB member with a header that fits its row's layout: the digest is streamed."""
+    rows, _ = source
+    part = 4 * 2 ** 20
+    head = big_header(part)
+    size = len(head) + 120 * part
+    name = f"blobs/{rows[0]['blob_sha256']}.safetensors"
+    path = tar_with_huge_member(tmp_path / "big.tar", [big_row(rows[0], size=size)], name,
+                                head, size)
+    MaskBank.open(tmp_path / "dst").close()
+    outcome, seconds = bounded_import(tmp_path / "dst", path)
+    assert outcome.startswith("refused:") and f"the blob of entry {rows[0]['id']} fails its " \
+        "sha256" in outcome, outcome
+
+
+def test_a_part_larger_than_its_layout_needs_is_refused(bank, source, tmp_path):
+    """A toy-layout blob whose p part is 100 kB: one 2 x 8 x 8 layer set packs into 16 bytes."""
+    rows, _ = source
+    head = big_header(100_000, shape=(3, 2, 2, 8, 8))
+    blob = head + bytes(6 * 100_000)
+    row = dict(rows[0], blob_sha256=hashlib.sha256(blob).hexdigest(), blob_bytes=len(blob))
+    with pytest.raises(BankError, match=r"tensor b0\.l0\.p declares 100000 bytes; that part of "
+                                        r"one layer set needs at most 29 for this layout"):
+        bank.import_file(write_tar(tmp_path / "fat.tar", [row],
+                                   [(f"blobs/{row['blob_sha256']}.safetensors", blob)]))
+    assert bank.stats()["entries"] == 0

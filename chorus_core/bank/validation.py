@@ -119,20 +119,34 @@ def check_masks(masks) -> None:
 
 
 # ---- safetensors header -----------------------------------------------------------------
-def read_header(data: bytes) -> dict:
-    """The JSON header of a safetensors file, without loading any tensor."""
-    if len(data) < 8:
-        raise ValueError(f"blob of {len(data)} bytes is too short for a safetensors header")
+def header_length(data: bytes, total: int) -> int:
+    """Bytes of the JSON header of a ``total``-byte safetensors file, from its first 8 bytes."""
+    if total < 8 or len(data) < 8:
+        raise ValueError(f"blob of {total} bytes is too short for a safetensors header")
     size = int.from_bytes(data[:8], "little")
-    if size > min(MAX_HEADER_BYTES, len(data) - 8):
-        raise ValueError(f"safetensors header declares {size} bytes, the blob has {len(data)}")
+    if size > min(MAX_HEADER_BYTES, total - 8):
+        raise ValueError(f"safetensors header declares {size} bytes, the blob has {total}")
+    return size
+
+
+def read_header(data: bytes, total: int | None = None) -> dict:
+    """The JSON header of a safetensors file, without loading any tensor.
+
+    :param data: the file, or (with ``total``) just its first ``8 + header`` bytes, so a
+        large blob's header can be checked before the rest is read
+    :param total: the whole file's size (default: ``len(data)``)
+    """
+    total = len(data) if total is None else total
+    size = header_length(data, total)
+    if len(data) < 8 + size:
+        raise ValueError(f"safetensors header is cut short ({len(data) - 8} of {size} bytes)")
     try:
         header = json.loads(data[8:8 + size])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"safetensors header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not a JSON object")
-    header["__data_bytes__"] = len(data) - 8 - size
+    header["__data_bytes__"] = total - 8 - size
     return header
 
 
@@ -160,6 +174,37 @@ def check_header(header: dict, shape) -> dict:
     _check_spans(sorted(spans), data_bytes)
     _check_parts(names, shape, meta["codec"])
     return meta
+
+
+def check_part_sizes(header: dict, shape, meta: dict) -> None:
+    """Each tensor of a header (already passed :func:`check_header`) no larger than its part
+    can be for one layer set of ``shape`` (:func:`max_part_bytes`): with spans that tile the
+    data, the whole blob is then never larger than its layout needs, known from the header."""
+    for name, info in header.items():
+        match = _TENSOR_NAME.fullmatch(name)
+        if match is None:
+            continue  # __metadata__, __data_bytes__
+        most = max_part_bytes(match[3], shape[2], meta["stored_blocks"])
+        if info["shape"][0] > most:
+            raise ValueError(f"tensor {name} declares {info['shape'][0]} bytes; that part of "
+                             f"one layer set needs at most {most} for this layout")
+
+
+def zlib_bound(size: int) -> int:
+    """Most bytes ``zlib.compress`` can make of ``size`` input bytes (zlib's compressBound)."""
+    return size + (size >> 12) + (size >> 14) + (size >> 25) + 13
+
+
+def max_part_bytes(part: str, heads: int, stored_blocks: str) -> int:
+    """Most bytes one codec part of one layer set can take: zlib's bound on what it deflates.
+
+    ``p``/``q`` (packbits) deflate the packed bits of ``[H, nq, nk]``; ``c`` (rowshift) deflates
+    4-byte gaps of indices into ``[H, nk]``, ``d``/``e``/``x`` into ``[H, nq, nk]``.
+    """
+    nq, nk = (int(x) for x in stored_blocks.split(","))
+    raw = {"p": heads * nq * -(-nk // 8), "q": heads * nq * -(-nk // 8),
+           "c": 4 * heads * nk}.get(part, 4 * heads * nq * nk)
+    return zlib_bound(raw)
 
 
 def _int_list(value, length) -> bool:
