@@ -22,7 +22,7 @@ import pytest
 from bank_fixtures import FP, LAYOUT, add_toy, toy_signature
 from bank_pg_cluster import running_cluster
 
-from chorus_core.bank import BankError, MaskBank, Signature
+from chorus_core.bank import BankEntryCorrupt, BankError, MaskBank, Signature
 from chorus_core.bank.errors import BankInvalidArgument
 from chorus_core.bank.signature import COMPONENTS, DIM
 
@@ -287,3 +287,64 @@ def test_a_part_larger_than_its_layout_needs_is_refused(bank, source, tmp_path):
         bank.import_file(write_tar(tmp_path / "fat.tar", [row],
                                    [(f"blobs/{row['blob_sha256']}.safetensors", blob)]))
     assert bank.stats()["entries"] == 0
+
+
+# ---- item 14: deeply nested or huge-number JSON is a clean BankError --------------------
+DEEP = "[" * 100_000  # deeper than any JSON parser's recursion limit
+LONG_INT = "9" * 5000  # more digits than Python converts to an int (4300)
+
+
+def rows_doc(rows) -> bytes:
+    return json.dumps({"format": "chorus-bank-export-v1", "rows": rows}).encode()
+
+
+def hostile_json_cases(rows):
+    """(entries.json bytes, what the refusal must say) for each hostile document."""
+    row = rows[0]
+    return [
+        (DEEP.encode(), r"entries\.json is not valid JSON \(nested more than"),
+        (rows_doc([]).replace(b'"rows": []', b'"rows": [' + LONG_INT.encode() + b"]"),
+         r"entries\.json is not valid JSON \(holds a number of more than"),
+        (rows_doc([dict(row, fingerprint=DEEP)]), r"row 0 .*fingerprint is not valid JSON \(nested"),
+        (rows_doc([dict(row, fingerprint=json.dumps(dict(BIG_FP, dim=0)).replace(
+            '"dim": 0', f'"dim": {LONG_INT}'))]), r"row 0 .*fingerprint is not valid JSON \(holds a number"),
+        (rows_doc([dict(row, tags=DEEP)]), r"row 0 .*tags is not valid JSON \(nested"),
+        (rows_doc([dict(row, step_buckets=DEEP)]), r"row 0 .*step buckets unreadable"),
+        (rows_doc([dict(row, created=10 ** 4000)]), r"row 0 .*created must be a finite number"),
+        (rows_doc([dict(row, density=-10 ** 4000)]), r"row 0 .*density must be a finite number"),
+    ]
+
+
+def test_hostile_json_in_an_export_is_a_bank_error(bank, source, tmp_path):
+    rows, members = source
+    for i, (doc, message) in enumerate(hostile_json_cases(rows)):
+        path = write_tar(tmp_path / f"j{i}.tar", members=members.items(), doc=doc)
+        with pytest.raises(BankError, match=message) as caught:
+            bank.import_file(path)
+        assert "Nothing was imported. Export it again" in str(caught.value)
+    assert bank.stats()["entries"] == 0
+
+
+def test_hostile_json_in_an_export_is_a_clean_cli_error(source, tmp_path):
+    rows, members = source
+    MaskBank.open(tmp_path / "dst").close()
+    for i, (doc, message) in enumerate(hostile_json_cases(rows)[:3]):
+        path = write_tar(tmp_path / f"j{i}.tar", members=members.items(), doc=doc)
+        done = subprocess.run([sys.executable, "-m", "chorus_core.bank", "import",
+                               str(tmp_path / "dst"), str(path)],
+                              capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert done.returncode == 2 and "Chorus bug" not in done.stderr, done.stderr
+        assert done.stderr.startswith("error: ") and "Export it again" in done.stderr
+        assert len(done.stderr) < 2000  # the message, not a dump of the document
+
+
+def test_a_stored_row_with_deep_json_is_quarantined_not_fatal(tmp_path):
+    """The same parsers read a bank's own rows: a hand-edited one is damage, not a crash."""
+    with MaskBank.open(tmp_path / "bank") as bank:
+        entry = add_toy(bank, seed=0)
+        bank.db.execute("UPDATE entries SET fingerprint = ?, tags = ? WHERE id = ?",
+                        [DEEP, DEEP, entry])
+        assert bank.show(entry)["tags"] == DEEP  # listed as stored
+        with pytest.warns(UserWarning, match="quarantining"), pytest.raises(
+                BankEntryCorrupt, match="fingerprint is not valid JSON"):
+            bank.load_masks(entry)

@@ -1249,8 +1249,8 @@ def _decode_row(row: dict) -> dict:
     row = dict(row)
     for key in ("tags", "step_buckets", "fingerprint"):
         if isinstance(row.get(key), str):
-            with contextlib.suppress(json.JSONDecodeError):  # a damaged row still lists
-                row[key] = json.loads(row[key])
+            with contextlib.suppress(ValueError):  # a damaged row still lists
+                row[key] = validation.load_json(row[key], key)
     return row
 
 

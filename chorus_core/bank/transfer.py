@@ -293,9 +293,9 @@ def check_blob(data: bytes, sha: str, spec: validation.EntrySpec) -> None:
 
 def _load_rows(export: _ExportFile) -> list[tuple[dict, validation.EntrySpec]]:
     try:
-        doc = json.loads(export.read(ROWS_NAME, None, MAX_ROWS_BYTES))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise export._bad(f"{ROWS_NAME} is not valid JSON ({exc})") from None
+        doc = validation.load_json(export.read(ROWS_NAME, None, MAX_ROWS_BYTES), ROWS_NAME)
+    except ValueError as exc:
+        raise export._bad(str(exc)) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise export._bad(f"format is {str(found)[:60]!r}, not {FORMAT!r}")
