@@ -4,10 +4,10 @@ One float32 matrix per compatibility key (model fingerprint + grid + token order
 loaded from SQL on first use and refreshed when the bank's generation counter changes:
 new rows are appended, any removal reloads. Similarity is one mat-vec: with unit components,
 sum_c w_c cos_c = dot(concat(w_c q_c), concat(e_c)). Stored and query components are scaled to
-unit length here whatever the bank holds, and weights are >= 0, so similarity lies in [-1, 1]. Above ``EXACT_LIMIT`` entries a
-sketch (the first ``SKETCH`` dims of each component's random projection) shortlists rows
-first (then the shortlist is ranked exactly), because the full mat-vec is memory bound
-(about 16 ms for 100,000 x 768 on 2 cores).
+unit length here whatever the bank holds, and weights are >= 0, so similarity lies in [-1, 1].
+Above ``EXACT_LIMIT`` entries a sketch (the first ``SKETCH`` dims of each component's random
+projection) shortlists rows first (then the shortlist is ranked exactly), because the full
+mat-vec is memory bound (about 16 ms for 100,000 x 768 on 2 cores).
 """
 
 from __future__ import annotations
