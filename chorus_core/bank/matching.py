@@ -3,10 +3,11 @@
 One float32 matrix per compatibility key (model fingerprint + grid + token order + blocks),
 loaded from SQL on first use and refreshed when the bank's generation counter changes:
 new rows are appended, any removal reloads. Similarity is one mat-vec: with unit components,
-sum_c w_c cos_c = dot(concat(w_c q_c), concat(e_c)). Above ``EXACT_LIMIT`` entries a
-sketch (the first ``SKETCH`` dims of each component's random projection) shortlists rows
-first (then the shortlist is ranked exactly), because the full mat-vec is memory bound
-(about 16 ms for 100,000 x 768 on 2 cores).
+sum_c w_c cos_c = dot(concat(w_c q_c), concat(e_c)). Stored and query components are scaled to
+unit length here whatever the bank holds, and weights are >= 0, so similarity lies in [-1, 1].
+Above ``EXACT_LIMIT`` entries a sketch (the first ``SKETCH`` dims of each component's random
+projection) shortlists rows first (then the shortlist is ranked exactly), because the full
+mat-vec is memory bound (about 16 ms for 100,000 x 768 on 2 cores).
 """
 
 from __future__ import annotations
@@ -43,14 +44,29 @@ class MatchResult:
 
 
 def stack_vectors(rows) -> np.ndarray:
-    """Rows with ``sig_<component>`` float32 blobs -> ``[n, len(COMPONENTS) * DIM]``."""
+    """Rows with ``sig_<component>`` float32 blobs -> ``[n, len(COMPONENTS) * DIM]``, each
+    component scaled to unit length (see :func:`unit_blocks`); a blob of another length
+    (a hand-edited row) counts as absent rather than failing every match."""
     mat = np.zeros((len(rows), len(COMPONENTS) * DIM), np.float32)
     for i, row in enumerate(rows):
         for j, comp in enumerate(COMPONENTS):
             blob = row[f"sig_{comp}"]
-            if blob:
+            if blob and len(blob) == DIM * 4:
                 mat[i, j * DIM:(j + 1) * DIM] = np.frombuffer(blob, np.float32)
-    return mat
+    return unit_blocks(mat)
+
+
+def unit_blocks(mat: np.ndarray) -> np.ndarray:
+    """``[n, len(COMPONENTS) * DIM]`` with every component block at unit length, or zero where
+    it is zero or not finite. Rows come from a bank that may be old, hand-edited or imported
+    before imports checked norms: a vector 1000 times too long would score 1000 times too high
+    and take every match, so the index never trusts a stored norm."""
+    blocks = mat.reshape(len(mat), len(COMPONENTS), DIM).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        norms = np.linalg.norm(blocks, axis=2, keepdims=True)
+        usable = np.isfinite(norms) & (norms > 1e-12)
+        blocks = np.where(usable, blocks / np.where(usable, norms, 1.0), 0.0)
+    return blocks.reshape(mat.shape).astype(np.float32)
 
 
 SKETCH_COLS = np.concatenate([np.arange(j * DIM, j * DIM + SKETCH)
@@ -116,14 +132,17 @@ class SignatureIndex:
         w = resolve_weights(weights)
         present = [c for c in COMPONENTS if c in signature.components]
         total = sum(w[c] for c in present) or 1.0
-        query = np.concatenate([signature.vector(c) * (w[c] / total) for c in COMPONENTS])
+        unit = unit_blocks(np.concatenate([signature.vector(c) for c in COMPONENTS])[None])[0]
+        query = np.concatenate([unit[j * DIM:(j + 1) * DIM] * (w[c] / total)
+                                for j, c in enumerate(COMPONENTS)])
         rows, sims = group.scores(query.astype(np.float32))
+        sims = np.clip(sims, -1.0, 1.0)  # unit vectors, weights >= 0 summing to 1: float rounding only
         k = min(top_k, len(rows))
         best = np.argpartition(sims, -k)[-k:]
         best = best[np.argsort(-sims[best])]
         top = [(group.ids[rows[i]], float(sims[i])) for i in best]
         row = group.mat[rows[best[0]]]
-        comps = {c: float(row[j * DIM:(j + 1) * DIM] @ signature.vector(c))
+        comps = {c: float(np.clip(row[j * DIM:(j + 1) * DIM] @ unit[j * DIM:(j + 1) * DIM], -1, 1))
                  for j, c in enumerate(COMPONENTS) if c in present}
         sim = top[0][1]
         return MatchResult(sim >= threshold, top[0][0], sim, comps, n, top)

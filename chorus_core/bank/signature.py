@@ -42,20 +42,52 @@ class Signature:
         return np.zeros(DIM, np.float32) if vec is None else vec
 
     def similarity(self, other: "Signature", weights=None) -> tuple[float, dict[str, float]]:
-        """Weighted cosine similarity over this signature's components, and per component."""
+        """Weighted cosine similarity over this signature's components, and per component;
+        each cosine is taken between unit vectors, so the result lies in [-1, 1]."""
         weights = resolve_weights(weights)
-        per = {c: float(self.components[c] @ other.vector(c)) for c in self.components}
+        per = {c: cosine(self.components[c], other.vector(c)) for c in self.components}
         total = sum(weights[c] for c in per) or 1.0
         return sum(weights[c] * s for c, s in per.items()) / total, per
 
 
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine of two vectors (0 when either is zero or not finite), within [-1, 1]."""
+    a, b = _unit(np.asarray(a, np.float32)), _unit(np.asarray(b, np.float32))
+    return 0.0 if a is None or b is None else float(np.clip(a @ b, -1.0, 1.0))
+
+
+def unit_component(name: str, vec) -> np.ndarray:
+    """A component as stored: ``vec`` scaled to unit length, as float32 of length ``DIM``.
+
+    Matching scores dot products, so a longer vector would score beyond the metric's [-1, 1]
+    and take every match; it is normalised here, and what cannot be normalised is refused.
+
+    :raises ValueError: wrong length, NaN or infinite values, or a zero vector
+    """
+    vec = np.asarray(vec, np.float32)
+    if vec.shape != (DIM,):
+        raise ValueError(f"signature component {name} must be {DIM} float32 values, got shape "
+                         f"{vec.shape}")
+    if not np.isfinite(vec).all():
+        raise ValueError(f"signature component {name} holds NaN or infinite values")
+    unit = _unit(vec)
+    if unit is None:
+        raise ValueError(f"signature component {name} is a zero vector (or too large to scale)")
+    return unit
+
+
 def resolve_weights(weights=None) -> dict[str, float]:
-    """Default weights updated with ``weights`` (unknown names are an error)."""
+    """Default weights updated with ``weights`` (unknown names and negative or non-finite
+    weights are an error: a negative weight would let similarity leave [-1, 1])."""
     out = dict(DEFAULT_WEIGHTS)
     for name, value in (weights or {}).items():
         if name not in out:
             raise ValueError(f"Unknown signature component {name!r}; use one of {COMPONENTS}.")
-        out[name] = float(value)
+        value = float(value)
+        if not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"The weight of {name} must be a finite number >= 0, got {value}; "
+                             "use e.g. 0.5 (0 ignores the component).")
+        out[name] = value
     return out
 
 

@@ -55,7 +55,7 @@ from .errors import (BankEntryCorrupt, BankError, BankIncompatible, BankInvalidA
 from .fingerprint import ModelFingerprint
 from .matching import MatchResult, SignatureIndex, stack_vectors
 from .records import LatentLayout, Schedule
-from .signature import COMPONENTS, DIM, Signature
+from .signature import COMPONENTS, DIM, Signature, cosine, unit_component
 
 DB_NAME = "bank.sqlite"
 # What this module opens in a bank folder: SQLite's files (SQLite would write through a link at
@@ -435,6 +435,11 @@ class BankStorage:
         if entry_id is not None and not validation.is_entry_id(entry_id):
             raise BankInvalidArgument(f"entry_id must be 32 lowercase hex characters, got {entry_id!r}; "
                                       "leave it out to get a new one.")
+        try:
+            _signature_columns(signature)
+        except ValueError as exc:
+            raise BankInvalidArgument(f"signature not stored: {exc}; build it with "
+                                      "build_signature() from the request's inputs.") from None
         masks = _as_bool_array(masks)
         self._check_shape(masks, fingerprint, layout, schedule)
         try:
@@ -468,8 +473,7 @@ class BankStorage:
     def _row(entry_id, fingerprint, layout, schedule, signature, density, recall, tags,
              name, size, sha) -> dict:
         now = time.time()
-        sigs = {f"sig_{c}": (signature.components[c].astype(np.float32).tobytes()
-                             if c in signature.components else None) for c in COMPONENTS}
+        sigs = _signature_columns(signature)
         return {
             "id": entry_id, "created": now, "last_hit": None, "hits": 0,
             "compat": compat_key(fingerprint, layout), "fingerprint": fingerprint.key(),
@@ -540,7 +544,7 @@ class BankStorage:
                                       "WHERE id = ?", [best]))
             vec = stack_vectors(rows[:1])[0] if rows else None  # None: removed meanwhile
             comps = {} if vec is None else {
-                c: float(vec[j * DIM:(j + 1) * DIM] @ signature.vector(c))
+                c: cosine(vec[j * DIM:(j + 1) * DIM], signature.vector(c))
                 for j, c in enumerate(COMPONENTS) if c in signature.components}
         return MatchResult(sim >= threshold, best, sim, comps, result.candidates, top[:top_k])
 
@@ -1226,6 +1230,15 @@ def _insert(conn: sqlite3.Connection, row: dict) -> None:
                  list(row.values()))
 
 
+def _signature_columns(signature: Signature) -> dict:
+    """``sig_<component>`` values of a row: unit float32 bytes, or None where absent.
+
+    :raises ValueError: a component that cannot be made a unit vector of length DIM
+    """
+    return {f"sig_{c}": (unit_component(c, signature.components[c]).tobytes()
+                         if c in signature.components else None) for c in COMPONENTS}
+
+
 def _entry_label(row: dict) -> str:
     """An entry's id when it is a valid one, else its row number (never a hostile string)."""
     return row.get("id") if validation.is_entry_id(row.get("id")) else f"(row {row['rowid']})"
@@ -1273,8 +1286,8 @@ def _decode_row(row: dict) -> dict:
     row = dict(row)
     for key in ("tags", "step_buckets", "fingerprint"):
         if isinstance(row.get(key), str):
-            with contextlib.suppress(json.JSONDecodeError):  # a damaged row still lists
-                row[key] = json.loads(row[key])
+            with contextlib.suppress(ValueError):  # a damaged row still lists
+                row[key] = validation.load_json(row[key], key)
     return row
 
 

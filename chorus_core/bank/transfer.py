@@ -2,10 +2,11 @@
 
 An export file is untrusted input. Import never extracts anything: it reads two kinds of
 member by exact name (``entries.json`` and ``blobs/<sha256>.safetensors`` for digests the
-rows declare), only regular members, each size-checked before it is read. Every row is
-rebuilt from a whitelist of columns (its compatibility key recomputed, hits reset), every
-blob is checked (digest, header, every layer set decoded, no empty query row), and all
-rows go in one transaction: a bad file adds nothing.
+rows declare), only regular, non-sparse members (so a file never costs more reading than its
+own size), each size-checked before it is read. Every row is rebuilt from a whitelist of
+columns (its compatibility key recomputed, hits reset), every blob is checked (its header
+against the row's layout first, then its digest streamed in bounded memory, then every layer
+set decoded, no empty query row), and all rows go in one transaction: a bad file adds nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ FORMAT = "chorus-bank-export-v1"
 ROWS_NAME = "entries.json"
 MAX_ROWS_BYTES = 512 * 2 ** 20  # entries.json of ~100,000 entries
 MAX_MEMBERS = 1_000_000
+CHUNK = 1 << 20  # bytes per read while a blob's digest is streamed
 EXPORT_COLUMNS = (
     "id", "created", "fingerprint", "grid_t", "grid_h", "grid_w", "token_order",
     "block_q", "block_k", "steps", "sampler", "scheduler", "shift", "step_buckets",
@@ -157,23 +159,61 @@ class _ExportFile:
         return BankError(f"{self.path} is not a valid Chorus bank export: {why}. Nothing was "
                          "imported. Export it again with `python -m chorus_core.bank export BANK FILE`.")
 
-    def read(self, name: str, size: int | None, limit: int) -> bytes:
-        """Bytes of regular member ``name``; ``size`` (when given) must match its header."""
+    def open(self, name: str, size: int | None, limit: int):
+        """A binary file over regular member ``name``, after checking its tar header: not a
+        link, special or sparse member, no larger than ``limit``, ``size`` bytes when given.
+        (Its bytes lie inside the file: ``tarfile`` refuses a file cut short while indexing.)"""
         info = self.members.get(name)
         if info is None:
             raise self._bad(f"member {name} is missing")
         if not info.isreg():
             raise self._bad(f"member {name} is a link or special file, not a regular file")
+        if info.issparse():  # its holes would read as zeros: a 10 kB file could yield GBs
+            raise self._bad(f"member {name} is a sparse file (Chorus exports never hold one)")
         if info.size > limit or (size is not None and info.size != size):
             raise self._bad(f"member {name} declares {info.size} bytes, expected "
                             f"{size if size is not None else f'at most {limit}'}")
         try:
-            data = self.tar.extractfile(info).read(info.size)
+            return self.tar.extractfile(info)
         except (OSError, EOFError, tarfile.TarError) as exc:
             raise self._bad(f"member {name} is unreadable ({exc})") from exc
-        if len(data) != info.size:
-            raise self._bad(f"member {name} is truncated ({len(data)} of {info.size} bytes)")
+
+    def read(self, name: str, size: int | None, limit: int) -> bytes:
+        """Bytes of regular member ``name`` (checked as :meth:`open` does)."""
+        with self.open(name, size, limit) as fh:
+            data = self._read(fh, name, self.members[name].size)
+        if len(data) != self.members[name].size:
+            raise self._bad(f"member {name} is truncated ({len(data)} of "
+                            f"{self.members[name].size} bytes)")
         return data
+
+    def _read(self, fh, name: str, count: int) -> bytes:
+        try:
+            return fh.read(count)
+        except (OSError, EOFError, tarfile.TarError) as exc:
+            raise self._bad(f"member {name} is unreadable ({exc})") from exc
+
+    def precheck_blob(self, name: str, size: int, sha: str, spec: validation.EntrySpec) -> None:
+        """Header against the row's layout, then the digest, in bounded memory: a blob that
+        fails either is refused before it is held whole (:func:`check_blob` then decodes).
+
+        :raises ValueError: why the blob is unfit (the caller names the entry)
+        """
+        with self.open(name, size, spec.max_blob_bytes) as fh:
+            head = self._read(fh, name, 8)
+            head += self._read(fh, name, validation.header_length(head, size))
+            header = validation.read_header(head, size)
+            meta = validation.check_header(header, spec.shape)
+            validation.check_part_sizes(header, spec.shape, meta)
+            digest, seen = hashlib.sha256(head), len(head)
+            while seen < size:
+                chunk = self._read(fh, name, min(CHUNK, size - seen))
+                if not chunk:
+                    raise self._bad(f"member {name} is truncated ({seen} of {size} bytes)")
+                digest.update(chunk)
+                seen += len(chunk)
+        if digest.hexdigest() != sha:
+            raise ValueError("fails its sha256")
 
     def close(self) -> None:
         self.tar.close()
@@ -256,9 +296,9 @@ def check_blob(data: bytes, sha: str, spec: validation.EntrySpec) -> None:
 
 def _load_rows(export: _ExportFile) -> list[tuple[dict, validation.EntrySpec]]:
     try:
-        doc = json.loads(export.read(ROWS_NAME, None, MAX_ROWS_BYTES))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise export._bad(f"{ROWS_NAME} is not valid JSON ({exc})") from None
+        doc = validation.load_json(export.read(ROWS_NAME, None, MAX_ROWS_BYTES), ROWS_NAME)
+    except ValueError as exc:
+        raise export._bad(str(exc)) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise export._bad(f"format is {str(found)[:60]!r}, not {FORMAT!r}")
@@ -294,9 +334,10 @@ def import_entries(bank, in_path) -> dict:
             sha = row["blob_sha256"]
             if sizes.setdefault(sha, row["blob_bytes"]) != row["blob_bytes"]:
                 raise export._bad(f"rows give blob {sha} two different sizes")
-            data = export.read(f"blobs/{row['blob_name']}", row["blob_bytes"], spec.max_blob_bytes)
+            name = f"blobs/{row['blob_name']}"
             try:
-                check_blob(data, sha, spec)
+                export.precheck_blob(name, row["blob_bytes"], sha, spec)
+                check_blob(export.read(name, row["blob_bytes"], spec.max_blob_bytes), sha, spec)
             except ValueError as exc:
                 raise export._bad(f"the blob of entry {row['id']} {exc}") from None
         for row, spec in rows:  # read again rather than hold every blob in memory at once

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,27 @@ MAX_HEADS = 256
 MAX_LAYER_ELEMENTS = 2 ** 28  # one decoded [H, nq, nk] bool map: at most 256 MiB
 MAX_HEADER_BYTES = 16 * 2 ** 20
 _TENSOR_NAME = re.compile(r"b(\d+)\.l(\d+)\.([cdexpq])")
+
+
+def load_json(text, what: str):
+    """``json.loads`` of untrusted text whose every failure is a ValueError naming ``what``.
+
+    ``json.loads`` raises RecursionError for deep nesting and a bare ValueError for an integer
+    of more digits than Python converts; both would escape handlers that expect
+    JSONDecodeError (the CLI called them "a Chorus bug").
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{what} is not valid JSON (nested more than "
+                         f"{sys.getrecursionlimit()} levels deep)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{what} is not valid JSON ({exc})") from None
+    except ValueError:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ValueError(f"{what} is not valid JSON (holds a number of more than "
+                         f"{sys.get_int_max_str_digits()} digits)") from None
+    except TypeError:
+        raise ValueError(f"{what} is not JSON text") from None
 
 
 def is_entry_id(value) -> bool:
@@ -119,20 +141,31 @@ def check_masks(masks) -> None:
 
 
 # ---- safetensors header -----------------------------------------------------------------
-def read_header(data: bytes) -> dict:
-    """The JSON header of a safetensors file, without loading any tensor."""
-    if len(data) < 8:
-        raise ValueError(f"blob of {len(data)} bytes is too short for a safetensors header")
+def header_length(data: bytes, total: int) -> int:
+    """Bytes of the JSON header of a ``total``-byte safetensors file, from its first 8 bytes."""
+    if total < 8 or len(data) < 8:
+        raise ValueError(f"blob of {total} bytes is too short for a safetensors header")
     size = int.from_bytes(data[:8], "little")
-    if size > min(MAX_HEADER_BYTES, len(data) - 8):
-        raise ValueError(f"safetensors header declares {size} bytes, the blob has {len(data)}")
-    try:
-        header = json.loads(data[8:8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"safetensors header is not JSON ({exc})") from None
+    if size > min(MAX_HEADER_BYTES, total - 8):
+        raise ValueError(f"safetensors header declares {size} bytes, the blob has {total}")
+    return size
+
+
+def read_header(data: bytes, total: int | None = None) -> dict:
+    """The JSON header of a safetensors file, without loading any tensor.
+
+    :param data: the file, or (with ``total``) just its first ``8 + header`` bytes, so a
+        large blob's header can be checked before the rest is read
+    :param total: the whole file's size (default: ``len(data)``)
+    """
+    total = len(data) if total is None else total
+    size = header_length(data, total)
+    if len(data) < 8 + size:
+        raise ValueError(f"safetensors header is cut short ({len(data) - 8} of {size} bytes)")
+    header = load_json(data[8:8 + size], "safetensors header")
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not a JSON object")
-    header["__data_bytes__"] = len(data) - 8 - size
+    header["__data_bytes__"] = total - 8 - size
     return header
 
 
@@ -162,6 +195,37 @@ def check_header(header: dict, shape) -> dict:
     return meta
 
 
+def check_part_sizes(header: dict, shape, meta: dict) -> None:
+    """Each tensor of a header (already passed :func:`check_header`) no larger than its part
+    can be for one layer set of ``shape`` (:func:`max_part_bytes`): with spans that tile the
+    data, the whole blob is then never larger than its layout needs, known from the header."""
+    for name, info in header.items():
+        match = _TENSOR_NAME.fullmatch(name)
+        if match is None:
+            continue  # __metadata__, __data_bytes__
+        most = max_part_bytes(match[3], shape[2], meta["stored_blocks"])
+        if info["shape"][0] > most:
+            raise ValueError(f"tensor {name} declares {info['shape'][0]} bytes; that part of "
+                             f"one layer set needs at most {most} for this layout")
+
+
+def zlib_bound(size: int) -> int:
+    """Most bytes ``zlib.compress`` can make of ``size`` input bytes (zlib's compressBound)."""
+    return size + (size >> 12) + (size >> 14) + (size >> 25) + 13
+
+
+def max_part_bytes(part: str, heads: int, stored_blocks: str) -> int:
+    """Most bytes one codec part of one layer set can take: zlib's bound on what it deflates.
+
+    ``p``/``q`` (packbits) deflate the packed bits of ``[H, nq, nk]``; ``c`` (rowshift) deflates
+    4-byte gaps of indices into ``[H, nk]``, ``d``/``e``/``x`` into ``[H, nq, nk]``.
+    """
+    nq, nk = (int(x) for x in stored_blocks.split(","))
+    raw = {"p": heads * nq * -(-nk // 8), "q": heads * nq * -(-nk // 8),
+           "c": 4 * heads * nk}.get(part, 4 * heads * nq * nk)
+    return zlib_bound(raw)
+
+
 def _int_list(value, length) -> bool:
     return (isinstance(value, list) and len(value) == length
             and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value))
@@ -169,8 +233,8 @@ def _int_list(value, length) -> bool:
 
 def _chorus_meta(raw, shape) -> dict:
     try:
-        meta = json.loads(raw["chorus"])
-    except (TypeError, KeyError, json.JSONDecodeError):
+        meta = load_json(raw["chorus"], "blob metadata")
+    except (TypeError, KeyError, ValueError):
         raise ValueError("blob metadata has no Chorus record") from None
     if not isinstance(meta, dict) or meta.get("codec") not in CODECS:
         raise ValueError(f"blob codec {meta.get('codec') if isinstance(meta, dict) else None!r} "
@@ -248,21 +312,28 @@ def finite(value, key, low=-math.inf, high=math.inf, optional=False):
     if value is None and optional:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool) \
-            or not math.isfinite(value) or not low <= value <= high:
+            or not _isfinite(value) or not low <= value <= high:
         raise ValueError(f"{key} must be a finite number in [{low}, {high}], got {str(value)[:40]!r}")
     return float(value)
 
 
-def parse_fingerprint(text) -> ModelFingerprint:
+def _isfinite(value) -> bool:
     try:
-        fields = json.loads(text)
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float (JSON allows 4300 digits)
+        return False
+
+
+def parse_fingerprint(text) -> ModelFingerprint:
+    fields = load_json(text, "fingerprint")
+    try:
         fp = ModelFingerprint(architecture=_text(fields, "architecture"),
                               dim=_positive_int(fields, "dim"),
                               layers=_positive_int(fields, "layers", MAX_LAYERS),
                               heads=_positive_int(fields, "heads", MAX_HEADS),
                               in_dim=_positive_int(fields, "in_dim"),
                               digest=_text(fields, "digest", 128))
-    except (TypeError, AttributeError, json.JSONDecodeError):
+    except (TypeError, AttributeError):
         raise ValueError("fingerprint is not a JSON model fingerprint") from None
     return fp
 
@@ -276,14 +347,14 @@ def entry_spec(row: dict) -> EntrySpec:
                           block_size=(_positive_int(row, "block_q", 4096),
                                       _positive_int(row, "block_k", 4096)))
     try:
-        buckets = json.loads(row.get("step_buckets"))
+        buckets = load_json(row.get("step_buckets"), "step_buckets")
         if not (isinstance(buckets, list) and 0 < len(buckets) <= MAX_BUCKETS
                 and all(_int_list(b, 2) for b in buckets)):
             raise ValueError
         schedule = Schedule(steps=_positive_int(row, "steps", 10_000), sampler=_text(row, "sampler"),
                             scheduler=_text(row, "scheduler"),
                             shift=finite(row.get("shift"), "shift"), step_buckets=buckets)
-    except (TypeError, json.JSONDecodeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"step buckets unreadable ({exc or 'not a list of [start, end]'})") from None
     except Exception as exc:  # BankIncompatible from Schedule: not contiguous
         raise ValueError(str(exc)) from None
@@ -292,22 +363,31 @@ def entry_spec(row: dict) -> EntrySpec:
     return EntrySpec(fp, layout, schedule, shape)
 
 
+SIGNATURE_NORM_TOLERANCE = 1e-3  # float32 rounding of a unit vector is ~1e-7
+
+
 def signature_bytes(value, key) -> bytes | None:
-    """A signature component as stored: None or DIM float32 values, all finite."""
+    """A signature component as stored: None or DIM float32 values, finite, of unit length.
+
+    Chorus only ever stores unit vectors; any other length in an export was put there by
+    hand, and would score beyond the metric (a vector 1000x too long took every match).
+    """
     if value is None:
         return None
     if not isinstance(value, bytes) or len(value) != DIM * 4:
         raise ValueError(f"{key} must be {DIM} float32 values")
-    if not np.isfinite(np.frombuffer(value, np.float32)).all():
+    vec = np.frombuffer(value, np.float32)
+    if not np.isfinite(vec).all():
         raise ValueError(f"{key} holds NaN or infinite values")
+    norm = float(np.linalg.norm(vec.astype(np.float64)))
+    if abs(norm - 1.0) > SIGNATURE_NORM_TOLERANCE:
+        raise ValueError(f"{key} has norm {norm:.4g}, not 1: signatures are unit vectors, so "
+                         "this row was altered after its export")
     return value
 
 
 def tags_json(value) -> str:
-    try:
-        tags = json.loads(value) if value is not None else []
-    except (TypeError, json.JSONDecodeError):
-        raise ValueError("tags must be a JSON list of text") from None
+    tags = load_json(value, "tags") if value is not None else []
     if not (isinstance(tags, list) and len(tags) <= 64
             and all(isinstance(t, str) and len(t) <= 200 for t in tags)):
         raise ValueError("tags must be a list of at most 64 texts of at most 200 characters")
