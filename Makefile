@@ -16,10 +16,12 @@ FRONTEND_NEW_STAMP := $(VENV)/frontend-$(FRONTEND_NEW)/.chorus-installed
 
 setup: $(STAMP) $(FRONTEND_NEW_STAMP)
 
+# ComfyUI is found (or cloned) before torch is installed: without it nothing here can run,
+# and torch is a multi-GB download. The locator needs only the standard library.
 $(STAMP): requirements.txt tests/requirements.txt Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m chorus_core.comfyui_locator --write-requirements $(VENV)/comfyui-requirements.txt
+	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -r $(VENV)/comfyui-requirements.txt -r requirements.txt -r tests/requirements.txt
 	touch $(STAMP)
 

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -199,6 +199,11 @@ class BankEntryProvider:
             raise RuntimeError(self.failure)
         return self
 
+    def unusable(self) -> bool:
+        """True once the entry is known not to serve; the first call waits for the worker's load."""
+        self._source()
+        return self.failure is not None
+
     def _fail(self, exc: Exception) -> None:
         self.failure = str(exc.__cause__ or exc)
         log.warning("Chorus: %s; this run continues as a miss", self.failure)
@@ -268,21 +273,37 @@ class OnlinePredictionProvider:
 
 
 class RecordingProvider:
-    """Wraps a provider and shows every self-attention call's q and k to a MaskRecorder."""
+    """Wraps a provider and shows every self-attention call's q and k to a MaskRecorder.
 
-    def __init__(self, inner, recorder: MaskRecorder):
+    A hit passes no recorder but ``late_start=(first_step, start)``: at ``first_step`` (its first
+    sparse step) ``start(step)`` returns the recorder when the entry turned out unusable, else
+    None and this run records nothing (see :meth:`ReuseRun.recorder_after_failure`).
+    """
+
+    def __init__(self, inner, recorder: MaskRecorder | None, late_start=None):
         self.inner, self.recorder = inner, recorder
         self.block_size = tuple(inner.block_size)
         self.error: str | None = None  # set when recording failed; nothing is stored then
+        self._late_start = late_start
 
     def step_bucket(self, step: int):
         return step_bucket_of(self.inner, step)
 
+    def _recording(self, step: int) -> bool:
+        if self._late_start is not None and step >= self._late_start[0]:
+            start, self._late_start = self._late_start[1], None  # decided once per run
+            try:
+                self.recorder = start(step)
+            except Exception as exc:  # recording is a by-product: it must not stop the generation
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.warning("Chorus: recording not started: %s", self.error)
+        return self.error is None and self.recorder is not None
+
     def observes(self, step: int) -> bool:
-        return (self.error is None and self.recorder.bucket(step) is not None) or observes(self.inner, step)
+        return (self._recording(step) and self.recorder.bucket(step) is not None) or observes(self.inner, step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
-        if self.error is None:
+        if self._recording(step):
             try:
                 self.recorder.record(layer, step, q, k, None if skip_reshape else heads)
             except Exception as exc:  # recording is a by-product: it must not stop the generation
@@ -299,10 +320,10 @@ class RecordingProvider:
         return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
 
 
-def recorded_steps(step_buckets, per_bucket: Optional[int] = None) -> list[list[int]]:
+def recorded_steps(step_buckets, per_bucket: Optional[int] = None, first_step: int = 0) -> list[list[int]]:
     """Which steps feed each bucket's recorded mass: every step of the bucket (``per_bucket`` None),
     else that many spread over its first half (2: the first and the middle one, what was recorded
-    before every step was).
+    before every step was); only steps from ``first_step`` on, when the recording starts late.
 
     Every step is the default because a bucket's mask serves every step of it: masks selected from
     the first and middle steps only missed the blocks the later steps attend to and cost 1.4 to
@@ -311,12 +332,24 @@ def recorded_steps(step_buckets, per_bucket: Optional[int] = None) -> list[list[
     """
     chosen = []
     for start, end in step_buckets:
+        start = max(start, first_step)
         if per_bucket is None:
             chosen.append(list(range(start, end)))
         else:
             spread = 2 * max(1, per_bucket - 1)
-            chosen.append(sorted({start + (i * (end - start - 1)) // spread for i in range(per_bucket)}))
+            chosen.append(sorted({start + (i * (end - start - 1)) // spread for i in range(per_bucket)
+                                  if start < end}))
     return chosen
+
+
+def buckets_recordable_from(schedule: Schedule, step: int) -> Schedule:
+    """The schedule with every bucket that ends at or before ``step`` merged into the next one:
+    a recording that starts at ``step`` has no q and k of the steps before it."""
+    buckets = [list(bucket) for bucket in schedule.step_buckets]
+    while len(buckets) > 1 and buckets[0][1] <= step:
+        merged = buckets.pop(0)
+        buckets[0][0] = merged[0]
+    return replace(schedule, step_buckets=[tuple(bucket) for bucket in buckets])
 
 
 @dataclass(frozen=True)
@@ -376,10 +409,26 @@ class ReuseRun:
         """This run's mask source: the hit's entry or a miss source, behind the dense warm-up, recorded on a miss."""
         provider = self._hit_provider() or self._miss_provider()
         provider = DenseWarmupProvider(provider, self.options.dense_warmup_steps, self.options.dense_layers)
-        if self.report.mode == "miss" and self._can_record():
+        if not self._can_record():
+            return provider
+        if self.report.mode == "miss":
             self.recording = RecordingProvider(provider, self._make_recorder())
-            provider = self.recording
-        return provider
+        else:  # a hit records only if its entry turns out unusable
+            late_start = (self.options.dense_warmup_steps, self.recorder_after_failure)
+            self.recording = RecordingProvider(provider, None, late_start=late_start)
+        return self.recording
+
+    def recorder_after_failure(self, step: int) -> MaskRecorder | None:
+        """A hit's recorder when its entry cannot serve, asked at the hit's first sparse step.
+
+        The run then goes on as a miss, so it records like one: the next similar request hits
+        a fresh entry instead of missing every time. The dense warm-up steps before ``step`` were
+        not recorded; the buckets they end in are merged into the first one still running.
+        """
+        if not self.entry_provider.unusable():  # waits for the worker's load, as the step would
+            return None
+        self.schedule = buckets_recordable_from(self.schedule, step)
+        return self._make_recorder(first_step=step)
 
     def _hit_provider(self):
         if self.match is None:
@@ -441,13 +490,14 @@ class ReuseRun:
     def _can_record(self) -> bool:
         return bool(self.match and self.options.record_on_miss and not self.match.bank.read_only)
 
-    def _make_recorder(self) -> MaskRecorder:
+    def _make_recorder(self, first_step: int = 0) -> MaskRecorder:
         o = self.options
         # Accumulators live on the model's device, one step bucket at a time (float16 on a GPU:
         # 1.1 GB at 720p-14B), and each layer's masks are selected there as its bucket ends.
         plan = self.recording_plan
         return MaskRecorder(num_layers=len(self.model_patcher.model.diffusion_model.blocks),
-                            step_buckets=recorded_steps(self.schedule.step_buckets, plan.steps_per_bucket),
+                            step_buckets=recorded_steps(self.schedule.step_buckets, plan.steps_per_bucket,
+                                                        first_step=first_step),
                             block_size=self.block_size, top_p=o.top_p, min_density=o.min_density,
                             max_density=o.max_density,
                             query_stride=plan.query_stride or _recording_query_stride(self.model_patcher))
@@ -487,6 +537,11 @@ class ReuseRun:
 
     def _record(self) -> None:
         """Select on the device, copy packed bits to the host, queue the write: the prompt's thread goes on."""
+        if self.recording.recorder is None and self.recording.error is None:  # a hit: see recorder_after_failure
+            if self.entry_provider.failure is not None:
+                self.report.warnings.append("masks not recorded: the bank entry failed after this run's first sparse "
+                                            "step; this request will be recorded next time it misses")
+            return
         if self.recording.error is not None:
             self.report.warnings.append(f"masks not recorded: {self.recording.error}")
             return

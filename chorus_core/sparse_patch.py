@@ -853,13 +853,20 @@ def _make_apply_model_wrapper(key: str) -> Callable:
     return chorus_plan_model_call
 
 
-_KERNELS_DIR = str(Path(__file__).resolve().parent.parent / "kernels")
+_KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 
 
 def _raised_in_kernels(exc: BaseException) -> bool:
     """True when the exception came out of Chorus's kernels (FA4, Triton, the reference)."""
-    return any(frame.f_code.co_filename.startswith(_KERNELS_DIR)
-               for frame, _ in traceback.walk_tb(exc.__traceback__))
+    return any(_is_kernels_file(frame.f_code.co_filename) for frame, _ in traceback.walk_tb(exc.__traceback__))
+
+
+@functools.lru_cache(maxsize=256)
+def _is_kernels_file(co_filename: str) -> bool:
+    # co_filename is the path as imported: resolve it too, or a symlinked custom_nodes folder
+    # (or a Docker mount) never matches and the compiled fallback is lost
+    # (generated code has names like "<string>": not a file, never resolved against the cwd)
+    return not co_filename.startswith("<") and Path(co_filename).resolve().is_relative_to(_KERNELS_DIR)
 
 
 def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:

@@ -4,10 +4,14 @@ Banks are named, never given as paths: a name is looked up among the folders reg
 ``chorus_banks`` and the named PostgreSQL banks, so a client cannot point the server at an
 arbitrary file or database. A PostgreSQL bank's URL (host, user, password) is never sent: its
 stats carry the bank's name instead, and its errors are logged, not returned.
+
+A bank is opened and read on a worker thread, never on ComfyUI's event loop: a PostgreSQL
+server that does not answer would otherwise stall the whole UI for the connect timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
@@ -15,6 +19,7 @@ from aiohttp import web
 from .bank_nodes import bank_path, existing_banks
 
 _registered = False
+ANSWER_TIMEOUT_S = 3  # the client's wait for a bank; the worker thread ends at the connect timeout
 
 
 def _open_named(name: str):
@@ -46,11 +51,8 @@ async def list_banks(request: web.Request) -> web.Response:
 
 
 async def bank_stats(request: web.Request) -> web.Response:
-    bank = _open_named(request.match_info["name"])
-    try:
-        return web.json_response(_public_stats(request.match_info["name"], bank))
-    finally:
-        bank.close()
+    name = request.match_info["name"]
+    return web.json_response(await _read_off_loop(name, lambda bank: _public_stats(name, bank)))
 
 
 async def recent_entries(request: web.Request) -> web.Response:
@@ -58,9 +60,24 @@ async def recent_entries(request: web.Request) -> web.Response:
         limit = min(max(int(request.query.get("limit", "20")), 1), 200)
     except ValueError:
         raise web.HTTPBadRequest(text="limit must be an integer between 1 and 200") from None
-    bank = _open_named(request.match_info["name"])
+    entries = await _read_off_loop(request.match_info["name"], lambda bank: bank.recent(limit))
+    return web.json_response({"entries": entries}, dumps=_dumps)
+
+
+async def _read_off_loop(name: str, read):
+    """``read(bank)`` of the named bank on a worker thread, answered within ANSWER_TIMEOUT_S."""
     try:
-        return web.json_response({"entries": bank.recent(limit)}, dumps=_dumps)
+        return await asyncio.wait_for(asyncio.to_thread(_read_named, name, read), ANSWER_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise web.HTTPGatewayTimeout(text=f"the bank {name!r} did not answer within {ANSWER_TIMEOUT_S} s (a "
+                                          "PostgreSQL server that does not respond?); the ComfyUI log says why "
+                                          "once its connect timeout ends") from None
+
+
+def _read_named(name: str, read):
+    bank = _open_named(name)  # on this thread: SQLite connections stay on the thread that made them
+    try:
+        return read(bank)
     finally:
         bank.close()
 

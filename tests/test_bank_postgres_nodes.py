@@ -78,3 +78,42 @@ def test_loader_lists_and_opens_a_named_postgres_bank(pg, pack, monkeypatch):
     for _, text in outputs:
         assert PASSWORD not in text and "127.0.0.1" not in text and "postgresql://" not in text
     bank.close()
+
+
+def test_a_postgres_bank_that_never_answers_does_not_stall_the_ui(comfyui_path, tmp_path):
+    """A real server: /system_stats answers while a bank route waits on a server that never replies."""
+    import socket
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from chorus_core.comfyui_process import ComfyServer, prepare_base_directory
+
+    answer = {}
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts TCP, never speaks PostgreSQL
+        url = f"postgresql://chorus@127.0.0.1:{silent.getsockname()[1]}/chorus"
+        server = ComfyServer(prepare_base_directory(tmp_path / "base"), comfyui=comfyui_path,
+                             env={URLS_ENV: f"silent={url}"})
+
+        def ask_the_bank():
+            try:
+                urllib.request.urlopen(server.url + "/chorus/api/banks/silent/stats", timeout=60)
+            except urllib.error.HTTPError as exc:
+                answer.update(status=exc.code, text=exc.read().decode())
+
+        with server:
+            asking = threading.Thread(target=ask_the_bank)
+            asking.start()
+            silent.settimeout(60)
+            connection, _ = silent.accept()
+            with connection:
+                connection.settimeout(60)
+                assert connection.recv(64)  # the connect's first packet: the route now waits for an answer
+                assert "system" in server.get_json("/system_stats")
+                # the route logs its failed connect (after psycopg's 5 s timeout) before it answers
+                assert "bank silent cannot be opened" not in server.log_text(), \
+                    "/system_stats waited for the bank's connect to end"
+                asking.join(60)
+    assert answer["status"] == 504 and "did not answer within" in answer["text"], answer
+    assert "127.0.0.1" not in answer["text"] and "postgresql://" not in answer["text"]
+

@@ -64,6 +64,20 @@ def test_command_line_fails_loudly_without_comfyui(nowhere):
     assert "ComfyUI was not found" in result.stderr
 
 
+def test_setup_looks_for_comfyui_before_it_downloads_torch(nowhere):
+    """Offline and without ComfyUI, `make setup` (and so `make demo`) stops at once and says how
+    to fill the cache, not after a multi-GB torch download. A torch requirement that pip cannot
+    install stands in for the download: reaching it would fail with pip's error instead."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(nowhere), "CHORUS_CACHE_DIR": str(nowhere / "cache"),
+           "CHORUS_NO_CLONE": "1"}
+    result = subprocess.run(["make", "-C", str(REPO_ROOT), "setup", f"PYTHON={sys.executable}",
+                             f"VENV={nowhere / 'venv'}", f"TORCH={nowhere / 'not-a-torch-wheel.whl'}"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "ComfyUI was not found" in result.stderr and "--install-from" in result.stderr, result.stderr
+    assert "not-a-torch-wheel" not in result.stdout + result.stderr  # pip never ran
+
+
 def test_requirements_drop_the_torch_family_and_add_requests(nowhere):
     checkout = fake_checkout(nowhere / "c")
     assert loc.comfyui_requirements(checkout) == ["numpy>=1.25.0", "aiohttp>=3.11.8", "requests"]

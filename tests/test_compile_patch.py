@@ -116,6 +116,28 @@ def test_a_kernel_failure_inside_a_compiled_model_reruns_that_call_dense(tiny_wa
     assert dict(dynamo["graph_break"]) == {}  # the failing op ran inside a whole graph
 
 
+def test_a_symlinked_install_still_reruns_a_failed_compiled_call_dense(comfyui_path, tmp_path):
+    """A linked custom_nodes folder (or a Docker mount): tracebacks name the link, not the target."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    linked = tmp_path / "custom_nodes" / "chorus"
+    linked.parent.mkdir()
+    linked.symlink_to(repo, target_is_directory=True)
+    child = subprocess.run([sys.executable, str(linked / "tests" / "symlinked_install.py"), str(linked),
+                            str(comfyui_path), str(tmp_path)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["kernels_file"].startswith(str(linked))  # imported through the link, not resolved
+    assert result["warnings"] == ["block-sparse attention failed in a compiled model call (RuntimeError: kernel "
+                                  "launch failed (test)); the rest of this run is dense"]
+    assert result["sparse_calls"] == 0 and result["finished"]
+
+
 def test_a_kernel_failure_in_an_eager_planned_call_makes_the_rest_dense(tiny_wan_patcher, monkeypatch):
     import kernels.block_sparse as block_sparse
 

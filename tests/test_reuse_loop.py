@@ -222,6 +222,29 @@ def test_an_entry_that_cannot_serve_turns_the_run_into_an_online_miss(bank_with_
     assert sparse == len(report.layers)  # online prediction served the steps after the warm-up
 
 
+def test_a_hit_on_a_damaged_entry_records_the_request_again(tmp_path, tiny_wan_patcher):
+    """The run that finds its entry damaged goes on as a miss and records it: the next one hits."""
+    from chorus_core import bank_writer
+    from chorus_core.bank import MaskBank
+
+    positive, _, latent = request()
+    with MaskBank.open(tmp_path / "bank") as bank:
+        _, first, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+        assert first.mode == "miss" and bank_writer.flush_all(timeout=60)
+        match = match_for(bank, tiny_wan_patcher, positive, latent)
+        assert match.result.entry_id == first.recorded_entry_id
+        blob = bank.blob_path(bank.show(first.recorded_entry_id)["blob_name"])
+        blob.write_bytes(blob.read_bytes()[:50])  # damaged after the match, before the worker reads it
+        with pytest.warns(UserWarning, match="quarantining entry .*run as an online-prediction miss"):
+            _, second, _ = run_generation(tiny_wan_patcher, match)
+        assert second.mode == "miss" and second.recording == "queued", second.warnings
+        assert bank_writer.flush_all(timeout=60) and bank.stats()["entries"] == 1
+        # the dense warm-up step ran before the load failed: its bucket [0, 1) joined the next one
+        assert bank.show(second.recorded_entry_id)["step_buckets"] == [[0, 2], [2, 4]]
+        _, third, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+    assert third.mode == "hit" and third.entry_id == second.recorded_entry_id and third.warnings == []
+
+
 # --------------------------------------------------------------------------------------------
 # A recording miss
 # --------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ class BankEntryCorrupt(BankError):
                  "this process skips it from now on")
         super().__init__(
             f"Mask bank entry {entry_id} is corrupt ({reason}); {where}. "
-            "Run this request with dense attention (or an online predictor) and record it again; "
+            "The request that matched it runs as an online-prediction miss (dense with miss_mode "
+            "\"dense\") and, in a writable bank, records a fresh entry; "
             "run `python -m chorus_core.bank verify PATH` to check the rest of the bank."
         )
 

@@ -68,6 +68,7 @@ class TensorDigest:
         self._parts: list[tuple[tuple, int, int]] = []  # (group, start, length) in add order
         self.sampled = 0
         self.unsampled = 0  # on 'meta' or unreadable
+        self.sampled_values = 0  # what the digest reads: at most SAMPLES_PER_TENSOR per tensor
 
     def add_text(self, text: str) -> None:
         self._lines.append(text)
@@ -92,6 +93,7 @@ class TensorDigest:
         self._group_sizes[group] = start + count
         self._parts.append((group, start, count))
         self.sampled += 1
+        self.sampled_values += count
 
     def hexdigest(self) -> str:
         import numpy as np

@@ -354,7 +354,8 @@ class PostgresBank(BankStorage):
             _fault("quarantine-moved")
         if warn:
             warnings.warn(f"Chorus mask bank: quarantining entry {label}: {reason}. "
-                          "Requests that matched it fall back to dense attention.", stacklevel=4)
+                          "Requests that matched it run as an online-prediction miss (dense with "
+                          "miss_mode \"dense\") and record a fresh entry.", stacklevel=4)
         return True
 
     def _mark_quarantined(self, row: dict, reason: str) -> None:

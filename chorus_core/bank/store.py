@@ -367,8 +367,9 @@ class BankStorage:
         _READ_ONLY_SKIPS.setdefault(self._skip_key, {})[row.get("id")] = reason
         if warn:
             warnings.warn(f"Chorus mask bank: would quarantine entry {_entry_label(row)}: {reason}. The "
-                          "bank is read-only, so nothing was moved; this process skips the "
-                          "entry and falls back to dense attention for it.", stacklevel=5)
+                          "bank is read-only, so nothing was moved; this process skips the entry: "
+                          "requests that matched it run as an online-prediction miss (dense with "
+                          "miss_mode \"dense\") and record nothing.", stacklevel=5)
 
     def __enter__(self):
         return self
@@ -1046,7 +1047,8 @@ class MaskBank(BankStorage):
             _fault("quarantine-moved")
         if warn:
             warnings.warn(f"Chorus mask bank: quarantining entry {label}: {reason}. "
-                          "Requests that matched it fall back to dense attention.", stacklevel=4)
+                          "Requests that matched it run as an online-prediction miss (dense with "
+                          "miss_mode \"dense\") and record a fresh entry.", stacklevel=4)
         return True
 
     @_guarded
