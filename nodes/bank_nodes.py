@@ -74,6 +74,9 @@ def bank_path(name: str) -> str:
     """Location of bank ``name``: its PostgreSQL URL when it is a named PostgreSQL bank (never
     show it: :func:`~chorus_core.bank.bank_url.redact`), its folder where it exists, else a
     folder under the first registered path."""
+    problem = _check_bank_name(name)
+    if problem:  # whatever validation let through (a linked name, a prompt ComfyUI did not check)
+        raise ValueError(problem)
     postgres = postgres_banks()
     if name in postgres:
         return postgres[name]
@@ -114,6 +117,27 @@ def _check_bank_name(name: str) -> str | None:
     return None
 
 
+def bank_problem(bank: str | None, new_bank_name: str | None, read_only: bool | None) -> str | None:
+    """What keeps the Loader from opening the bank it was given; None when nothing does (or when
+    a linked input leaves it unknown until the node runs). ComfyUI 0.3.64 does not check a V3
+    combo's value, so ``bank`` may be any string an API prompt sends."""
+    if bank is None or (bank == NEW_BANK and new_bank_name is None):
+        return None
+    name = _bank_name(bank, new_bank_name)
+    existing = existing_banks()
+    if bank != NEW_BANK and bank not in existing:
+        return (f"{LOADER}: bank {bank!r} is not an existing bank (a folder of models/{BANK_FOLDER_KEY} holding "
+                f"bank.sqlite, or a named PostgreSQL bank). Pick one from the list, or '{NEW_BANK}' and a "
+                f"new_bank_name.")
+    problem = _check_bank_name(name)
+    if problem:
+        return problem
+    if read_only and name not in existing:
+        return (f"{LOADER}: Bank {name!r} does not exist, so it cannot be opened read-only. Untick read_only to "
+                f"create it, or pick an existing bank.")
+    return None
+
+
 def _first_bank_root() -> str:
     import folder_paths
 
@@ -140,13 +164,10 @@ class ChorusMaskBankLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, new_bank_name):
-        # Only the name (see input_checks): a bad name is reported once, on new_bank_name, and
-        # ComfyUI still checks that `bank` is one of its options. A read-only bank that does not
-        # exist involves two inputs; opening it fails when the node runs, with what to do.
-        if new_bank_name is None:  # linked from another node: known only when the node runs
-            return True
-        return _check_bank_name(new_bank_name.strip()) or True
+    def validate_inputs(cls, bank, new_bank_name, read_only):
+        # The rule reads all three inputs (which name is used, and whether it must exist), so
+        # ComfyUI lists a failure under each; the web extension shows it once.
+        return bank_problem(bank, new_bank_name, read_only) or True
 
     @classmethod
     def fingerprint_inputs(cls, bank, new_bank_name, read_only):
@@ -154,7 +175,10 @@ class ChorusMaskBankLoader(io.ComfyNode):
         from ..chorus_core.bank.bank_url import is_bank_url, redact
         from ..chorus_core.bank_writer import default_writer
 
-        path = bank_path(_bank_name(bank, new_bank_name))
+        try:
+            path = bank_path(_bank_name(bank, new_bank_name))
+        except ValueError:
+            return float("nan")  # execute() runs and reports the bad name
         if not is_bank_url(path) and not os.path.isfile(os.path.join(path, "bank.sqlite")):
             return f"{path}:new"
         try:
@@ -170,6 +194,9 @@ class ChorusMaskBankLoader(io.ComfyNode):
     def execute(cls, bank, new_bank_name, read_only) -> io.NodeOutput:
         from ..chorus_core.bank import BankError, MaskBank
 
+        problem = bank_problem(bank, new_bank_name, read_only)
+        if problem:  # linked inputs are known only now
+            raise ValueError(problem)
         path = bank_path(_bank_name(bank, new_bank_name))
         try:
             opened = MaskBank.open(path, read_only=read_only, create=not read_only)
