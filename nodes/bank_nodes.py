@@ -227,15 +227,17 @@ class ChorusSimilarityMatch(io.ComfyNode):
                 io.Float.Input("clip_weight", default=0.5, min=0.0, max=1.0, step=0.05, tooltip="Weight of the image embedding."),
                 io.Float.Input("text_weight", default=0.3, min=0.0, max=1.0, step=0.05, tooltip="Weight of the text conditioning."),
                 io.Float.Input("layout_weight", default=0.2, min=0.0, max=1.0, step=0.05, tooltip="Weight of the start-frame layout."),
-                io.Int.Input("block_size", default=128, min=16, max=256, step=16,
-                             tooltip="Tokens per mask block. 128 for the GPU kernel; smaller only for tiny test models."),
+                # A combo, not an Int: a slider of steps of 16 offered 48, 80, ... that validation refuses.
+                io.Combo.Input("block_size", options=list(BLOCK_SIZES), default=128,
+                               tooltip="Tokens per mask block. 128 for the GPU kernel; smaller only for tiny test models."),
             ],
             outputs=[MatchType.Output(display_name="match"), io.String.Output(display_name="summary")],
         )
 
     @classmethod
     def validate_inputs(cls, block_size):
-        # Only the input it checks (see input_checks), so its range is checked here too.
+        # Only the input it checks (see input_checks). ComfyUI 0.3.64 does not check a V3 combo's
+        # value, so an API prompt may still send any number here.
         if block_size is None:  # linked: known only when the node runs
             return True
         if block_size not in BLOCK_SIZES:

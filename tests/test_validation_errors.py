@@ -93,6 +93,15 @@ def _loader_error(message):
     return {LOADER: [(name, "custom_validation_failed", f"{name} - {message}") for name in LOADER_INPUTS]}
 
 
+def test_block_size_offers_exactly_the_sizes_validation_accepts(comfy_server):
+    spec = comfy_server.get_json("/object_info/ChorusSimilarityMatch")["ChorusSimilarityMatch"]
+    kind, options = spec["input"]["required"]["block_size"]
+    assert (kind, options["options"], options["default"]) == ("COMBO", [16, 32, 64, 128, 256], 128)
+    for size in options["options"]:
+        status, answer = _post(comfy_server, _with({"6.block_size": size, "3.max_density": 2.0}))
+        assert set(answer["node_errors"]) == {SAMPLER}, size  # refused for max_density only
+
+
 @pytest.mark.parametrize("name, message", [
     ("bad\x00name", "Chorus Mask Bank Loader: bank name 'bad\\x00name' contains a NUL character, which no file "
                     "system allows in a folder name."),
