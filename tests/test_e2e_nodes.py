@@ -99,3 +99,18 @@ def test_optional_nodes_chain_in_front_of_the_sampler(comfy_server):
     # recorded steps run at full resolution, so a miss still fills the bank under feature reuse
     assert report["recorded_entry_id"] and report["warnings"] == []
     assert len(record["outputs"]["9"]["images"]) == 5  # one region map per latent frame
+
+
+def test_a_match_made_for_another_latent_grid_is_refused_with_what_to_wire(comfy_server):
+    """Not a silent miss that says recording "queued" while its masks can never be stored."""
+    prompt = chorus_i2v_prompt(bank="e2e_other_grid", steps=STEPS)
+    prompt["7"] = {"class_type": "ChorusTestbedRequest", "inputs": {
+        "template": "pan", "subject": 0, "layout": 0, "latent_frames": 9, "latent_height": 16, "latent_width": 16}}
+    prompt["6"]["inputs"]["latent"] = ["7", 2]
+    record = comfy_server.run_prompt(prompt, timeout=300)
+    assert record["status"]["status_str"] == "error"
+    errors = [data for kind, data in record["status"]["messages"] if kind == "execution_error"]
+    assert [(e["node_id"], e["exception_message"].rstrip("\n")) for e in errors] == [(
+        "3", "Chorus Sparse Wan Sampler: the match was made for a latent of 9x8x8 tokens (frames x height x width), "
+             "but latent_image has 5x8x8. Wire the same latent into Similarity Match's latent and the sampler's "
+             "latent_image.")]
