@@ -57,7 +57,21 @@ def test_hit_sends_one_step_event_per_step_with_per_layer_shares(three_runs):
     starts = [e["data"] for e in events if e.get("type") == "chorus.run_start"]
     report = chorus_report(record)
     assert starts == [{"node": "3", "mode": "hit", "steps": STEPS, "mask_source": report["mask_source"],
-                       "entry_id": report["entry_id"], "similarity": report["similarity"]}]
+                       "entry_id": report["entry_id"], "similarity": report["similarity"],
+                       "components": report["components"], "max_density": 0.6}]
+
+
+def test_run_start_on_an_empty_bank_says_no_entry_was_compared(three_runs):
+    """The view shows "bank: no entries yet" from the first event on, not "best similarity 0.000"."""
+    _, events = three_runs["first"]
+    starts = [e["data"] for e in events if e.get("type") == "chorus.run_start"]
+    assert [(s["mode"], s["components"], s["max_density"]) for s in starts] == [("miss", {}, 0.6)]
+
+
+def test_the_report_times_its_sparse_steps_against_its_dense_step(three_runs):
+    for name in ("first", "similar"):
+        timings = chorus_report(three_runs[name][0])["timings"]
+        assert timings["dense_step_s"] > 0 and timings["sparse_step_s"] > 0, (name, timings)
 
 
 def test_dissimilar_request_misses(three_runs):
