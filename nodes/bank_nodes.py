@@ -102,18 +102,19 @@ def _name_max(root: str) -> int:
         return 255
 
 
-def _check_bank_name(name: str) -> str | None:
+def _check_bank_name(name: str, label: str = "bank name") -> str | None:
+    """What is wrong with ``name`` as a bank folder name; ``label`` says which input gave it."""
     if not name:
         return (f"{LOADER}: new_bank_name is empty. Enter the name of the bank to create (it is used when bank "
                 f"is '{NEW_BANK}'), or pick an existing bank.")
     if "\0" in name:
-        return f"{LOADER}: bank name {name!r} contains a NUL character, which no file system allows in a folder name."
+        return f"{LOADER}: {label} {name!r} contains a NUL character, which no file system allows in a folder name."
     if name != os.path.basename(name) or name.startswith(".") or any(c in name for c in '\\/:*?"<>|'):
-        return (f"{LOADER}: bank name {name!r} must be a plain folder name (no path separators, not starting "
+        return (f"{LOADER}: {label} {name!r} must be a plain folder name (no path separators, not starting "
                 f"with a dot); banks live in models/{BANK_FOLDER_KEY}.")
     size, limit = len(os.fsencode(name)), _name_max(_first_bank_root())
     if size > limit:
-        return f"{LOADER}: bank name is {size} bytes long; the file system allows at most {limit}. Use a shorter name."
+        return f"{LOADER}: {label} is {size} bytes long; the file system allows at most {limit}. Use a shorter name."
     return None
 
 
@@ -129,7 +130,7 @@ def bank_problem(bank: str | None, new_bank_name: str | None, read_only: bool | 
         return (f"{LOADER}: bank {bank!r} is not an existing bank (a folder of models/{BANK_FOLDER_KEY} holding "
                 f"bank.sqlite, or a named PostgreSQL bank). Pick one from the list, or '{NEW_BANK}' and a "
                 f"new_bank_name.")
-    problem = _check_bank_name(name)
+    problem = _check_bank_name(name, "new_bank_name" if bank == NEW_BANK else "bank")
     if problem:
         return problem
     if read_only and name not in existing:

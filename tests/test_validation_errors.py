@@ -103,11 +103,11 @@ def test_block_size_offers_exactly_the_sizes_validation_accepts(comfy_server):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("bad\x00name", "Chorus Mask Bank Loader: bank name 'bad\\x00name' contains a NUL character, which no file "
+    ("bad\x00name", "Chorus Mask Bank Loader: new_bank_name 'bad\\x00name' contains a NUL character, which no file "
                     "system allows in a folder name."),
-    ("é" * 128, "Chorus Mask Bank Loader: bank name is 256 bytes long; the file system allows at most 255. "
+    ("é" * 128, "Chorus Mask Bank Loader: new_bank_name is 256 bytes long; the file system allows at most 255. "
                 "Use a shorter name."),
-    ("../escape", "Chorus Mask Bank Loader: bank name '../escape' must be a plain folder name (no path "
+    ("../escape", "Chorus Mask Bank Loader: new_bank_name '../escape' must be a plain folder name (no path "
                   "separators, not starting with a dot); banks live in models/chorus_banks."),
     ("", "Chorus Mask Bank Loader: new_bank_name is empty. Enter the name of the bank to create (it is used when "
          "bank is '(create new bank)'), or pick an existing bank."),
@@ -135,7 +135,7 @@ def test_a_linked_bank_name_is_checked_when_the_loader_runs_and_nothing_is_creat
     prompt[LOADER]["inputs"]["new_bank_name"] = ["20", 0]
     errors = _execution_errors(comfy_server, prompt)
     assert [(e["node_id"], e["exception_message"].rstrip("\n")) for e in errors] == [
-        (LOADER, "Chorus Mask Bank Loader: bank name '../linked_escape' must be a plain folder name (no path "
+        (LOADER, "Chorus Mask Bank Loader: new_bank_name '../linked_escape' must be a plain folder name (no path "
                  "separators, not starting with a dot); banks live in models/chorus_banks.")]
     assert not (comfy_server.base_dir / "models" / "linked_escape").exists()
 
