@@ -514,6 +514,7 @@ class ReuseRun:
         if stats is not None:
             self.report.layers, self.report.density = _layer_rows(stats), _mean_density(stats)
             self.report.timings["sampling_s"] = round(stats.seconds or 0.0, 3)
+            self.report.timings.update(stats.step_timings())
             self.report.warnings.extend(stats.warnings)
             self.report.backend = stats.backend
             self.report.dense_backend = stats.dense_backend

@@ -262,6 +262,16 @@ class RunStats:
     def dense_calls(self) -> int:
         return sum(s.dense_calls for s in self.layers.values())
 
+    def step_timings(self) -> dict:
+        """Mean wall time of this run's all-dense steps and of its steps with sparse calls, when it
+        had both: the run's own measure of what sparse attention saved (the dense steps are the
+        warm-up, usually the first, so they also carry one-time costs). Empty otherwise."""
+        dense = [s.seconds for s in self.steps if not any(layer.sparse_calls for layer in s.layers.values())]
+        sparse = [s.seconds for s in self.steps if any(layer.sparse_calls for layer in s.layers.values())]
+        if not dense or not sparse:
+            return {}
+        return {"dense_step_s": round(sum(dense) / len(dense), 4), "sparse_step_s": round(sum(sparse) / len(sparse), 4)}
+
     def as_dict(self) -> dict:
         return {
             "total_steps": self.total_steps,

@@ -74,6 +74,9 @@ def bank_path(name: str) -> str:
     """Location of bank ``name``: its PostgreSQL URL when it is a named PostgreSQL bank (never
     show it: :func:`~chorus_core.bank.bank_url.redact`), its folder where it exists, else a
     folder under the first registered path."""
+    problem = _check_bank_name(name)
+    if problem:  # whatever validation let through (a linked name, a prompt ComfyUI did not check)
+        raise ValueError(problem)
     postgres = postgres_banks()
     if name in postgres:
         return postgres[name]
@@ -99,18 +102,40 @@ def _name_max(root: str) -> int:
         return 255
 
 
-def _check_bank_name(name: str) -> str | None:
+def _check_bank_name(name: str, label: str = "bank name") -> str | None:
+    """What is wrong with ``name`` as a bank folder name; ``label`` says which input gave it."""
     if not name:
         return (f"{LOADER}: new_bank_name is empty. Enter the name of the bank to create (it is used when bank "
                 f"is '{NEW_BANK}'), or pick an existing bank.")
     if "\0" in name:
-        return f"{LOADER}: bank name {name!r} contains a NUL character, which no file system allows in a folder name."
+        return f"{LOADER}: {label} {name!r} contains a NUL character, which no file system allows in a folder name."
     if name != os.path.basename(name) or name.startswith(".") or any(c in name for c in '\\/:*?"<>|'):
-        return (f"{LOADER}: bank name {name!r} must be a plain folder name (no path separators, not starting "
+        return (f"{LOADER}: {label} {name!r} must be a plain folder name (no path separators, not starting "
                 f"with a dot); banks live in models/{BANK_FOLDER_KEY}.")
     size, limit = len(os.fsencode(name)), _name_max(_first_bank_root())
     if size > limit:
-        return f"{LOADER}: bank name is {size} bytes long; the file system allows at most {limit}. Use a shorter name."
+        return f"{LOADER}: {label} is {size} bytes long; the file system allows at most {limit}. Use a shorter name."
+    return None
+
+
+def bank_problem(bank: str | None, new_bank_name: str | None, read_only: bool | None) -> str | None:
+    """What keeps the Loader from opening the bank it was given; None when nothing does (or when
+    a linked input leaves it unknown until the node runs). ComfyUI 0.3.64 does not check a V3
+    combo's value, so ``bank`` may be any string an API prompt sends."""
+    if bank is None or (bank == NEW_BANK and new_bank_name is None):
+        return None
+    name = _bank_name(bank, new_bank_name)
+    existing = existing_banks()
+    if bank != NEW_BANK and bank not in existing:
+        return (f"{LOADER}: bank {bank!r} is not an existing bank (a folder of models/{BANK_FOLDER_KEY} holding "
+                f"bank.sqlite, or a named PostgreSQL bank). Pick one from the list, or '{NEW_BANK}' and a "
+                f"new_bank_name.")
+    problem = _check_bank_name(name, "new_bank_name" if bank == NEW_BANK else "bank")
+    if problem:
+        return problem
+    if read_only and name not in existing:
+        return (f"{LOADER}: Bank {name!r} does not exist, so it cannot be opened read-only. Untick read_only to "
+                f"create it, or pick an existing bank.")
     return None
 
 
@@ -140,13 +165,10 @@ class ChorusMaskBankLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, new_bank_name):
-        # Only the name (see input_checks): a bad name is reported once, on new_bank_name, and
-        # ComfyUI still checks that `bank` is one of its options. A read-only bank that does not
-        # exist involves two inputs; opening it fails when the node runs, with what to do.
-        if new_bank_name is None:  # linked from another node: known only when the node runs
-            return True
-        return _check_bank_name(new_bank_name.strip()) or True
+    def validate_inputs(cls, bank, new_bank_name, read_only):
+        # The rule reads all three inputs (which name is used, and whether it must exist), so
+        # ComfyUI lists a failure under each; the web extension shows it once.
+        return bank_problem(bank, new_bank_name, read_only) or True
 
     @classmethod
     def fingerprint_inputs(cls, bank, new_bank_name, read_only):
@@ -154,7 +176,10 @@ class ChorusMaskBankLoader(io.ComfyNode):
         from ..chorus_core.bank.bank_url import is_bank_url, redact
         from ..chorus_core.bank_writer import default_writer
 
-        path = bank_path(_bank_name(bank, new_bank_name))
+        try:
+            path = bank_path(_bank_name(bank, new_bank_name))
+        except ValueError:
+            return float("nan")  # execute() runs and reports the bad name
         if not is_bank_url(path) and not os.path.isfile(os.path.join(path, "bank.sqlite")):
             return f"{path}:new"
         try:
@@ -170,6 +195,9 @@ class ChorusMaskBankLoader(io.ComfyNode):
     def execute(cls, bank, new_bank_name, read_only) -> io.NodeOutput:
         from ..chorus_core.bank import BankError, MaskBank
 
+        problem = bank_problem(bank, new_bank_name, read_only)
+        if problem:  # linked inputs are known only now
+            raise ValueError(problem)
         path = bank_path(_bank_name(bank, new_bank_name))
         try:
             opened = MaskBank.open(path, read_only=read_only, create=not read_only)
@@ -200,15 +228,17 @@ class ChorusSimilarityMatch(io.ComfyNode):
                 io.Float.Input("clip_weight", default=0.5, min=0.0, max=1.0, step=0.05, tooltip="Weight of the image embedding."),
                 io.Float.Input("text_weight", default=0.3, min=0.0, max=1.0, step=0.05, tooltip="Weight of the text conditioning."),
                 io.Float.Input("layout_weight", default=0.2, min=0.0, max=1.0, step=0.05, tooltip="Weight of the start-frame layout."),
-                io.Int.Input("block_size", default=128, min=16, max=256, step=16,
-                             tooltip="Tokens per mask block. 128 for the GPU kernel; smaller only for tiny test models."),
+                # A combo, not an Int: a slider of steps of 16 offered 48, 80, ... that validation refuses.
+                io.Combo.Input("block_size", options=list(BLOCK_SIZES), default=128,
+                               tooltip="Tokens per mask block. 128 for the GPU kernel; smaller only for tiny test models."),
             ],
             outputs=[MatchType.Output(display_name="match"), io.String.Output(display_name="summary")],
         )
 
     @classmethod
     def validate_inputs(cls, block_size):
-        # Only the input it checks (see input_checks), so its range is checked here too.
+        # Only the input it checks (see input_checks). ComfyUI 0.3.64 does not check a V3 combo's
+        # value, so an API prompt may still send any number here.
         if block_size is None:  # linked: known only when the node runs
             return True
         if block_size not in BLOCK_SIZES:

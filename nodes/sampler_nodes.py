@@ -30,6 +30,33 @@ def _parse_layers(text: str) -> tuple[int, ...]:
         raise ValueError(f"dense_layers must be comma-separated block indices such as '0, 39', got {text!r}") from None
 
 
+def run_start_payload(node_id, report, max_density: float) -> dict:
+    """The web view's "chorus.run_start" event: what the match found (components: empty when the
+    bank had no compatible entry), and the cap the view compares the layers' densities with."""
+    return {"node": node_id, "mode": report.mode, "steps": report.steps, "mask_source": report.mask_source,
+            "entry_id": report.entry_id, "similarity": report.similarity, "components": dict(report.components),
+            "max_density": max_density}
+
+
+def check_match_grid(match, latent_image: dict) -> None:
+    """Refuse a match made for a latent of another grid than the one sampled: its bank entries
+    cannot serve this run, and its masks could never be recorded (they would run as a miss
+    every time, with nothing to say why)."""
+    if match is None:
+        return
+    from ..chorus_core.reuse_run import layout_from_latent
+
+    wanted = tuple(match.request.layout.grid)
+    sampled = tuple(layout_from_latent(latent_image["samples"], match.request.layout.block_size[0]).grid)
+    if sampled != wanted:
+        def shown(grid):
+            return "x".join(map(str, grid))
+
+        raise ValueError(f"Chorus Sparse Wan Sampler: the match was made for a latent of {shown(wanted)} tokens "
+                         f"(frames x height x width), but latent_image has {shown(sampled)}. Wire the same latent "
+                         "into Similarity Match's latent and the sampler's latent_image.")
+
+
 def reuse_option_inputs() -> list:
     """The optional match and the reuse options: shared by this sampler and Chorus Sparse Attention."""
     return [
@@ -114,12 +141,11 @@ class ChorusSparseWanSampler(io.ComfyNode):
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
                                 record_on_miss, tag, dense_attention)
+        check_match_grid(match, latent_image)
         run = ReuseRun(model, match, options, SamplingSettings(steps, sampler_name, scheduler))
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patched = run.prepare(on_step=lambda payload: _send(STEP_EVENT, {"node": node_id, **payload}))
-        _send(RUN_START_EVENT, {"node": node_id, "mode": run.report.mode, "steps": steps,
-                                "mask_source": run.report.mask_source, "entry_id": run.report.entry_id,
-                                "similarity": run.report.similarity})
+        _send(RUN_START_EVENT, run_start_payload(node_id, run.report, max_density))
         try:
             (latent,) = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, positive,
                                                     negative, latent_image, denoise=denoise)

@@ -6,7 +6,7 @@ from comfy_api.latest import io
 
 from . import CATEGORY
 from .input_checks import density_range_problem
-from .sampler_nodes import RUN_START_EVENT, STEP_EVENT, _send, reuse_option_inputs, reuse_options
+from .sampler_nodes import RUN_START_EVENT, STEP_EVENT, _send, reuse_option_inputs, reuse_options, run_start_payload
 
 REPORT_EVENT = "chorus.report"
 
@@ -14,13 +14,11 @@ REPORT_EVENT = "chorus.report"
 class _NodeEvents:
     """The web view's events, sent under this node's id (the sampler that runs the model has none of ours)."""
 
-    def __init__(self, node_id):
-        self.node_id = node_id
+    def __init__(self, node_id, max_density: float):
+        self.node_id, self.max_density = node_id, max_density
 
     def run_start(self, report) -> None:
-        _send(RUN_START_EVENT, {"node": self.node_id, "mode": report.mode, "steps": report.steps,
-                                "mask_source": report.mask_source, "entry_id": report.entry_id,
-                                "similarity": report.similarity})
+        _send(RUN_START_EVENT, run_start_payload(self.node_id, report, self.max_density))
 
     def step(self, payload: dict) -> None:
         _send(STEP_EVENT, {"node": self.node_id, **payload})
@@ -62,7 +60,7 @@ class ChorusSparseAttention(io.ComfyNode):
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
                                 record_on_miss, tag, dense_attention)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        patch = ReusePatch(model, match, options, events=_NodeEvents(node_id))
+        patch = ReusePatch(model, match, options, events=_NodeEvents(node_id, max_density))
         return io.NodeOutput(patch.install())
 
 

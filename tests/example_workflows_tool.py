@@ -76,8 +76,9 @@ def wan21_i2v_chorus_extras(resolution: str) -> dict:
     prompt = wan21_i2v_chorus(resolution)
     prompt["17"] = {"class_type": "ChorusGuidanceEnhance", "inputs": {
         "model": ["1", 0], "method": "cross_attention", "strength": 0.1, "start": 0.1, "end": 1.0}}
+    # Feature Reuse stays off (strength 0): it costs quality (README); the node shows where it goes.
     prompt["18"] = {"class_type": "ChorusFeatureReuse", "inputs": {
-        "model": ["17", 0], "positive": ["9", 0], "latent": ["9", 2], "strength": 0.25, "cell": "1x2x2",
+        "model": ["17", 0], "positive": ["9", 0], "latent": ["9", 2], "strength": 0.0, "cell": "1x2x2",
         "start_percent": 0.3, "end_percent": 1.0, "rim": 1, "blend": True}}
     prompt["19"] = {"class_type": "PreviewImage", "inputs": {"images": ["18", 1]}}
     prompt["12"]["inputs"]["model"] = ["18", 0]
@@ -112,10 +113,67 @@ def wan21_i2v_chorus_compiled(resolution: str = "720p") -> dict:
     return prompt
 
 
+TESTBED_MODEL = "chorus_testbed_wan21_i2v.safetensors"  # tests/testbed/, 16 MB, in the repository
+
+
+def testbed_check_install() -> dict:
+    """The Chorus nodes on the built-in testbed model and a procedural request: no 30 GB of weights,
+    runs on a CPU in seconds. Queue it twice: a miss that records, then a hit."""
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": TESTBED_MODEL, "weight_dtype": "default"}},
+        "2": {"class_type": "ChorusTestbedRequest", "inputs": {
+            "template": "pan", "subject": 0, "layout": 0, "latent_frames": 5, "latent_height": 16, "latent_width": 16}},
+        "3": {"class_type": "ChorusSparseWanSampler", "inputs": {
+            "model": ["1", 0], "positive": ["2", 0], "negative": ["2", 1], "latent_image": ["2", 2],
+            "match": ["6", 0], "seed": 0, "steps": 8, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple",
+            "denoise": 1.0, "dense_warmup_steps": 1, "dense_layers": "", "miss_mode": "online", "top_p": 0.9,
+            "min_density": 0.1, "max_density": 0.6, "record_on_miss": True, "tag": "pan", "dense_attention": "auto"}},
+        "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "chorus_testbed"}},
+        "5": {"class_type": "ChorusMaskBankLoader", "inputs": {
+            "bank": "(create new bank)", "new_bank_name": "chorus_testbed", "read_only": False}},
+        "6": {"class_type": "ChorusSimilarityMatch", "inputs": {
+            "mask_bank": ["5", 0], "model": ["1", 0], "clip_vision_output": ["2", 3], "positive": ["2", 0],
+            "latent": ["2", 2], "start_latent": ["2", 4], "threshold": 0.9, "clip_weight": 0.5, "text_weight": 0.3,
+            "layout_weight": 0.2, "block_size": 32}},
+        "7": {"class_type": "PreviewAny", "inputs": {"source": ["6", 1]}},
+    }
+
+
 WORKFLOWS = {f"chorus_wan21_i2v_{r}": (lambda r=r: wan21_i2v_chorus(r)) for r in ("480p", "720p")}
 WORKFLOWS["chorus_wan21_i2v_720p_torch_compile"] = wan21_i2v_chorus_compiled
 WORKFLOWS["chorus_wan21_i2v_480p_guidance_feature_reuse"] = lambda: wan21_i2v_chorus_extras("480p")
 WORKFLOWS["chorus_wan21_i2v_480p_sampler_custom_advanced"] = wan21_i2v_chorus_model_patch
+WORKFLOWS["chorus_testbed_check_install"] = testbed_check_install
+
+_WAN_FILES = ("Needs the Wan 2.1 files of ComfyUI's own templates: {model} (diffusion_models), "
+              f"{TEXT_ENCODER} (text_encoders), {CLIP_VISION} (clip_vision), {VAE} (vae).")
+# The template browser shows only file names (frontends 1.27.10 and 1.58.1 read no title or
+# description for a custom node's templates), so each graph carries its own, in a note.
+TEMPLATES = {
+    "chorus_wan21_i2v_480p": ("Chorus: Wan 2.1 image-to-video, 480p", (
+        "Mask Bank Loader, Similarity Match and the Sparse Wan Sampler around Wan 2.1 I2V 14B. The first run of a "
+        "request is a miss that records its sparse attention masks; a similar later request hits and reuses them. "
+        + _WAN_FILES.format(model=MODEL_FILES["480p"]))),
+    "chorus_wan21_i2v_720p": ("Chorus: Wan 2.1 image-to-video, 720p", (
+        "The 480p graph at 1280x720, where sparse attention saves the most. "
+        + _WAN_FILES.format(model=MODEL_FILES["720p"]))),
+    "chorus_wan21_i2v_720p_torch_compile": ("Chorus: Wan 2.1 I2V 720p, compiled", (
+        "ComfyUI's TorchCompileModel on the model: a hit compiles into one graph, the fastest path measured. Needs "
+        "Triton; the first run at each resolution compiles first. " + _WAN_FILES.format(model=MODEL_FILES["720p"]))),
+    "chorus_wan21_i2v_480p_guidance_feature_reuse": ("Chorus: Wan 2.1 I2V 480p with Guidance Enhance", (
+        "Guidance Enhance (cross_attention, 0.1) in front of the sampler recovers content lost to reuse. Feature "
+        "Reuse is wired but off (strength 0): it costs quality; raise it only to try it. "
+        + _WAN_FILES.format(model=MODEL_FILES["480p"]))),
+    "chorus_wan21_i2v_480p_sampler_custom_advanced": ("Chorus: Wan 2.1 I2V 480p, any sampler", (
+        "Chorus Sparse Attention patches the MODEL, so SamplerCustomAdvanced (or any sampler) runs with the bank's "
+        "masks. " + _WAN_FILES.format(model=MODEL_FILES["480p"]))),
+    "chorus_testbed_check_install": ("Chorus: check an install on the testbed model", (
+        "Runs in seconds on a CPU, with no download: copy tests/testbed/" + TESTBED_MODEL + " from this pack into "
+        "models/diffusion_models, then queue twice. The first run is a miss that records (the view on the sampler "
+        "says MISS and what it recorded), the second a HIT of that entry.")),
+}
+NOTE_TYPE = "MarkdownNote"  # a frontend-only node: not in /object_info, never in the API prompt
+NOTE_SIZE = [640, 200]
 
 
 def _inputs_in_order(spec: dict) -> list[tuple[str, list]]:
@@ -183,11 +241,12 @@ def layout(prompt: dict, object_info: dict, sizes: dict[str, list]) -> dict[str,
     return positions
 
 
-def api_to_ui(prompt: dict, object_info: dict, sizes: dict | None = None) -> dict:
+def api_to_ui(prompt: dict, object_info: dict, sizes: dict | None = None, note: tuple[str, str] | None = None) -> dict:
     """A UI-format workflow equivalent to the API-format ``prompt``.
 
     :param sizes: node id -> [width, height] as the frontend draws the node (``--measure`` finds
         them); an estimate for nodes without one.
+    :param note: (title, description) shown in a note below the graph.
     """
     sizes = {n: list((sizes or {}).get(n) or estimated_size(object_info[node["class_type"]]))
              for n, node in prompt.items()}
@@ -206,8 +265,20 @@ def api_to_ui(prompt: dict, object_info: dict, sizes: dict | None = None) -> dic
     depth = _depths(prompt)
     for order, node_id in enumerate(sorted(prompt, key=lambda n: (depth[n], int(n)))):
         _fill_node(nodes[node_id], prompt[node_id], object_info, nodes, links, order)
-    return {"last_node_id": max(int(n) for n in prompt), "last_link_id": len(links), "nodes": list(nodes.values()),
+    if note is not None:
+        note_id = str(max(int(n) for n in prompt) + 1)
+        nodes[note_id] = _note_node(int(note_id), note, positions, sizes, len(prompt))
+    return {"last_node_id": max(int(n) for n in nodes), "last_link_id": len(links), "nodes": list(nodes.values()),
             "links": links, "groups": [], "config": {}, "extra": {"frontendVersion": "1.27.10"}, "version": 0.4}
+
+
+def _note_node(node_id: int, note: tuple[str, str], positions: dict, sizes: dict, order: int) -> dict:
+    """The template's title and description, below the lowest node."""
+    title, description = note
+    bottom = max(positions[n][1] + sizes[n][1] for n in positions)
+    return {"id": node_id, "type": NOTE_TYPE, "title": title, "pos": [40, bottom + GAP + TITLE_HEIGHT],
+            "size": list(NOTE_SIZE), "flags": {}, "order": order, "mode": 0, "inputs": [], "outputs": [],
+            "properties": {}, "widgets_values": [f"## {title}\n\n{description}"]}
 
 
 def sizes_of(ui: dict) -> dict[str, list]:
@@ -242,7 +313,8 @@ def write_examples(object_info: dict, sizes: dict, out: Path = EXAMPLES) -> list
     written = []
     for name, build in WORKFLOWS.items():
         prompt = build()
-        (out / f"{name}.json").write_text(json.dumps(api_to_ui(prompt, object_info, sizes.get(name)), indent=1) + "\n")
+        ui = api_to_ui(prompt, object_info, sizes.get(name), TEMPLATES[name])
+        (out / f"{name}.json").write_text(json.dumps(ui, indent=1) + "\n")
         (out / "api" / f"{name}_api.json").write_text(json.dumps(prompt, indent=1) + "\n")
         written += [out / f"{name}.json", out / "api" / f"{name}_api.json"]
     return written
@@ -344,7 +416,8 @@ def main() -> int:
                         known[node_id] = [max(old[0], w), max(old[1], h)]
                 if not extra:
                     for name, build in WORKFLOWS.items():
-                        save_thumbnail(driver, api_to_ui(build(), object_info, sizes[name]), EXAMPLES / f"{name}.jpg")
+                        save_thumbnail(driver, api_to_ui(build(), object_info, sizes[name], TEMPLATES[name]),
+                                       EXAMPLES / f"{name}.jpg")
             finally:
                 driver.quit()
     for path in write_examples(object_info, sizes):

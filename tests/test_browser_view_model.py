@@ -9,7 +9,8 @@ import pytest
 from conftest import REPO_ROOT
 
 SCRIPT = """
-import { keptDensity, labelStride, layerBars, sourceKind, summarise } from "%s";
+import { cappedByMaxDensity, keptDensity, labelStride, layerBars, sourceKind, summarise } from "%s";
+import { chorusErrorsOnce } from "%s";
 const layers = [
   { layer: 0, sparse_share: 0, density: null },      // a dense layer
   { layer: 1, sparse_share: 0.75, density: 0.2 },    // 3 of 4 steps sparse: warm-up not in density
@@ -26,7 +27,26 @@ console.log(JSON.stringify({
   below: summarise({ mode: "miss", mask_source: "population prior of 3 entries", similarity: 0.71,
                      components: { clip: 0.7 }, layers }),
   dense: sourceKind({ mode: "miss", mask_source: "dense" }),
-  measured: summarise({ mode: "hit", layers, timings: { attention_saved_ms: 12345 } }).saved,
+  measured: summarise({ mode: "hit", layers, step: 4, steps: 4, timings: { dense_step_s: 0.5, sparse_step_s: 0.2 } }).saved,
+  slower: summarise({ mode: "hit", layers, step: 4, steps: 4, timings: { dense_step_s: 0.2, sparse_step_s: 0.25 } }).saved,
+  untimed: summarise({ mode: "hit", layers, step: 4, steps: 4 }).saved,
+  capped: summarise({ mode: "miss", mask_source: "online prediction", max_density: 0.6, layers: [
+    { layer: 0, sparse_share: 0.75, density: 0.6 }, { layer: 1, sparse_share: 0.75, density: 0.6 }] }).density,
+  capped_one_block_below: cappedByMaxDensity({ max_density: 0.65, layers: [{ layer: 0, sparse_share: 1, density: 0.6 }] }),
+  not_capped: [cappedByMaxDensity(hit), cappedByMaxDensity({ ...hit, max_density: 0.4 })],
+  errors: chorusErrorsOnce({
+    "5": { class_type: "ChorusMaskBankLoader", errors: ["bank", "new_bank_name", "read_only"].map((name) => ({
+      type: "custom_validation_failed", details: `${name} - Chorus Mask Bank Loader: new_bank_name 'a/b' must be plain`,
+      extra_info: { input_name: name } })) },
+    "3": { class_type: "ChorusSparseWanSampler", errors: [
+      { type: "custom_validation_failed", details: "max_density - min_density (0.7) must not exceed max_density (0.6).",
+        extra_info: { input_name: "max_density" } },
+      { type: "custom_validation_failed", details: "min_density - min_density (0.7) must not exceed max_density (0.6).",
+        extra_info: { input_name: "min_density" } },
+      { type: "value_bigger_than_max", details: "top_p", extra_info: { input_name: "top_p" } }] },
+    "9": { class_type: "KSampler", errors: [1, 2].map(() => ({ type: "custom_validation_failed", details: "x - same",
+      extra_info: { input_name: "x" } })) },
+  }),
   strides: [labelStride(2), labelStride(10), labelStride(40)],
 }));
 """
@@ -36,8 +56,8 @@ def test_the_view_says_source_entry_density_and_saving_at_a_glance():
     node = shutil.which("node")
     if node is None:
         pytest.fail("Node.js is needed for the web extension's unit test (install nodejs)")
-    module = (REPO_ROOT / "web" / "chorus_view_model.js").as_uri()
-    result = subprocess.run([node, "--input-type=module", "-e", SCRIPT % module], capture_output=True, text=True,
+    module, errors = ((REPO_ROOT / "web" / name).as_uri() for name in ("chorus_view_model.js", "chorus_node_errors.js"))
+    result = subprocess.run([node, "--input-type=module", "-e", SCRIPT % (module, errors)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
@@ -45,7 +65,9 @@ def test_the_view_says_source_entry_density_and_saving_at_a_glance():
         "kind": "hit", "badge": "HIT", "colour": "#2fb37a", "meaning": "reusing the masks of a similar earlier request",
         "entry": "entry 0123456789ab… · similarity 0.953", "step": "step 3/4",
         "density": "kept density 53% (warm-up excluded)",  # (1 + 0.2 + 0.4) / 3
-        "saved": "attention blocks skipped 47% (time not measured)"}
+        "saved": "attention blocks skipped 47% (step times come at the end)",
+        "savedMeaning": "Mean wall time of this run's sparse steps against its dense warm-up step (usually the first, "
+                        "so it also carries one-time costs); without both, the share of attention blocks skipped."}
     assert [(b["label"], b["kept"], b["dense"]) for b in out["bars"]] == [("L0", 1, True), ("L1", 0.2, False),
                                                                          ("L2", 0.4, False)]
     assert out["kept"] == pytest.approx(1.6 / 3)
@@ -54,5 +76,13 @@ def test_the_view_says_source_entry_density_and_saving_at_a_glance():
     assert out["empty_bank"] == "bank: no entries yet to match"
     assert (out["below"]["badge"], out["below"]["entry"]) == ("MISS · prior", "best similarity 0.710, below threshold")
     assert out["dense"] == "dense"
-    assert out["measured"] == "attention time saved 12.3 s"
+    assert out["measured"] == "sparse step 0.20 s vs dense step 0.50 s: 60% faster"
+    assert out["slower"] == "sparse step 0.25 s vs dense step 0.20 s: 25% slower"
+    assert out["untimed"] == "attention blocks skipped 47% (no dense step to time against)"
+    assert out["capped"] == "kept density 60% (warm-up excluded), capped by max_density"
+    assert out["capped_one_block_below"] is True and out["not_capped"] == [False, False]
+    errors = out["errors"]
+    assert [e["extra_info"]["input_name"] for e in errors["5"]["errors"]] == ["new_bank_name"]
+    assert [e["extra_info"]["input_name"] for e in errors["3"]["errors"]] == ["min_density", "top_p"]
+    assert len(errors["9"]["errors"]) == 2  # not a Chorus node: as the server sent it
     assert out["strides"] == [1, 1, 4]

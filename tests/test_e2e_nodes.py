@@ -57,7 +57,21 @@ def test_hit_sends_one_step_event_per_step_with_per_layer_shares(three_runs):
     starts = [e["data"] for e in events if e.get("type") == "chorus.run_start"]
     report = chorus_report(record)
     assert starts == [{"node": "3", "mode": "hit", "steps": STEPS, "mask_source": report["mask_source"],
-                       "entry_id": report["entry_id"], "similarity": report["similarity"]}]
+                       "entry_id": report["entry_id"], "similarity": report["similarity"],
+                       "components": report["components"], "max_density": 0.6}]
+
+
+def test_run_start_on_an_empty_bank_says_no_entry_was_compared(three_runs):
+    """The view shows "bank: no entries yet" from the first event on, not "best similarity 0.000"."""
+    _, events = three_runs["first"]
+    starts = [e["data"] for e in events if e.get("type") == "chorus.run_start"]
+    assert [(s["mode"], s["components"], s["max_density"]) for s in starts] == [("miss", {}, 0.6)]
+
+
+def test_the_report_times_its_sparse_steps_against_its_dense_step(three_runs):
+    for name in ("first", "similar"):
+        timings = chorus_report(three_runs[name][0])["timings"]
+        assert timings["dense_step_s"] > 0 and timings["sparse_step_s"] > 0, (name, timings)
 
 
 def test_dissimilar_request_misses(three_runs):
@@ -99,3 +113,18 @@ def test_optional_nodes_chain_in_front_of_the_sampler(comfy_server):
     # recorded steps run at full resolution, so a miss still fills the bank under feature reuse
     assert report["recorded_entry_id"] and report["warnings"] == []
     assert len(record["outputs"]["9"]["images"]) == 5  # one region map per latent frame
+
+
+def test_a_match_made_for_another_latent_grid_is_refused_with_what_to_wire(comfy_server):
+    """Not a silent miss that says recording "queued" while its masks can never be stored."""
+    prompt = chorus_i2v_prompt(bank="e2e_other_grid", steps=STEPS)
+    prompt["7"] = {"class_type": "ChorusTestbedRequest", "inputs": {
+        "template": "pan", "subject": 0, "layout": 0, "latent_frames": 9, "latent_height": 16, "latent_width": 16}}
+    prompt["6"]["inputs"]["latent"] = ["7", 2]
+    record = comfy_server.run_prompt(prompt, timeout=300)
+    assert record["status"]["status_str"] == "error"
+    errors = [data for kind, data in record["status"]["messages"] if kind == "execution_error"]
+    assert [(e["node_id"], e["exception_message"].rstrip("\n")) for e in errors] == [(
+        "3", "Chorus Sparse Wan Sampler: the match was made for a latent of 9x8x8 tokens (frames x height x width), "
+             "but latent_image has 5x8x8. Wire the same latent into Similarity Match's latent and the sampler's "
+             "latent_image.")]

@@ -8,7 +8,8 @@ import urllib.request
 import pytest
 
 from conftest import REPO_ROOT
-from example_workflows_tool import SAMPLER_TYPES, TITLE_HEIGHT, WORKFLOWS, api_to_ui, sizes_of
+from example_workflows_tool import (NOTE_TYPE, SAMPLER_TYPES, TEMPLATES, TESTBED_MODEL, TITLE_HEIGHT, WORKFLOWS,
+                                    api_to_ui, sizes_of)
 from workflows import chorus_i2v_prompt
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +26,7 @@ def test_ui_workflow_types_and_links_match_object_info(name, object_info):
     ui = json.loads((EXAMPLES / f"{name}.json").read_text())
     nodes = {node["id"]: node for node in ui["nodes"]}
     for node in ui["nodes"]:
-        assert node["type"] in object_info, f"{name}: unknown node type {node['type']}"
+        assert node["type"] in object_info or node["type"] == NOTE_TYPE, f"{name}: unknown node type {node['type']}"
     for link_id, origin, origin_slot, target, target_slot, kind in ui["links"]:
         origin_spec = object_info[nodes[origin]["type"]]
         assert origin_spec["output"][origin_slot] == kind, f"{name}: link {link_id} output type"
@@ -40,7 +41,7 @@ def test_ui_file_is_derived_from_its_api_twin(name, object_info):
     api = json.loads((EXAMPLES / "api" / f"{name}_api.json").read_text())
     assert api == WORKFLOWS[name]()
     ui = json.loads((EXAMPLES / f"{name}.json").read_text())
-    assert ui == api_to_ui(api, object_info, sizes_of(ui))
+    assert ui == api_to_ui(api, object_info, sizes_of(ui), TEMPLATES[name])
 
 
 def _rectangles(ui):
@@ -57,7 +58,7 @@ def test_no_two_nodes_overlap_and_outputs_sit_beside_the_sampler(name, object_in
                    and boxes[a][1] < boxes[b][3] and boxes[b][1] < boxes[a][3]]
     assert overlapping == []
     sampler = next(node["id"] for node in ui["nodes"] if node["type"] in SAMPLER_TYPES)
-    outputs = [node["id"] for node in ui["nodes"] if object_info[node["type"]].get("output_node")]
+    outputs = [node["id"] for node in ui["nodes"] if object_info.get(node["type"], {}).get("output_node")]
     assert len(outputs) >= 2
     assert [n for n in outputs if boxes[n][0] < boxes[sampler][2]] == []  # right of the sampler, not on it
 
@@ -73,6 +74,39 @@ def test_every_template_has_a_thumbnail_the_server_serves(name, comfy_server):
     with urllib.request.urlopen(f"{comfy_server.url}/api/workflow_templates/chorus/{name}.jpg", timeout=30) as response:
         assert response.headers["Content-Type"] == "image/jpeg"
         assert response.read() == thumbnail.read_bytes()
+
+
+@pytest.mark.parametrize("name", sorted(WORKFLOWS))
+def test_every_template_carries_its_title_and_description_in_a_note(name):
+    """The template browser shows only the file name: the graph says what it is and what it needs."""
+    ui = json.loads((EXAMPLES / f"{name}.json").read_text())
+    notes = [node for node in ui["nodes"] if node["type"] == NOTE_TYPE]
+    title, description = TEMPLATES[name]
+    assert [(note["title"], note["widgets_values"]) for note in notes] == [(title, [f"## {title}\n\n{description}"])]
+    assert len(set(title for title, _ in TEMPLATES.values())) == len(TEMPLATES)
+
+
+def test_the_guidance_example_leaves_feature_reuse_off():
+    """The README: Feature Reuse costs quality and is off by default; the example must not turn it on."""
+    api = json.loads((EXAMPLES / "api" / "chorus_wan21_i2v_480p_guidance_feature_reuse_api.json").read_text())
+    reuse = [node for node in api.values() if node["class_type"] == "ChorusFeatureReuse"]
+    assert [node["inputs"]["strength"] for node in reuse] == [0.0]
+
+
+def test_the_testbed_template_runs_on_the_built_in_model_a_miss_then_a_hit(comfy_server):
+    import shutil
+
+    shutil.copyfile(REPO_ROOT / "tests" / "testbed" / TESTBED_MODEL,
+                    comfy_server.base_dir / "models" / "diffusion_models" / TESTBED_MODEL)
+    api = json.loads((EXAMPLES / "api" / "chorus_testbed_check_install_api.json").read_text())
+    api["5"]["inputs"]["new_bank_name"] = "example_testbed_check"  # a bank of this test only
+    reports = []
+    for _ in range(2):
+        record = comfy_server.run_prompt(api, timeout=300)
+        assert record["status"]["status_str"] == "success", record["status"]
+        reports.append(record["outputs"]["3"]["chorus_report"][0])
+    assert reports[0]["mode"] == "miss" and reports[0]["recorded_entry_id"]
+    assert reports[1]["mode"] == "hit" and reports[1]["entry_id"] == reports[0]["recorded_entry_id"]
 
 
 def test_the_template_browser_lists_exactly_the_ui_workflows(comfy_server):

@@ -53,10 +53,13 @@ def flush_writes(sampler_nodes):
 
 
 def test_bank_loader_refuses_path_like_names(pack):
-    loader = pack[0].ChorusMaskBankLoader
-    assert "plain folder name" in loader.validate_inputs("../escape")
-    assert loader.validate_inputs("bad\x00").startswith("Chorus Mask Bank Loader:")
-    assert loader.validate_inputs("fresh") is True
+    loader, new = pack[0].ChorusMaskBankLoader, pack[0].NEW_BANK
+    assert "plain folder name" in loader.validate_inputs(new, "../escape", False)
+    assert loader.validate_inputs(new, "bad\x00", False).startswith("Chorus Mask Bank Loader:")
+    assert loader.validate_inputs(new, "fresh", False) is True
+    assert "is not an existing bank" in loader.validate_inputs("../escape", "fresh", False)
+    with pytest.raises(ValueError, match="plain folder name"):
+        loader.execute(new, "../escape", False)
 
 
 def test_bank_loader_cache_key_follows_the_bank_content(pack, tiny_wan_patcher):

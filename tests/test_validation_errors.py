@@ -1,10 +1,11 @@
-"""Bad prompts posted to a real ComfyUI server: each problem is reported once, on its own input.
+"""Bad prompts posted to a real ComfyUI server: each problem is reported on the inputs its rule reads.
 
 ComfyUI 0.3.64 shows a failed ``validate_inputs`` on every input the method takes, so each
 node's method takes only the inputs of its rule: a one-input problem gives exactly one error on
 that input, a two-input rule (min_density <= max_density, start <= end) one error on each of its
-two inputs, and no other input of the node is marked. Rules that read inputs ComfyUI does not
-give to validation are reported once when the node runs.
+two inputs, the Mask Bank Loader's rule (which name, must it exist) one on each of its three,
+and no other input of the node is marked. Rules that read inputs ComfyUI does not give to
+validation (a linked value) are reported once when the node runs.
 """
 
 import json
@@ -83,19 +84,60 @@ def test_block_size_is_one_error_on_block_size(comfy_server):
         ("block_size", "custom_validation_failed", f"block_size - {message}")]}
 
 
+LOADER_INPUTS = ("bank", "new_bank_name", "read_only")  # the Loader's rule reads all three
+
+
+def _loader_error(message):
+    """A Loader problem as ComfyUI lists it: once under each input its rule reads (the web
+    extension shows it once, see test_browser_reuse_view)."""
+    return {LOADER: [(name, "custom_validation_failed", f"{name} - {message}") for name in LOADER_INPUTS]}
+
+
+def test_block_size_offers_exactly_the_sizes_validation_accepts(comfy_server):
+    spec = comfy_server.get_json("/object_info/ChorusSimilarityMatch")["ChorusSimilarityMatch"]
+    kind, options = spec["input"]["required"]["block_size"]
+    assert (kind, options["options"], options["default"]) == ("COMBO", [16, 32, 64, 128, 256], 128)
+    for size in options["options"]:
+        status, answer = _post(comfy_server, _with({"6.block_size": size, "3.max_density": 2.0}))
+        assert set(answer["node_errors"]) == {SAMPLER}, size  # refused for max_density only
+
+
 @pytest.mark.parametrize("name, message", [
-    ("bad\x00name", "Chorus Mask Bank Loader: bank name 'bad\\x00name' contains a NUL character, which no file "
+    ("bad\x00name", "Chorus Mask Bank Loader: new_bank_name 'bad\\x00name' contains a NUL character, which no file "
                     "system allows in a folder name."),
-    ("é" * 128, "Chorus Mask Bank Loader: bank name is 256 bytes long; the file system allows at most 255. "
+    ("é" * 128, "Chorus Mask Bank Loader: new_bank_name is 256 bytes long; the file system allows at most 255. "
                 "Use a shorter name."),
-    ("../escape", "Chorus Mask Bank Loader: bank name '../escape' must be a plain folder name (no path "
+    ("../escape", "Chorus Mask Bank Loader: new_bank_name '../escape' must be a plain folder name (no path "
                   "separators, not starting with a dot); banks live in models/chorus_banks."),
     ("", "Chorus Mask Bank Loader: new_bank_name is empty. Enter the name of the bank to create (it is used when "
          "bank is '(create new bank)'), or pick an existing bank."),
 ], ids=["nul", "256-bytes", "path", "empty"])
-def test_a_bad_bank_name_is_one_error_on_new_bank_name_with_the_loader_prefix(comfy_server, name, message):
-    assert _errors(comfy_server, _with({"5.new_bank_name": name})) == {LOADER: [
-        ("new_bank_name", "custom_validation_failed", f"new_bank_name - {message}")]}
+def test_a_bad_new_bank_name_is_refused_with_the_loader_prefix(comfy_server, name, message):
+    assert _errors(comfy_server, _with({"5.new_bank_name": name})) == _loader_error(message)
+
+
+@pytest.mark.parametrize("bank", ["../etc", "/tmp/chorus_abs_bank", "not_a_bank_yet", ""])
+def test_a_bank_combo_value_that_is_no_existing_bank_is_refused_and_nothing_is_created(comfy_server, bank):
+    # ComfyUI 0.3.64 does not check a V3 combo's value: the Loader must.
+    models = comfy_server.base_dir / "models"
+    before = sorted(str(p.relative_to(models)) for p in models.rglob("*"))
+    message = (f"Chorus Mask Bank Loader: bank {bank!r} is not an existing bank (a folder of models/chorus_banks "
+               "holding bank.sqlite, or a named PostgreSQL bank). Pick one from the list, or '(create new bank)' "
+               "and a new_bank_name.")
+    assert _errors(comfy_server, _with({"5.bank": bank})) == _loader_error(message)
+    assert sorted(str(p.relative_to(models)) for p in models.rglob("*")) == before
+    assert not (models / "etc").exists() and not (comfy_server.base_dir / "etc").exists()
+
+
+def test_a_linked_bank_name_is_checked_when_the_loader_runs_and_nothing_is_created(comfy_server):
+    prompt = _prompt()
+    prompt["20"] = {"class_type": "PrimitiveString", "inputs": {"value": "../linked_escape"}}
+    prompt[LOADER]["inputs"]["new_bank_name"] = ["20", 0]
+    errors = _execution_errors(comfy_server, prompt)
+    assert [(e["node_id"], e["exception_message"].rstrip("\n")) for e in errors] == [
+        (LOADER, "Chorus Mask Bank Loader: new_bank_name '../linked_escape' must be a plain folder name (no path "
+                 "separators, not starting with a dot); banks live in models/chorus_banks.")]
+    assert not (comfy_server.base_dir / "models" / "linked_escape").exists()
 
 
 def test_a_255_byte_bank_name_passes_validation(comfy_server):
@@ -107,7 +149,7 @@ def test_three_problems_in_three_nodes_give_exactly_their_errors(comfy_server):
     prompt = _with({"5.new_bank_name": "a/b", "6.block_size": 100, "3.min_density": 0.9})
     errors = _errors(comfy_server, prompt)
     assert {node_id: [e[0] for e in found] for node_id, found in errors.items()} == {
-        LOADER: ["new_bank_name"], MATCH: ["block_size"], SAMPLER: ["max_density", "min_density"]}
+        LOADER: sorted(LOADER_INPUTS), MATCH: ["block_size"], SAMPLER: ["max_density", "min_density"]}
 
 
 def test_guidance_and_feature_reuse_windows_are_reported_on_their_two_inputs(comfy_server):
@@ -140,9 +182,16 @@ def test_malformed_dense_layers_fails_once_when_the_sampler_runs(comfy_server):
         (SAMPLER, "dense_layers must be comma-separated block indices such as '0, 39', got '0, x'")]
 
 
-def test_a_missing_read_only_bank_fails_once_when_the_loader_runs(comfy_server):
-    errors = _execution_errors(comfy_server, _prompt(bank="never_created_bank") | {
-        LOADER: {"class_type": "ChorusMaskBankLoader", "inputs": {
-            "bank": "(create new bank)", "new_bank_name": "never_created_bank", "read_only": True}}})
-    assert [e["node_id"] for e in errors] == [LOADER]
-    assert errors[0]["exception_message"].startswith("Chorus Mask Bank Loader: No mask bank at ")
+def test_a_missing_read_only_bank_is_refused_at_validation(comfy_server):
+    prompt = _with({"5.new_bank_name": "never_created_bank", "5.read_only": True})
+    assert _errors(comfy_server, prompt) == _loader_error(
+        "Chorus Mask Bank Loader: Bank 'never_created_bank' does not exist, so it cannot be opened read-only. "
+        "Untick read_only to create it, or pick an existing bank.")
+    assert not (comfy_server.base_dir / "models" / "chorus_banks" / "never_created_bank").exists()
+
+
+def test_an_existing_bank_opens_read_only_by_its_combo_value_whatever_new_bank_name_says(comfy_server):
+    comfy_server.run_prompt(_prompt(bank="validation_existing"), timeout=300)  # creates it
+    prompt = _with({"5.bank": "validation_existing", "5.new_bank_name": "", "5.read_only": True})
+    record = comfy_server.run_prompt(prompt, timeout=300)
+    assert record["status"]["status_str"] == "success", record["status"]

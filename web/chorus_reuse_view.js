@@ -7,6 +7,7 @@
 // canvas and the Vue nodes ("Nodes 2.0", setting Comfy.VueNodes.Enabled).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { chorusErrorsOnce } from "./chorus_node_errors.js";
 import { resolveNodePath } from "./chorus_node_paths.js";
 import { DENSE_COLOUR, labelStride, layerBars, percent, summarise } from "./chorus_view_model.js";
 
@@ -27,9 +28,12 @@ function element(tag, className, text) {
 
 function buildView() {
   const root = element("div", "chorus-reuse-view");
-  root.style.cssText = `box-sizing:border-box;width:100%;height:${VIEW_HEIGHT}px;padding:4px 6px;` +
-    "background:rgba(0,0,0,0.35);border-radius:6px;font:11px sans-serif;color:#ddd;overflow:hidden;" +
-    "display:flex;flex-direction:column;gap:2px;pointer-events:none";
+  // flex:none and min-height: the Vue renderer puts widgets in a column whose children all get
+  // flex:1 (basis 0), which squashed the view to a strip. The view takes the pointer (no
+  // pointer-events:none), or its per-layer tooltips never show.
+  root.style.cssText = `box-sizing:border-box;width:100%;height:${VIEW_HEIGHT}px;min-height:${VIEW_HEIGHT}px;` +
+    "flex:none;padding:4px 6px;background:rgba(0,0,0,0.35);border-radius:6px;font:11px sans-serif;" +
+    "color:#ddd;overflow:hidden;display:flex;flex-direction:column;gap:2px";
   root.innerHTML =
     '<div class="chorus-head" style="display:flex;gap:6px;align-items:center;white-space:nowrap">' +
     '<span class="chorus-badge" style="padding:0 5px;border-radius:3px;color:#111;font-weight:bold"></span>' +
@@ -55,6 +59,7 @@ function render(view, report) {
   view.querySelector(".chorus-step").textContent = summary.step;
   view.querySelector(".chorus-density").textContent = summary.density;
   view.querySelector(".chorus-saved").textContent = summary.saved;
+  view.querySelector(".chorus-saved").title = summary.savedMeaning;
   const bars = layerBars(report);
   const stride = labelStride(bars.length);
   view.querySelector(".chorus-bars").replaceChildren(...bars.map((bar) => {
@@ -123,6 +128,22 @@ function onReport({ detail }) {
   if (detail?.chorus_report && detail.node) showFinal(detail.node, detail.chorus_report);
 }
 
+// The app queues through api.queuePrompt and shows the node_errors of its answer (or of the
+// error it throws): list each Chorus problem once there (see chorus_node_errors.js).
+function listChorusErrorsOnce() {
+  const queuePrompt = api.queuePrompt.bind(api);
+  api.queuePrompt = async (...args) => {
+    try {
+      const answer = await queuePrompt(...args);
+      chorusErrorsOnce(answer?.node_errors);
+      return answer;
+    } catch (error) {
+      chorusErrorsOnce(error?.response?.node_errors);
+      throw error;
+    }
+  };
+}
+
 // ComfyUI may serve this folder under two names (WEB_DIRECTORY and pyproject's [tool.comfy] web);
 // the module then loads twice, and only the first copy registers.
 if (!window.chorusReuseReports) {
@@ -130,6 +151,7 @@ if (!window.chorusReuseReports) {
   app.registerExtension({
     name: EXTENSION,
     async setup() {
+      listChorusErrorsOnce();
       api.addEventListener("chorus.run_start", onRunStart);
       api.addEventListener("chorus.step", onStep);
       api.addEventListener("executed", onExecuted);

@@ -46,6 +46,20 @@ export function keptDensity(report) {
   return bars.reduce((sum, bar) => sum + bar.kept, 0) / bars.length;
 }
 
+// Every sparse layer kept the same share, within one key block of max_density: the cap chose
+// how much each layer kept, not its attention (masks.density_bounds floors max_density x blocks,
+// so a capped layer sits up to one block below it; ten blocks at least on the tiny model).
+const CAP_SLACK = 0.1;
+const SAME_SHARE = 0.005;
+
+export function cappedByMaxDensity(report) {
+  const cap = report?.max_density;
+  const kept = layerBars(report).filter((bar) => !bar.dense).map((bar) => bar.kept);
+  if (cap == null || kept.length === 0) return false;
+  const low = Math.min(...kept);
+  return Math.max(...kept) - low < SAME_SHARE && low > cap - CAP_SLACK;
+}
+
 // Labels under the bars: every layer when few, else every step-th so they stay readable.
 export function labelStride(count, maxLabels = 10) {
   return Math.max(1, Math.ceil(count / maxLabels));
@@ -66,8 +80,10 @@ export function summarise(report) {
     meaning: SOURCE_KINDS[kind].meaning,
     entry: entryLine(report),
     step: report?.steps ? `step ${report.step ?? 0}/${report.steps}` : "",
-    density: density == null ? "kept density: warm-up (dense)" : `kept density ${percent(density)} (warm-up excluded)`,
+    density: densityLine(report, density),
     saved: savedLine(report, density),
+    savedMeaning: "Mean wall time of this run's sparse steps against its dense warm-up step (usually the " +
+      "first, so it also carries one-time costs); without both, the share of attention blocks skipped.",
   };
   return lines;
 }
@@ -86,11 +102,27 @@ function shortId(id) {
   return text.length > 12 ? `${text.slice(0, 12)}…` : text;
 }
 
-// The report measures sampling time, not attention time alone: show the measured saving when
-// the report carries it (timings.attention_saved_ms), else the share of attention blocks skipped.
+function densityLine(report, density) {
+  if (density == null) return "kept density: warm-up (dense)";
+  const line = `kept density ${percent(density)} (warm-up excluded)`;
+  return cappedByMaxDensity(report) ? `${line}, capped by max_density` : line;
+}
+
+// The run times its own steps (timings.sparse_step_s against dense_step_s, the dense warm-up):
+// show that where it has both; else only the share of attention blocks skipped.
 function savedLine(report, density) {
-  const saved = report?.timings?.attention_saved_ms;
-  if (saved != null) return `attention time saved ${(saved / 1000).toFixed(1)} s`;
+  const dense = report?.timings?.dense_step_s;
+  const sparse = report?.timings?.sparse_step_s;
+  if (dense > 0 && sparse != null) {
+    const change = 1 - sparse / dense;
+    const verdict = change >= 0 ? `${percent(change)} faster` : `${percent(-change)} slower`;
+    return `sparse step ${seconds(sparse)} vs dense step ${seconds(dense)}: ${verdict}`;
+  }
   if (density == null) return "";
-  return `attention blocks skipped ${percent(1 - density)} (time not measured)`;
+  const why = (report?.step ?? 0) < (report?.steps ?? 0) ? "step times come at the end" : "no dense step to time against";
+  return `attention blocks skipped ${percent(1 - density)} (${why})`;
+}
+
+function seconds(value) {
+  return `${value < 10 ? value.toFixed(2) : value.toFixed(1)} s`;
 }
