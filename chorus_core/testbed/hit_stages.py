@@ -110,9 +110,18 @@ def recording_run(pp: ProductPath, bank, conds, seed: int, plan):
 
 
 def rule_maps(mass: torch.Tensor, steps_per_bucket, options) -> torch.Tensor:
-    """The documented rule: top-p (with clamps) over each bucket's mean mass -> bool [B, L, H, nq, nk]."""
-    return torch.stack([select_blocks(mass[list(steps)].mean(0), options.top_p, options.min_density,
-                                      options.max_density) for steps in steps_per_bucket])
+    """The documented rule: top-p (with clamps) over each bucket's mean mass -> bool [B, L, H, nq, nk].
+
+    The mean is summed step by step in float32 and then divided, as the recorder sums on a CPU, so
+    on a CPU the two agree bit for bit (a mean in another order can flip a block at the top-p edge).
+    """
+    out = []
+    for steps in steps_per_bucket:
+        total = mass[steps[0]].clone()
+        for step in steps[1:]:
+            total += mass[step]
+        out.append(select_blocks(total / len(steps), options.top_p, options.min_density, options.max_density))
+    return torch.stack(out)
 
 
 def differing(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -199,7 +208,7 @@ def run_stages(patcher, config, workdir: Path, seed: int = 0, request_index: int
     rule_dense_rec = rule_maps(dense_mass, steps_per_bucket, o)
     row("d_rule_dense_mass_recorded_steps", rule_dense_rec,
         pp.with_provider(pp.static_provider(as_step_maps(pp, rule_dense_rec, starts)), conds, seed), decoded)
-    rule_dense_all = rule_maps(dense_mass, bucket_ranges, o)
+    rule_dense_all = rule_maps(dense_mass, [list(r) for r in bucket_ranges], o)
     row("d_rule_dense_mass_all_bucket_steps", rule_dense_all,
         pp.with_provider(pp.static_provider(as_step_maps(pp, rule_dense_all, starts)), conds, seed), decoded)
     counts = {(s, l): decoded[_bucket_of(starts, s), l].sum(-1) for s in range(pp.warmup, pp.steps) for l in range(pp.L)}
