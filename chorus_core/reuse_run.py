@@ -326,9 +326,9 @@ def recorded_steps(step_buckets, per_bucket: Optional[int] = None, first_step: i
     before every step was); only steps from ``first_step`` on, when the recording starts late.
 
     Every step is the default because a bucket's mask serves every step of it: masks selected from
-    the first and middle steps only missed the blocks the later steps attend to and cost 1.4 to
+    the first and middle steps only missed the blocks the later steps attend to and cost 1.0 to
     11 dB against the same rule over the whole bucket on the sharp16k testbed
-    (tests/benchmarks/results/hit_stages_h200.md).
+    (tests/benchmarks/results/hit_stages_h200_before_fix_r*.md).
     """
     chosen = []
     for start, end in step_buckets:
