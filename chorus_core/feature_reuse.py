@@ -26,8 +26,8 @@ from what it observes (online prediction) answers over the ``N'`` reduced tokens
 used as it is; a source of stored maps (a bank hit, the population prior, static maps)
 answers over the full-resolution tokens, carried over with ``TokenLayout.map_block_map``. Reduced
 calls never reach a recorder: steps that record stay at full resolution (so the bank only
-stores masks of the full layout), and on the other steps the recording wrapper's inner
-provider serves. Any error on that path (the mask source, the mapping, mask conversion or
+stores masks of the full layout; a recording miss records every step, so none is reduced), and
+on steps that do not record the recording wrapper's inner provider serves. Any error on that path (the mask source, the mapping, mask conversion or
 validation, the kernel) makes the rest of the run's reduced calls dense, with one warning in
 ``FeatureReuseStats.warnings``; the generation never fails because of it. Sparse reduced
 calls carry no size bias: the block-sparse kernel has no per-key bias.

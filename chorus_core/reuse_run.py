@@ -100,6 +100,23 @@ def layout_from_latent(samples: torch.Tensor, block_size: int) -> LatentLayout:
     return LatentLayout(grid=grid, token_order="thw", block_size=(block_size, block_size))
 
 
+def match_grid_problem(match: "ReuseMatch | None", samples: torch.Tensor) -> Optional[str]:
+    """Why ``match`` cannot serve a run on ``samples`` (a latent of another token grid), or None.
+
+    Such a match's entries can never serve the run, and the masks it records could never be
+    stored under it: every rerun would miss with nothing to say why, so callers refuse it.
+    """
+    if match is None:
+        return None
+    wanted = tuple(match.request.layout.grid)
+    sampled = tuple(layout_from_latent(samples, match.request.layout.block_size[0]).grid)
+    if sampled == wanted:
+        return None
+    shown = ["x".join(map(str, grid)) for grid in (wanted, sampled)]
+    return (f"the match was made for a latent of {shown[0]} tokens (frames x height x width), but the sampler "
+            f"got {shown[1]}. Wire the same latent into Similarity Match's latent and the sampler's latent_image.")
+
+
 def start_latent_from(positive, start_latent: dict | None) -> torch.Tensor | None:
     """The start frame's latent: given directly, or WanImageToVideo's ``concat_latent_image``."""
     if start_latent is not None:
@@ -651,6 +668,9 @@ class ReusePatch:
 
     def _outer_sample(self, executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
         steps = max(1, len(sigmas) - 1)
+        problem = match_grid_problem(self.match, latent_image)
+        if problem is not None:
+            raise ValueError(f"Chorus Sparse Attention: {problem}")
         run = ReuseRun(self.model_patcher, self.match, self.options,
                        SamplingSettings(steps, _sampler_name(sampler), "sigmas"), block_size=self.block_size)
         run.patched = self.patched  # its statistics live on the holder attached there

@@ -38,25 +38,6 @@ def run_start_payload(node_id, report, max_density: float) -> dict:
             "max_density": max_density}
 
 
-def check_match_grid(match, latent_image: dict) -> None:
-    """Refuse a match made for a latent of another grid than the one sampled: its bank entries
-    cannot serve this run, and its masks could never be recorded (they would run as a miss
-    every time, with nothing to say why)."""
-    if match is None:
-        return
-    from ..chorus_core.reuse_run import layout_from_latent
-
-    wanted = tuple(match.request.layout.grid)
-    sampled = tuple(layout_from_latent(latent_image["samples"], match.request.layout.block_size[0]).grid)
-    if sampled != wanted:
-        def shown(grid):
-            return "x".join(map(str, grid))
-
-        raise ValueError(f"Chorus Sparse Wan Sampler: the match was made for a latent of {shown(wanted)} tokens "
-                         f"(frames x height x width), but latent_image has {shown(sampled)}. Wire the same latent "
-                         "into Similarity Match's latent and the sampler's latent_image.")
-
-
 def reuse_option_inputs() -> list:
     """The optional match and the reuse options: shared by this sampler and Chorus Sparse Attention."""
     return [
@@ -137,11 +118,13 @@ class ChorusSparseWanSampler(io.ComfyNode):
                 match=None, dense_attention="auto") -> io.NodeOutput:
         import nodes as comfy_nodes
 
-        from ..chorus_core.reuse_run import ReuseRun, SamplingSettings
+        from ..chorus_core.reuse_run import ReuseRun, SamplingSettings, match_grid_problem
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
                                 record_on_miss, tag, dense_attention)
-        check_match_grid(match, latent_image)
+        problem = match_grid_problem(match, latent_image["samples"])
+        if problem is not None:
+            raise ValueError(f"Chorus Sparse Wan Sampler: {problem}")
         run = ReuseRun(model, match, options, SamplingSettings(steps, sampler_name, scheduler))
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patched = run.prepare(on_step=lambda payload: _send(STEP_EVENT, {"node": node_id, **payload}))

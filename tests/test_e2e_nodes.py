@@ -126,5 +126,5 @@ def test_a_match_made_for_another_latent_grid_is_refused_with_what_to_wire(comfy
     errors = [data for kind, data in record["status"]["messages"] if kind == "execution_error"]
     assert [(e["node_id"], e["exception_message"].rstrip("\n")) for e in errors] == [(
         "3", "Chorus Sparse Wan Sampler: the match was made for a latent of 9x8x8 tokens (frames x height x width), "
-             "but latent_image has 5x8x8. Wire the same latent into Similarity Match's latent and the sampler's "
+             "but the sampler got 5x8x8. Wire the same latent into Similarity Match's latent and the sampler's "
              "latent_image.")]
