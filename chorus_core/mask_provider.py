@@ -125,41 +125,49 @@ class StaticBlockMapProvider:
 
 
 class DenseWarmupProvider:
-    """Dense for the first ``warmup_steps`` steps and for ``dense_layers``; ``inner`` otherwise.
+    """Dense for the first ``warmup_steps`` steps, the steps from ``dense_from_step`` on, and
+    ``dense_layers``; ``inner`` otherwise.
 
-    Early steps set the layout of the video and are the most sensitive to attention errors.
+    Early steps set the layout of the video and are the most sensitive to attention errors; some
+    users of step-distilled models keep the last step dense too (``dense_from_step``).
     """
 
-    def __init__(self, inner: MaskProvider, warmup_steps: int = 0, dense_layers: Sequence[int] = ()):
+    def __init__(self, inner: MaskProvider, warmup_steps: int = 0, dense_layers: Sequence[int] = (),
+                 dense_from_step: Optional[int] = None):
         self.inner = inner
         self.warmup_steps = int(warmup_steps)
         self.dense_layers = frozenset(dense_layers)
+        self.dense_from_step = None if dense_from_step is None else int(dense_from_step)
         self.block_size = tuple(inner.block_size)
 
+    def dense_step(self, step: int) -> bool:
+        """True for a step that runs dense on every layer (a warm-up or a last step)."""
+        return step < self.warmup_steps or (self.dense_from_step is not None and step >= self.dense_from_step)
+
     def step_bucket(self, step: int) -> Hashable:
-        # Warm-up steps get their own buckets so a dense answer is never reused for a later
+        # Dense steps get their own buckets so a dense answer is never reused for a later
         # step that the inner provider puts in the same bucket.
-        if step < self.warmup_steps:
-            return ("warmup", step)
+        if self.dense_step(step):
+            return ("dense", step)
         return ("inner", step_bucket_of(self.inner, step))
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device) -> Optional[torch.Tensor]:
-        if step < self.warmup_steps or layer in self.dense_layers:
+        if self.dense_step(step) or layer in self.dense_layers:
             return None
         return self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
 
     def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device) -> Optional[PreparedMask]:
-        if step < self.warmup_steps or layer in self.dense_layers:
+        if self.dense_step(step) or layer in self.dense_layers:
             return None
         return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
 
     def observes(self, step: int) -> bool:
-        return step >= self.warmup_steps and observes(self.inner, step)
+        return not self.dense_step(step) and observes(self.inner, step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         # Only where the inner provider will be asked: online prediction costs time.
         observer = getattr(self.inner, "observe", None)
-        if observer is not None and step >= self.warmup_steps and layer not in self.dense_layers:
+        if observer is not None and not self.dense_step(step) and layer not in self.dense_layers:
             observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
 
 

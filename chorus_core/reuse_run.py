@@ -49,8 +49,15 @@ class ReuseOptions:
     record_on_miss: bool = True
     tags: tuple[str, ...] = ()
     dense_attention: str = "auto"  # see sparse_patch.DENSE_ATTENTION_MODES
+    # A hit's entry holds every step's masks, recorded from dense attention, so a hit needs no dense
+    # warm-up: it runs sparse from the first step (what step-distilled 4-step runs gain most from).
+    hit_warmup_steps: int = 0
+    dense_last_steps: int = 0  # last steps dense on every run (not yet chosen by measurement)
 
     def __post_init__(self):
+        for name in ("dense_warmup_steps", "hit_warmup_steps", "dense_last_steps"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.miss_mode not in MISS_MODES:
             raise ValueError(f"miss_mode {self.miss_mode!r} is not one of {', '.join(MISS_MODES)}")
         if self.dense_attention not in DENSE_ATTENTION_MODES:
@@ -172,6 +179,7 @@ class RunReport:
     timings: dict = field(default_factory=dict)
     recorded_entry_id: str | None = None  # known at once; the entry is written in the background
     recording: str | None = None  # "queued" when this run's masks were handed to the bank writer
+    dense_steps: dict = field(default_factory=dict)  # step index (as text) -> why it ran dense on every layer
     backend: str | None = None  # block-sparse kernel backend and why (e.g. "fa4 (FlashAttention-4 ...)")
     dense_backend: str | None = None  # what the dense self-attention calls ran on, and why
     warnings: list = field(default_factory=list)
@@ -425,15 +433,31 @@ class ReuseRun:
     def choose_provider(self):
         """This run's mask source: the hit's entry or a miss source, behind the dense warm-up, recorded on a miss."""
         provider = self._hit_provider() or self._miss_provider()
-        provider = DenseWarmupProvider(provider, self.options.dense_warmup_steps, self.options.dense_layers)
+        warmup, dense_from = self.dense_step_plan()
+        provider = DenseWarmupProvider(provider, warmup, self.options.dense_layers, dense_from)
         if not self._can_record():
             return provider
         if self.report.mode == "miss":
             self.recording = RecordingProvider(provider, self._make_recorder())
         else:  # a hit records only if its entry turns out unusable
-            late_start = (self.options.dense_warmup_steps, self.recorder_after_failure)
+            late_start = (warmup, self.recorder_after_failure)
             self.recording = RecordingProvider(provider, None, late_start=late_start)
         return self.recording
+
+    def dense_step_plan(self) -> tuple[int, int | None]:
+        """(dense warm-up steps, first of the dense last steps or None) for this run's mode; the
+        report names each such step and why."""
+        o, steps = self.options, self.sampling.steps
+        hit = self.report.mode == "hit"
+        warmup = o.hit_warmup_steps if hit else o.dense_warmup_steps
+        why = (f"dense warm-up of a hit (hit_warmup_steps={warmup})" if hit else
+               f"dense warm-up of a miss (dense_warmup_steps={warmup})")
+        dense = {str(s): why for s in range(min(warmup, steps))}
+        dense_from = steps - o.dense_last_steps if o.dense_last_steps else None
+        for s in range(max(warmup, dense_from or steps), steps):
+            dense[str(s)] = f"one of the last steps kept dense (dense_last_steps={o.dense_last_steps})"
+        self.report.dense_steps = dense
+        return warmup, dense_from
 
     def recorder_after_failure(self, step: int) -> MaskRecorder | None:
         """A hit's recorder when its entry cannot serve, asked at the hit's first sparse step.

@@ -263,14 +263,14 @@ class RunStats:
         return sum(s.dense_calls for s in self.layers.values())
 
     def step_timings(self) -> dict:
-        """Mean wall time of this run's all-dense steps and of its steps with sparse calls, when it
-        had both: the run's own measure of what sparse attention saved (the dense steps are the
-        warm-up, usually the first, so they also carry one-time costs). Empty otherwise."""
+        """Mean wall time of this run's all-dense steps and of its steps with sparse calls, each where
+        the run had such steps: together, the run's own measure of what sparse attention saved (the
+        dense steps are usually the warm-up, so they also carry one-time costs; a hit sparse from its
+        first step has none to compare with)."""
         dense = [s.seconds for s in self.steps if not any(layer.sparse_calls for layer in s.layers.values())]
         sparse = [s.seconds for s in self.steps if any(layer.sparse_calls for layer in s.layers.values())]
-        if not dense or not sparse:
-            return {}
-        return {"dense_step_s": round(sum(dense) / len(dense), 4), "sparse_step_s": round(sum(sparse) / len(sparse), 4)}
+        means = {"dense_step_s": dense, "sparse_step_s": sparse}
+        return {key: round(sum(v) / len(v), 4) for key, v in means.items() if v}
 
     def as_dict(self) -> dict:
         return {

@@ -42,7 +42,7 @@ def reuse_option_inputs() -> list:
     """The optional match and the reuse options: shared by this sampler and Chorus Sparse Attention."""
     return [
         MatchType.Input("match", optional=True, tooltip="From Chorus Similarity Match. Without it every run is a miss and nothing is recorded."),
-        io.Int.Input("dense_warmup_steps", default=1, min=0, max=10000, tooltip="First steps run dense attention (the web view's kept density leaves them out)."),
+        io.Int.Input("dense_warmup_steps", default=1, min=0, max=10000, tooltip="First steps of a miss run dense attention (the web view's kept density leaves them out). A hit uses hit_warmup_steps instead."),
         io.String.Input("dense_layers", default="", tooltip="Comma-separated block indices that always run dense, e.g. '0, 39'."),
         io.Combo.Input("miss_mode", options=["online", "prior", "dense"], default="online",
                        tooltip="On a miss: predict masks from pooled q/k each step; or use the bank's population "
@@ -59,18 +59,26 @@ def reuse_option_inputs() -> list:
                                "FlashAttention-4's dense forward on Hopper/Blackwell datacenter GPUs when flash-attn-4 "
                                "is installed, else ComfyUI's attention; comfyui: always ComfyUI's attention (and "
                                "whatever backend you chose there). Speed only: results agree to bf16 rounding."),
+        io.Int.Input("hit_warmup_steps", default=0, min=0, max=10000, optional=True,
+                     tooltip="First steps of a hit run dense. 0: a hit runs sparse from the first step, since its "
+                             "entry holds every step's masks (the biggest saving at 4-8 steps). Older runs kept "
+                             "dense_warmup_steps on hits too: set it to that to get the same output."),
+        io.Int.Input("dense_last_steps", default=0, min=0, max=10000, optional=True,
+                     tooltip="Last steps run dense on every run (some step-distilled workflows keep the last step "
+                             "dense). 0: none. Not yet chosen by measurement."),
     ]
 
 
 def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
-                  dense_attention="auto"):
+                  dense_attention="auto", hit_warmup_steps=0, dense_last_steps=0):
     """ReuseOptions from the inputs of reuse_option_inputs()."""
     from ..chorus_core.reuse_run import ReuseOptions
 
     return ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=_parse_layers(dense_layers),
                         miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
                         record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else (),
-                        dense_attention=dense_attention)
+                        dense_attention=dense_attention, hit_warmup_steps=hit_warmup_steps,
+                        dense_last_steps=dense_last_steps)
 
 
 class ChorusSparseWanSampler(io.ComfyNode):
@@ -115,13 +123,13 @@ class ChorusSparseWanSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
                 dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
-                match=None, dense_attention="auto") -> io.NodeOutput:
+                match=None, dense_attention="auto", hit_warmup_steps=0, dense_last_steps=0) -> io.NodeOutput:
         import nodes as comfy_nodes
 
         from ..chorus_core.reuse_run import ReuseRun, SamplingSettings, match_grid_problem
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
-                                record_on_miss, tag, dense_attention)
+                                record_on_miss, tag, dense_attention, hit_warmup_steps, dense_last_steps)
         problem = match_grid_problem(match, latent_image["samples"])
         if problem is not None:
             raise ValueError(f"Chorus Sparse Wan Sampler: {problem}")

@@ -54,11 +54,12 @@ class ChorusSparseAttention(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
-                record_on_miss, tag, match=None, dense_attention="auto") -> io.NodeOutput:
+                record_on_miss, tag, match=None, dense_attention="auto", hit_warmup_steps=0,
+                dense_last_steps=0) -> io.NodeOutput:
         from ..chorus_core.reuse_run import ReusePatch
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
-                                record_on_miss, tag, dense_attention)
+                                record_on_miss, tag, dense_attention, hit_warmup_steps, dense_last_steps)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patch = ReusePatch(model, match, options, events=_NodeEvents(node_id, max_density))
         return io.NodeOutput(patch.install())

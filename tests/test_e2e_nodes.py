@@ -42,8 +42,7 @@ def test_similar_request_hits_the_recorded_entry(three_runs):
     assert similar["mode"] == "hit"
     assert similar["entry_id"] == first["recorded_entry_id"]
     assert similar["similarity"] >= 0.9
-    # dense warm-up step 0, then every layer sparse: 3 of 4 steps
-    assert [layer["sparse_share"] for layer in similar["layers"]] == [0.75, 0.75]
+    assert [layer["sparse_share"] for layer in similar["layers"]] == [1.0, 1.0]  # a hit is sparse from step 0
     assert 0 < similar["density"] < 1
     assert similar["recorded_entry_id"] is None
 
@@ -69,9 +68,11 @@ def test_run_start_on_an_empty_bank_says_no_entry_was_compared(three_runs):
 
 
 def test_the_report_times_its_sparse_steps_against_its_dense_step(three_runs):
-    for name in ("first", "similar"):
-        timings = chorus_report(three_runs[name][0])["timings"]
-        assert timings["dense_step_s"] > 0 and timings["sparse_step_s"] > 0, (name, timings)
+    timings = chorus_report(three_runs["first"][0])["timings"]  # a miss: its dense warm-up step
+    assert timings["dense_step_s"] > 0 and timings["sparse_step_s"] > 0, timings
+    assert chorus_report(three_runs["first"][0])["dense_steps"] == {"0": "dense warm-up of a miss (dense_warmup_steps=1)"}
+    hit = chorus_report(three_runs["similar"][0])  # sparse from step 0: no dense step to time against
+    assert hit["dense_steps"] == {} and "dense_step_s" not in hit["timings"] and hit["timings"]["sparse_step_s"] > 0
 
 
 def test_dissimilar_request_misses(three_runs):

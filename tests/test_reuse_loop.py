@@ -120,7 +120,7 @@ def test_a_hit_is_decoded_by_the_worker_before_the_first_sparse_step(bank_with_e
             first_sparse.setdefault(e[1], i)
             assert e[-1] == "MainThread"
     # bucket b's decode is logged before the first sparse call that uses bucket b
-    assert sorted(first_sparse) == [1, 2]  # bucket 0 is step 0: the dense warm-up step
+    assert sorted(first_sparse) == [0, 1, 2]  # a hit runs sparse from step 0 (hit_warmup_steps=0)
     assert all(decodes[b] < first_sparse[b] for b in first_sparse)
     assert len(report.timings["prefetch_buckets"]) == 3 and "prefetch_wait_ms" in report.timings
 
@@ -139,7 +139,7 @@ def test_a_prefetched_hit_computes_what_the_same_masks_give_as_block_maps(bank_w
 
     starts = [0, 1, 2]  # the entry's buckets at 4 steps
     maps = [{layer: masks[b, layer][None] for layer in range(masks.shape[1])} for b in range(3)]
-    provider = DenseWarmupProvider(StaticBlockMapProvider(maps, (BLOCK, BLOCK), starts), warmup_steps=1)
+    provider = DenseWarmupProvider(StaticBlockMapProvider(maps, (BLOCK, BLOCK), starts), warmup_steps=0)
     patched = install_sparse_attention(tiny_wan_patcher, provider)
     noise = comfy.sample.prepare_noise(latent["samples"], 0)
     expected = comfy.sample.sample(patched, noise, STEPS, 5.0, "euler", "simple", positive, negative,
@@ -222,10 +222,18 @@ def test_an_entry_that_cannot_serve_turns_the_run_into_an_online_miss(bank_with_
     assert sparse == len(report.layers)  # online prediction served the steps after the warm-up
 
 
-def test_a_hit_on_a_damaged_entry_records_the_request_again(tmp_path, tiny_wan_patcher):
+@pytest.mark.parametrize("hit_warmup_steps, recorded_buckets", [
+    (0, [[0, 1], [1, 2], [2, 4]]),  # a hit sparse from step 0 finds the damage there and records it all
+    (1, [[0, 2], [2, 4]]),  # its dense warm-up step ran before the load failed: bucket [0, 1) joins the next
+])
+def test_a_hit_on_a_damaged_entry_records_the_request_again(tmp_path, tiny_wan_patcher, hit_warmup_steps,
+                                                            recorded_buckets):
     """The run that finds its entry damaged goes on as a miss and records it: the next one hits."""
     from chorus_core import bank_writer
     from chorus_core.bank import MaskBank
+    from chorus_core.reuse_run import ReuseOptions
+
+    options = ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=hit_warmup_steps)
 
     positive, _, latent = request()
     with MaskBank.open(tmp_path / "bank") as bank:
@@ -236,11 +244,10 @@ def test_a_hit_on_a_damaged_entry_records_the_request_again(tmp_path, tiny_wan_p
         blob = bank.blob_path(bank.show(first.recorded_entry_id)["blob_name"])
         blob.write_bytes(blob.read_bytes()[:50])  # damaged after the match, before the worker reads it
         with pytest.warns(UserWarning, match="quarantining entry .*run as an online-prediction miss"):
-            _, second, _ = run_generation(tiny_wan_patcher, match)
+            _, second, _ = run_generation(tiny_wan_patcher, match, options)
         assert second.mode == "miss" and second.recording == "queued", second.warnings
         assert bank_writer.flush_all(timeout=60) and bank.stats()["entries"] == 1
-        # the dense warm-up step ran before the load failed: its bucket [0, 1) joined the next one
-        assert bank.show(second.recorded_entry_id)["step_buckets"] == [[0, 2], [2, 4]]
+        assert bank.show(second.recorded_entry_id)["step_buckets"] == recorded_buckets
         _, third, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
     assert third.mode == "hit" and third.entry_id == second.recorded_entry_id and third.warnings == []
 
@@ -454,3 +461,45 @@ def test_the_recorder_keeps_only_the_bucket_in_flight():
     assert out.packed.shape == (2, 2, 2, 4, 1) and out.block_maps.shape == (2, 2, 2, 4, 4)
     assert out.density == pytest.approx(float(out.block_maps.float().mean()))
     assert math.isfinite(out.mean_recall)
+
+
+# --------------------------------------------------------------------------------------------
+# Which steps run dense, and why (issue [few-step])
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options, dense_steps", [
+    ({}, {}),  # a hit's entry holds step 0's masks: sparse from the first step
+    ({"hit_warmup_steps": 1}, {"0": "dense warm-up of a hit (hit_warmup_steps=1)"}),
+    ({"dense_last_steps": 1}, {"3": "one of the last steps kept dense (dense_last_steps=1)"}),
+])
+def test_a_hit_runs_sparse_from_its_first_step_unless_told_otherwise(bank_with_entry, tiny_wan_patcher, options,
+                                                                      dense_steps):
+    from chorus_core.reuse_run import ReuseOptions
+
+    bank, _ = bank_with_entry
+    positive, _, latent = request()
+    _, report, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent),
+                                  ReuseOptions(dense_warmup_steps=1, **options))
+    assert report.mode == "hit" and report.dense_steps == dense_steps
+    share = (STEPS - len(dense_steps)) / STEPS
+    assert [layer["sparse_share"] for layer in report.layers] == [share] * len(report.layers)
+
+
+def test_a_miss_keeps_its_dense_warm_up_and_the_last_steps_asked_for(tiny_wan_patcher):
+    from chorus_core.reuse_run import ReuseOptions
+
+    _, report, _ = run_generation(tiny_wan_patcher, None, ReuseOptions(dense_warmup_steps=1, dense_last_steps=2))
+    assert report.mode == "miss"
+    assert report.dense_steps == {"0": "dense warm-up of a miss (dense_warmup_steps=1)",
+                                  "2": "one of the last steps kept dense (dense_last_steps=2)",
+                                  "3": "one of the last steps kept dense (dense_last_steps=2)"}
+    assert [layer["sparse_share"] for layer in report.layers] == [0.25] * len(report.layers)
+
+
+@pytest.mark.parametrize("name", ["dense_warmup_steps", "hit_warmup_steps", "dense_last_steps"])
+def test_negative_dense_step_counts_are_refused(name):
+    from chorus_core.reuse_run import ReuseOptions
+
+    with pytest.raises(ValueError, match=f"{name} must be 0 or more"):
+        ReuseOptions(**{name: -1})
