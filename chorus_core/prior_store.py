@@ -36,7 +36,9 @@ from .population_prior import population_prior
 PRIOR_ENTRIES = 8  # most recently used compatible entries that form the prior
 PRIORS_DIR = "priors"
 PRIOR_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{24}\.safetensors")  # f"{prior_key(...)}.safetensors"
-_NO_FOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# getattr: Windows lacks these flags, and a missing one must not stop the pack from importing (the
+# prior folder then fails to open and the priors stay in memory, as for a linked folder).
+_NO_FOLLOW_DIR = os.O_RDONLY | sum(getattr(os, flag, 0) for flag in ("O_DIRECTORY", "O_NOFOLLOW", "O_CLOEXEC"))
 _memory: dict[str, EntryMasks] = {}  # banks without a usable priors/ folder: key -> prior, newest content only
 _lock = threading.Lock()
 

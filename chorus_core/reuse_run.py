@@ -692,11 +692,14 @@ class ReusePatch:
 
     def _outer_sample(self, executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
         steps = max(1, len(sigmas) - 1)
+        # The patched model may reach a second sampler on another latent (an upscale pass): that
+        # sampling runs without the match (an online miss, nothing recorded), and says why.
         problem = match_grid_problem(self.match, latent_image)
-        if problem is not None:
-            raise ValueError(f"Chorus Sparse Attention: {problem}")
-        run = ReuseRun(self.model_patcher, self.match, self.options,
+        run = ReuseRun(self.model_patcher, None if problem else self.match, self.options,
                        SamplingSettings(steps, _sampler_name(sampler), "sigmas"), block_size=self.block_size)
+        if problem is not None:
+            run.report.warnings.append(f"ran without the match, as a miss that records nothing: {problem}")
+            log.warning("Chorus Sparse Attention: %s", run.report.warnings[-1])
         run.patched = self.patched  # its statistics live on the holder attached there
         self.provider.inner, self.current = run.choose_provider(), run
         if self.events is not None:

@@ -66,7 +66,9 @@ def existing_banks() -> list[str]:
     names = set(postgres_banks())
     for root in _folder_roots():
         if os.path.isdir(root):
-            names.update(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "bank.sqlite")))
+            # only names the Loader accepts: a folder it would refuse is not offered in the combo
+            names.update(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "bank.sqlite"))
+                         and _check_bank_name(n) is None)
     return sorted(names)
 
 
@@ -241,7 +243,7 @@ class ChorusSimilarityMatch(io.ComfyNode):
         # value, so an API prompt may still send any number here.
         if block_size is None:  # linked: known only when the node runs
             return True
-        if block_size not in BLOCK_SIZES:
+        if _as_block_size(block_size) not in BLOCK_SIZES:
             return f"block_size must be a power of two from 16 to 256 ({', '.join(map(str, BLOCK_SIZES))}) for the GPU kernels; got {block_size}."
         return True
 
@@ -252,9 +254,17 @@ class ChorusSimilarityMatch(io.ComfyNode):
 
         weights = {"clip": clip_weight, "text": text_weight, "layout": layout_weight}
         request = build_match_request(model, clip_vision_output, positive, latent, start_latent, threshold,
-                                      weights, block_size)
+                                      weights, _as_block_size(block_size))
         match = match_request(mask_bank, request)
         return io.NodeOutput(match, match.summary())
+
+
+def _as_block_size(value):
+    """The block size as an int: API prompts written when it was an Int input may send "128"."""
+    try:
+        return int(value) if str(value).strip().isdigit() else value
+    except (TypeError, ValueError):
+        return value
 
 
 NODES = [ChorusMaskBankLoader, ChorusSimilarityMatch]

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bank_fixtures import FP, LAYOUT, add_toy, toy_signature
-from bank_pg_cluster import running_cluster
+from bank_pg_cluster import location, pg  # noqa: F401  (the shared fixtures)
 
 from chorus_core.bank import BankEntryCorrupt, BankError, MaskBank, Signature
 from chorus_core.bank.errors import BankInvalidArgument
@@ -30,18 +30,6 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def pg():
-    yield from running_cluster()
-
-
-@pytest.fixture(params=["folder", "postgres"])
-def location(request, tmp_path):
-    """Where a fresh bank lives: a folder, or a new schema of the test server."""
-    if request.param == "folder":
-        return str(tmp_path / "bank")
-    cluster = request.getfixturevalue("pg")
-    return cluster.url(cluster.fresh_schema())
 
 
 @pytest.fixture

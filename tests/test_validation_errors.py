@@ -102,6 +102,24 @@ def test_block_size_offers_exactly_the_sizes_validation_accepts(comfy_server):
         assert set(answer["node_errors"]) == {SAMPLER}, size  # refused for max_density only
 
 
+def test_a_block_size_sent_as_text_by_an_older_api_prompt_is_accepted(comfy_server):
+    """block_size was an Int input: prompts written then may send "128"; ComfyUI converted it."""
+    status, answer = _post(comfy_server, _with({"6.block_size": "32", "3.max_density": 2.0}))
+    assert set(answer["node_errors"]) == {SAMPLER}  # refused for max_density only
+    assert set(_errors(comfy_server, _with({"6.block_size": "48"}))) == {"6"}
+
+
+def test_the_bank_combo_offers_only_names_the_loader_accepts(comfy_server):
+    """A folder holding bank.sqlite under a name the Loader refuses is not offered."""
+    root = comfy_server.base_dir / "models" / "chorus_banks"
+    for name in (".hidden_bank", "offered_bank"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "bank.sqlite").write_bytes(b"")
+    spec = comfy_server.get_json("/object_info/ChorusMaskBankLoader")["ChorusMaskBankLoader"]
+    offered = spec["input"]["required"]["bank"][1]["options"]
+    assert "offered_bank" in offered and ".hidden_bank" not in offered
+
+
 @pytest.mark.parametrize("name, message", [
     ("bad\x00name", "Chorus Mask Bank Loader: new_bank_name 'bad\\x00name' contains a NUL character, which no file "
                     "system allows in a folder name."),

@@ -56,17 +56,23 @@ def stack_vectors(rows) -> np.ndarray:
     return unit_blocks(mat)
 
 
+UNIT_CHUNK_ROWS = 4096  # float64 rows normalised at a time: 25 MB, not a copy of a 100k-entry index
+
+
 def unit_blocks(mat: np.ndarray) -> np.ndarray:
     """``[n, len(COMPONENTS) * DIM]`` with every component block at unit length, or zero where
     it is zero or not finite. Rows come from a bank that may be old, hand-edited or imported
     before imports checked norms: a vector 1000 times too long would score 1000 times too high
     and take every match, so the index never trusts a stored norm."""
-    blocks = mat.reshape(len(mat), len(COMPONENTS), DIM).astype(np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        norms = np.linalg.norm(blocks, axis=2, keepdims=True)
-        usable = np.isfinite(norms) & (norms > 1e-12)
-        blocks = np.where(usable, blocks / np.where(usable, norms, 1.0), 0.0)
-    return blocks.reshape(mat.shape).astype(np.float32)
+    out = np.array(mat, dtype=np.float32)  # one float32 copy; float64 only per chunk of rows
+    blocks = out.reshape(len(out), len(COMPONENTS), DIM)
+    for start in range(0, len(blocks), UNIT_CHUNK_ROWS):
+        chunk = blocks[start:start + UNIT_CHUNK_ROWS].astype(np.float64)  # a 1e30 entry's norm overflows in float32
+        with np.errstate(over="ignore", invalid="ignore"):
+            norms = np.linalg.norm(chunk, axis=2, keepdims=True)
+            usable = np.isfinite(norms) & (norms > 1e-12)
+            blocks[start:start + UNIT_CHUNK_ROWS] = np.where(usable, chunk / np.where(usable, norms, 1.0), 0.0)
+    return out
 
 
 SKETCH_COLS = np.concatenate([np.arange(j * DIM, j * DIM + SKETCH)

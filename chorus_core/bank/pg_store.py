@@ -355,7 +355,7 @@ class PostgresBank(BankStorage):
         if warn:
             warnings.warn(f"Chorus mask bank: quarantining entry {label}: {reason}. "
                           "Requests that matched it run as an online-prediction miss (dense with "
-                          "miss_mode \"dense\") and record a fresh entry.", stacklevel=4)
+                          "miss_mode \"dense\") and record a fresh entry when record_on_miss is on.", stacklevel=4)
         return True
 
     def _mark_quarantined(self, row: dict, reason: str) -> None:

@@ -1048,7 +1048,7 @@ class MaskBank(BankStorage):
         if warn:
             warnings.warn(f"Chorus mask bank: quarantining entry {label}: {reason}. "
                           "Requests that matched it run as an online-prediction miss (dense with "
-                          "miss_mode \"dense\") and record a fresh entry.", stacklevel=4)
+                          "miss_mode \"dense\") and record a fresh entry when record_on_miss is on.", stacklevel=4)
         return True
 
     @_guarded

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..mask_provider import bucket_index
 from ..masks import select_blocks
 from ..workload import generate_request, i2v_conditioning
 from .config import make_config, tokens_of
@@ -133,9 +134,7 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def as_step_maps(pp: ProductPath, entry_like: torch.Tensor, starts) -> dict:
     """bool [B, L, H, nq, nk] per bucket -> the harness's (step, layer) maps over the sparse steps."""
-    from .product_path import _bucket
-
-    return {(s, l): entry_like[_bucket(starts, s), l] for s in range(pp.warmup, pp.steps) for l in range(pp.L)}
+    return {(s, l): entry_like[bucket_index(starts, s), l] for s in range(pp.warmup, pp.steps) for l in range(pp.L)}
 
 
 def decoded_entry(pp: ProductPath, bank, entry_id: str):
@@ -211,8 +210,9 @@ def run_stages(patcher, config, workdir: Path, seed: int = 0, request_index: int
     rule_dense_all = rule_maps(dense_mass, [list(r) for r in bucket_ranges], o)
     row("d_rule_dense_mass_all_bucket_steps", rule_dense_all,
         pp.with_provider(pp.static_provider(as_step_maps(pp, rule_dense_all, starts)), conds, seed), decoded)
-    counts = {(s, l): decoded[_bucket_of(starts, s), l].sum(-1) for s in range(pp.warmup, pp.steps) for l in range(pp.L)}
-    scores = {k: dense_mass[list(bucket_ranges[_bucket_of(starts, k[0])])].mean(0)[k[1]] for k in counts}
+    counts = {(s, l): decoded[bucket_index(starts, s), l].sum(-1)
+              for s in range(pp.warmup, pp.steps) for l in range(pp.L)}
+    scores = {k: dense_mass[list(bucket_ranges[bucket_index(starts, k[0])])].mean(0)[k[1]] for k in counts}
     matched = CountMatchedProvider(pp.bs, lambda s, l: counts[(s, l)], lambda s, l: scores[(s, l)])
     final = pp.with_provider(matched, conds, seed)
     maps = torch.stack([torch.stack([matched.maps[(starts[b] if starts[b] >= pp.warmup else pp.warmup, l)]
@@ -222,10 +222,6 @@ def run_stages(patcher, config, workdir: Path, seed: int = 0, request_index: int
     return {"rows": rows, "entry_id": entry_id, "steps_per_bucket": [list(s) for s in steps_per_bucket],
             "bucket_ranges": [[r.start, r.stop] for r in bucket_ranges], "N": seq_len,
             "options": {"top_p": o.top_p, "min_density": o.min_density, "max_density": o.max_density}}
-
-
-def _bucket_of(starts, step: int) -> int:
-    return max(i for i, s in enumerate(starts) if s <= step)
 
 
 def markdown(doc: dict) -> str:

@@ -194,7 +194,9 @@ class ProductPath:
         self.patcher, self.config, self.workdir, self.threshold, self.log = patcher, config, Path(workdir), threshold, log
         self.options = ReuseOptions()  # the shipped defaults: top-p, density clamps, warm-up, miss mode
         self.bs, self.steps, self.L = config.block_size, config.sample_steps, config.num_layers
-        self.warmup = self.options.dense_warmup_steps
+        # Every source compared with the hit runs the hit's dense steps (none by default: a hit is
+        # sparse from step 0); an online miss at natural density keeps the miss's warm-up.
+        self.warmup = self.options.hit_warmup_steps
 
     # --- runs ------------------------------------------------------------------------------
     def sample(self, patched, conds, seed: int) -> torch.Tensor:
@@ -205,11 +207,12 @@ class ProductPath:
         return comfy.sample.sample(patched, noise, self.steps, 1.0, "euler", "simple", positive, negative,
                                    latent["samples"], seed=seed, disable_pbar=True).float().cpu()
 
-    def with_provider(self, provider, conds, seed: int) -> torch.Tensor:
+    def with_provider(self, provider, conds, seed: int, warmup: int | None = None) -> torch.Tensor:
         from ..mask_provider import DenseWarmupProvider
         from ..sparse_patch import install_sparse_attention
 
-        wrapped = provider if isinstance(provider, MassObserver) else DenseWarmupProvider(provider, self.warmup)
+        warmup = self.warmup if warmup is None else warmup
+        wrapped = provider if isinstance(provider, MassObserver) else DenseWarmupProvider(provider, warmup)
         return self.sample(install_sparse_attention(self.patcher, wrapped), conds, seed)
 
     def dense(self, conds, seed: int):
@@ -385,7 +388,8 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             row("natural", "reused_dissimilar_product", pp.with_provider(pp.static_provider(dis_maps), conds, seed),
                 dis_maps, oracle_recall)
             online = CapturingProvider(OnlinePredictionProvider(pp.bs, o.top_p, o.min_density, o.max_density))
-            row("natural", "online", pp.with_provider(online, conds, seed), online.maps, oracle_recall)
+            row("natural", "online", pp.with_provider(online, conds, seed, o.dense_warmup_steps), online.maps,
+                oracle_recall)
             prior_match = pp.match(pop_bank, conds, RECORD_THRESHOLD)
             prior_final, prior_report = pp.reuse_run(prior_match, conds, seed,
                                                      replace(o, miss_mode="prior", record_on_miss=False))
