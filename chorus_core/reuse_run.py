@@ -111,7 +111,8 @@ def match_grid_problem(match: "ReuseMatch | None", samples: torch.Tensor) -> Opt
     """Why ``match`` cannot serve a run on ``samples`` (a latent of another token grid), or None.
 
     Such a match's entries can never serve the run, and the masks it records could never be
-    stored under it: every rerun would miss with nothing to say why, so callers refuse it.
+    stored under it: every rerun would miss with nothing to say why, so callers refuse it (the
+    Sparse Wan Sampler) or sample without it and warn (Chorus Sparse Attention).
     """
     if match is None:
         return None
