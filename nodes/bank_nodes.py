@@ -261,10 +261,7 @@ class ChorusSimilarityMatch(io.ComfyNode):
 
 def _as_block_size(value):
     """The block size as an int: API prompts written when it was an Int input may send "128"."""
-    try:
-        return int(value) if str(value).strip().isdigit() else value
-    except (TypeError, ValueError):
-        return value
+    return int(value) if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit() else value
 
 
 NODES = [ChorusMaskBankLoader, ChorusSimilarityMatch]

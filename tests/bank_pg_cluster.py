@@ -134,3 +134,12 @@ def location(request, tmp_path):
         return str(tmp_path / "bank")
     cluster = request.getfixturevalue("pg")
     return cluster.url(cluster.fresh_schema())
+
+
+@pytest.fixture
+def bank(location):
+    """A fresh bank at ``location``, open for the test and closed after it."""
+    from chorus_core.bank import MaskBank
+
+    with MaskBank.open(location) as opened:
+        yield opened

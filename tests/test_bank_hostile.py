@@ -572,7 +572,8 @@ def test_orphan_removal_only_touches_old_unreferenced_blobs(tmp_path):
 ])
 def test_prune_refuses_meaningless_limits(location, kwargs):
     bank = MaskBank.open(location)
-    ids = [add_toy(bank, seed=s) for s in range(2)]
+    for seed in range(2):
+        add_toy(bank, seed=seed)
     with pytest.raises(BankInvalidArgument, match="must be a positive whole number.*to empty a bank"):
         bank.prune(**kwargs)
     assert bank.stats()["entries"] == 2

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bank_fixtures import FP, LAYOUT, add_toy, toy_signature
-from bank_pg_cluster import location, pg  # noqa: F401  (the shared fixtures)
+from bank_pg_cluster import bank, location, pg  # noqa: F401  (the shared fixtures)
 
 from chorus_core.bank import BankEntryCorrupt, BankError, MaskBank, Signature
 from chorus_core.bank.errors import BankInvalidArgument
@@ -30,12 +30,6 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
 
 
-
-
-@pytest.fixture
-def bank(location):
-    with MaskBank.open(location) as opened:
-        yield opened
 
 
 @pytest.fixture

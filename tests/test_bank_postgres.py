@@ -20,17 +20,11 @@ import pytest
 import test_bank_store as store_tests
 from bank_fixtures import (FP, LAYOUT, add_toy, corrupt, prune_least_recently_used, python_command,
                            toy_masks, toy_signature, writer_command)
-from bank_pg_cluster import PASSWORD, location, pg  # noqa: F401  (fixtures)
+from bank_pg_cluster import PASSWORD, bank, location, pg  # noqa: F401  (fixtures)
 
 from chorus_core.bank import BankEntryCorrupt, BankError, BankReadOnly, BankUnavailable, MaskBank
 from chorus_core.bank import bank_url
 from chorus_core.bank.__main__ import main
-
-
-@pytest.fixture
-def bank(location):
-    with MaskBank.open(location) as opened:
-        yield opened
 
 
 @pytest.fixture

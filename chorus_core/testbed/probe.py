@@ -44,6 +44,7 @@ WHAT_IT_TESTS = {
     "sharp16k": "baseline: 3 heads x 128, 6 layers, 64 x 64 latents, detailed workload",
     "probe_heads8x48": "8 heads x 48 at the same width and depth (more, narrower heads)",
     "probe_heads8x64": "8 heads x 64, width 512, 4 layers (more heads, fewer layers)",
+    "probe_heads6x128": "6 heads x 128, width 768, 3 layers (more heads of Wan's own width)",
     "probe_wide": "latents 32 x 128: rows of 64 tokens, a block is a 2-row patch, not a 4-row strip",
     "probe_multi": "multi workload: 3 objects moving differently, far travel, occlusion and reappearance",
     "probe_frames32": "32 frames (32,768 tokens): a frame is 8 of 256 blocks",
