@@ -437,7 +437,7 @@ class BankStorage:
             raise BankInvalidArgument(f"entry_id must be 32 lowercase hex characters, got {entry_id!r}; "
                                       "leave it out to get a new one.")
         try:
-            sigs = _signature_columns(signature)  # checked before any encoding
+            _signature_columns(signature)  # checked before any encoding (_row stores them)
         except ValueError as exc:
             raise BankInvalidArgument(f"signature not stored: {exc}; build it with "
                                       "build_signature() from the request's inputs.") from None
@@ -452,7 +452,7 @@ class BankStorage:
         data = st_save(tensors, metadata=_blob_metadata(meta))
         sha = hashlib.sha256(data).hexdigest()
         entry_id = entry_id or uuid.uuid4().hex  # a background write names its entry up front
-        row = self._row(entry_id, fingerprint, layout, schedule, sigs, density, recall,
+        row = self._row(entry_id, fingerprint, layout, schedule, signature, density, recall,
                         tags, validation.blob_name(sha), len(data), sha)
         self._store_entry(row, data)
         return entry_id
@@ -471,9 +471,10 @@ class BankStorage:
             raise BankIncompatible(f"masks not stored: {exc}.") from None
 
     @staticmethod
-    def _row(entry_id, fingerprint, layout, schedule, sigs, density, recall, tags,
+    def _row(entry_id, fingerprint, layout, schedule, signature, density, recall, tags,
              name, size, sha) -> dict:
         now = time.time()
+        sigs = _signature_columns(signature)
         return {
             "id": entry_id, "created": now, "last_hit": None, "hits": 0,
             "compat": compat_key(fingerprint, layout), "fingerprint": fingerprint.key(),
