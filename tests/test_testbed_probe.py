@@ -151,3 +151,27 @@ def test_multi_objects_move_differently_and_hide_behind_the_bar():
     assert not torch.equal(other[:, 0], video[:, 0])
     with pytest.raises(ValueError, match="unknown texture 'rough'; choose one of plain, detailed, multi"):
         I2VRequest(texture="rough")
+
+
+def test_qk_gain_levers_start_and_train_the_self_attention_temperature_only(comfy_runtime):
+    """qk_gain_init sets only the self-attention norm_q / norm_k gains; qk_gain_lr_mult gives them (and
+    nothing else) a faster learning rate that the schedule keeps; at 1.0 the optimizer is as before."""
+    from chorus_core.testbed.config import make_config
+    from chorus_core.testbed.models import build_model, is_qk_gain
+    from chorus_core.testbed.train import train
+
+    config = replace(make_config("tiny_sharp"), qk_gain_init=1.5, qk_gain_lr_mult=10.0, max_steps=2,
+                     time_budget_s=600)
+    model = build_model(config)
+    gains = {n: p for n, p in model.named_parameters() if is_qk_gain(n)}
+    assert len(gains) == 2 * config.num_layers
+    assert all(torch.equal(p, torch.full_like(p, 1.5)) for p in gains.values())
+    assert all(p.detach().mean().item() == 1.0 for n, p in model.named_parameters()
+               if "norm" in n and not is_qk_gain(n) and n.endswith("weight") and p.dim() == 1)
+    result = train(config, "cpu", log=lambda *_: None, model=model)
+    groups = result["state"]["optimizer"]["param_groups"]
+    assert len(groups) == 3 and groups[2]["lr_mult"] == 10.0
+    assert groups[2]["lr"] == pytest.approx(10.0 * groups[0]["lr"]) and groups[0]["lr"] > 0
+    assert len(groups[2]["params"]) == len(gains)
+    plain = train(replace(config, qk_gain_lr_mult=1.0, qk_gain_init=1.0), "cpu", log=lambda *_: None)
+    assert len(plain["state"]["optimizer"]["param_groups"]) == 2  # older train_state.pt files still resume

@@ -37,10 +37,21 @@ def process_in(latent: torch.Tensor) -> torch.Tensor:
     return (latent - WAN21_MEAN.view(shape).to(latent)) / WAN21_STD.view(shape).to(latent)
 
 
+def is_qk_gain(name: str) -> bool:
+    """The self-attention q/k RMSNorm gains: together they set the attention temperature."""
+    return ".self_attn.norm_q." in name or ".self_attn.norm_k." in name
+
+
 def build_model(config) -> torch.nn.Module:
-    return build_tiny_wan_i2v(TinyWanConfig(dim=config.dim, ffn_dim=config.ffn_dim,
-                                            num_layers=config.num_layers, seed=config.model_seed,
-                                            head_dim=config.head_dim))
+    model = build_tiny_wan_i2v(TinyWanConfig(dim=config.dim, ffn_dim=config.ffn_dim,
+                                             num_layers=config.num_layers, seed=config.model_seed,
+                                             head_dim=config.head_dim))
+    if config.qk_gain_init != 1.0:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if is_qk_gain(name):
+                    param.fill_(config.qk_gain_init)
+    return model
 
 
 @dataclass

@@ -50,6 +50,10 @@ WHAT_IT_TESTS = {
     "probe_frames32": "32 frames (32,768 tokens): a frame is 8 of 256 blocks",
     "probe_curriculum": "short 4-frame clips first, long share ramping to 0.7 over 600 steps",
     "probe_combo": "8 x 64 heads, 4 layers, wide latents and the multi workload together",
+    "probe_qk_lr10": "q/k norm gains (attention temperature) at 10x the learning rate",
+    "probe_qk_lr30": "q/k norm gains at 30x the learning rate",
+    "probe_qk_init2": "q/k norm gains starting at 1.5 (logits x 2.25), 10x the learning rate",
+    "probe_qk_heads6x128": "6 heads x 128, 3 layers, q/k norm gains at 10x the learning rate",
     "tiny_sharp": "CPU-test size of sharp16k",
     "tiny_probe_heads": "CPU-test size, 4 heads x 32, multi workload",
 }
@@ -94,7 +98,7 @@ def slope_per_1k(checkpoints: list, every: int) -> float:
 def run_candidate(name: str, config: TestbedConfig, device: str, every: int, requests: int, log=print) -> dict:
     """Train one candidate from scratch for ``config.time_budget_s``, measuring at step 0, every ``every`` steps
     and at the end."""
-    from .models import build_model
+    from .models import build_model, is_qk_gain
     from .sharpness import measure_sharpness
     from .train import train
 
@@ -119,6 +123,7 @@ def run_candidate(name: str, config: TestbedConfig, device: str, every: int, req
         measure(result["steps"], result["model"])
     history = result["log"]
     final = checkpoints[-1]
+    gains = [p.detach().float().mean().item() for n, p in result["model"].named_parameters() if is_qk_gain(n)]
     row = {"name": name, "tests": WHAT_IT_TESTS.get(name, ""), "config": asdict(config), "params": params,
            "heads": config.num_heads, "N": tokens_of(config.long_size), "steps": result["steps"],
            "budget_s": round(config.time_budget_s, 1), "seconds": round(result["seconds"], 1), "data_seconds": round(result["data_seconds"], 1),
@@ -127,7 +132,8 @@ def run_candidate(name: str, config: TestbedConfig, device: str, every: int, req
            "requests": [f"{r.template}/s{r.subject}/l{r.layout}/{r.texture}" for r in chosen],
            "checkpoints": checkpoints, "final": final["mean"], "final_step": final["step"],
            "final_per_layer": final["per_layer"], "slope_per_1k": round(slope_per_1k(checkpoints, every), 4),
-           "final_loss_long": _final_loss(history, "long"), "loss_curve": history}
+           "final_loss_long": _final_loss(history, "long"), "qk_gain_mean": round(sum(gains) / len(gains), 3),
+           "loss_curve": history}
     del model, result
     gc.collect()
     if device != "cpu":
@@ -170,7 +176,7 @@ def render_markdown(doc: dict) -> str:
              f"sharpness = `sharpness.measure_sharpness` on {doc['requests']} held-out-subject request(s) of its "
              f"own workload. Slope: least squares over the checkpoints from step {doc['every']} on, per 1,000 steps.\n"]
     head = ["candidate", "tests", "params (M)", "N", "heads x dim x layers", "train s", "steps/s", "steps"]
-    head += [f"@{s}" for s in steps] + ["final", "slope /1k", "loss (long)"]
+    head += [f"@{s}" for s in steps] + ["final", "slope /1k", "loss (long)", "q/k gain"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         at = {c["step"]: c["mean"] for c in row["checkpoints"]}
@@ -178,7 +184,8 @@ def render_markdown(doc: dict) -> str:
                  f"{row['heads']} x {row['config']['head_dim']} x {row['config']['num_layers']}",
                  f"{row['seconds']:.0f}", f"{row['steps_per_s']:.2f}", str(row["steps"])]
         cells += [f"{at[s]:.3f}" if s in at else "" for s in steps]
-        cells += [f"{row['final']:.3f} (@{row['final_step']})", f"{row['slope_per_1k']:+.3f}", str(row["final_loss_long"])]
+        cells += [f"{row['final']:.3f} (@{row['final_step']})", f"{row['slope_per_1k']:+.3f}", str(row["final_loss_long"]),
+                  str(row.get("qk_gain_mean", ""))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Final oracle mass per layer:", ""]
     lines += [f"- {row['name']}: {row['final_per_layer']}" for row in rows]

@@ -27,7 +27,7 @@ import torch
 
 from ..workload import I2VRequest
 from .config import PRESETS, TestbedConfig, config_from_dict, config_with_overrides, make_config, size_name, tokens_of
-from .models import SDPAAttention, build_model, flow_loss, make_batch
+from .models import SDPAAttention, build_model, flow_loss, is_qk_gain, make_batch
 
 CHECKPOINT_NAME = "chorus_testbed_wan21_i2v.safetensors"
 
@@ -106,9 +106,12 @@ STATE_NAME = "train_state.pt"
 
 def _optimizer(model, config: TestbedConfig):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.99))
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 and not (config.qk_gain_lr_mult != 1.0 and is_qk_gain(n))]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if config.qk_gain_lr_mult != 1.0:  # a third group only then, so older optimizer states still load
+        gains = [p for n, p in model.named_parameters() if is_qk_gain(n)]
+        groups.append({"params": gains, "weight_decay": 0.0, "lr_mult": config.qk_gain_lr_mult})
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.99))
 
 
 def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, resume: dict = None,
@@ -166,7 +169,7 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
         idx = torch.randint(len(pool), (bsz,), generator=gen)
         batch = pool.select(idx.to(pool.x0.device))
         for group in opt.param_groups:
-            group["lr"] = lr_at(config, step)
+            group["lr"] = lr_at(config, step) * group.get("lr_mult", 1.0)
         with torch.autocast(device_type="cuda" if device != "cpu" else "cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = flow_loss(model, batch, config.shift, gen, options)
         opt.zero_grad(set_to_none=True)

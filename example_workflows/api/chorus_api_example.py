@@ -84,31 +84,32 @@ def customise(workflow: dict, image_name: str | None, prompt: str | None, tag: s
     return workflow
 
 
-def follow(server: str, client_id: str, prompt_id: str, timeout: float) -> None:
-    """Print progress until ComfyUI reports the prompt finished."""
+def connect(server: str, client_id: str, timeout: float):
+    """Open the progress websocket before queueing: a prompt that fails at once sends its error
+    only to clients already listening."""
     try:
         import websocket
     except ImportError:
         raise ServerRefused("this script needs websocket-client to follow progress: pip install websocket-client") from None
+    return websocket.create_connection(server.replace("http", "ws", 1) + f"/ws?clientId={client_id}", timeout=timeout)
 
-    ws = websocket.create_connection(server.replace("http", "ws", 1) + f"/ws?clientId={client_id}", timeout=timeout)
-    try:
-        while True:
-            frame = ws.recv()
-            if not isinstance(frame, str):
-                continue  # binary latent previews
-            message = json.loads(frame)
-            kind, data = message.get("type"), message.get("data", {})
-            if kind == "chorus.step":
-                shares = " ".join(f"{l['sparse_share']:.0%}" for l in data["layers"])
-                print(f"  step {data['step']}/{data['steps']} {data['mode']} sparse share per layer: {shares}")
-            elif kind == "execution_error" and data.get("prompt_id") == prompt_id:
-                raise ServerRefused(f"the workflow failed on the server: node {data.get('node_id')} ({data.get('node_type')}) failed: "
-                                    f"{data.get('exception_message', 'execution error').strip()}")
-            elif kind == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
-                return
-    finally:
-        ws.close()
+
+def follow(ws, prompt_id: str) -> None:
+    """Print progress until ComfyUI reports the prompt finished."""
+    while True:
+        frame = ws.recv()
+        if not isinstance(frame, str):
+            continue  # binary latent previews
+        message = json.loads(frame)
+        kind, data = message.get("type"), message.get("data", {})
+        if kind == "chorus.step":
+            shares = " ".join(f"{l['sparse_share']:.0%}" for l in data["layers"])
+            print(f"  step {data['step']}/{data['steps']} {data['mode']} sparse share per layer: {shares}")
+        elif kind == "execution_error" and data.get("prompt_id") == prompt_id:
+            raise ServerRefused(f"the workflow failed on the server: node {data.get('node_id')} ({data.get('node_type')}) failed: "
+                                f"{data.get('exception_message', 'execution error').strip()}")
+        elif kind == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+            return
 
 
 def main(argv=None) -> int:
@@ -125,9 +126,13 @@ def main(argv=None) -> int:
         image_name = upload_image(args.server, args.image) if args.image else None
         workflow = customise(json.loads(args.workflow.read_text()), image_name, args.prompt, args.tag)
         client_id = uuid.uuid4().hex
-        prompt_id = queue(args.server, workflow, client_id)
-        print(f"queued {prompt_id}")
-        follow(args.server, client_id, prompt_id, args.timeout)
+        ws = connect(args.server, client_id, args.timeout)
+        try:
+            prompt_id = queue(args.server, workflow, client_id)
+            print(f"queued {prompt_id}")
+            follow(ws, prompt_id)
+        finally:
+            ws.close()
     except ServerRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
