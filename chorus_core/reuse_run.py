@@ -25,7 +25,7 @@ from .entry_prefetch import EntryPrefetch
 from .mask_provider import (DenseProvider, DenseWarmupProvider, bucket_index, observes, serve_prepared_mask,
                             step_bucket_of)
 from .masks import MaskRecorder
-from .model_identity import fingerprint_patcher  # noqa: F401  (also imported from here by benchmarks)
+from .model_identity import fingerprint_patcher
 from .online_predictor import predict_block_map
 from .prior_store import PRIOR_ENTRIES, load_prior
 from .sparse_patch import (DENSE_ATTENTION_MODES, OUTER_SAMPLE, check_no_competing_sparse_attention,
@@ -401,6 +401,9 @@ class SamplingSettings:
 class ReuseRun:
     """One generation: choose the mask source, patch a clone of the model, report, record on a miss.
 
+    :param model_patcher: the model that samples (the guider's, with every LoRA and sampling patch
+        applied after the Chorus node): a hit needs its identity to be the match's, and a recording
+        is filed under it
     :param match: the Similarity Match output, or None to run online prediction without a bank
     """
 
@@ -416,6 +419,14 @@ class ReuseRun:
         self.prefetch: EntryPrefetch | None = None
         self.entry_provider: BankEntryProvider | None = None
         self.patched = None
+        self._fingerprint = None
+
+    @property
+    def fingerprint(self):
+        """Identity of the model that samples (read once per run)."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint_patcher(self.model_patcher)
+        return self._fingerprint
 
     def prepare(self, on_step=None):
         """The patched clone to sample with; ``on_step(report_dict)`` is called after every step."""
@@ -482,8 +493,10 @@ class ReuseRun:
         self.report.timings["match_ms"] = round(self.match.match_ms, 2)
         if not result.hit:
             return None
-        if fingerprint_patcher(self.model_patcher) != self.match.request.fingerprint:
-            self.report.warnings.append("the sampler's model differs from the one the match was made for; running as a miss")
+        if self.fingerprint != self.match.request.fingerprint:
+            self.report.warnings.append("the sampler's model differs from the one the match was made for (a LoRA or "
+                                        "other weight patch added or removed between them); running as a miss, "
+                                        "recorded under the model that sampled")
             return None
         bank, entry_id = self.match.bank, result.entry_id
         self.report.mode, self.report.entry_id = "hit", entry_id
@@ -517,9 +530,9 @@ class ReuseRun:
         """The bank's stored population prior (built once per bank content), or None (then online)."""
         if self.match is None:
             return None
-        request, bank, o = self.match.request, self.match.bank, self.options
+        request, bank, o, fingerprint = self.match.request, self.match.bank, self.options, self.fingerprint
         try:
-            compatible = bank.compatible_entries(request.fingerprint, request.layout, limit=PRIOR_ENTRIES)
+            compatible = bank.compatible_entries(fingerprint, request.layout, limit=PRIOR_ENTRIES)
         except Exception as exc:  # an unreadable index: predict online instead
             self.report.warnings.append(f"population prior unavailable: {exc}")
             return None
@@ -527,7 +540,7 @@ class ReuseRun:
             return None
         self.report.mask_source = f"population prior of {len(compatible)} entries"
         return self._prefetched(lambda: _own_connection(
-            bank, lambda own: load_prior(own, request.fingerprint, request.layout, o.min_density, o.max_density)))
+            bank, lambda own: load_prior(own, fingerprint, request.layout, o.min_density, o.max_density)))
 
     def _can_record(self) -> bool:
         return bool(self.match and self.options.record_on_miss and not self.match.bank.read_only)
@@ -605,20 +618,21 @@ class ReuseRun:
 
     def _pending_write(self, recorded) -> bank_writer.PendingWrite:
         request, bank, schedule, o = self.match.request, self.match.bank, self.schedule, self.options
+        fingerprint = self.fingerprint  # the model that sampled, not necessarily the match's
         entry_id = bank_writer.new_entry_id()
         masks = PackedBlockMaps(recorded.packed, recorded.nk)  # stored as packed bits: never unpacked whole
 
         def write():
             # Its own connection: SQLite connections are not shared between threads mid-transaction.
             with bank.reopen() as writer_bank:
-                writer_bank.add_entry(fingerprint=request.fingerprint, layout=request.layout, schedule=schedule,
+                writer_bank.add_entry(fingerprint=fingerprint, layout=request.layout, schedule=schedule,
                                       masks=masks, signature=request.signature, density=recorded.density,
                                       recall=recorded.mean_recall, tags=list(o.tags), entry_id=entry_id)
                 if o.miss_mode == "prior":  # refresh the stored prior for the next prior-mode miss
-                    load_prior(writer_bank, request.fingerprint, request.layout, o.min_density, o.max_density)
+                    load_prior(writer_bank, fingerprint, request.layout, o.min_density, o.max_density)
 
         return bank_writer.PendingWrite(bank_root=bank.label, entry_id=entry_id,
-                                        compat=compat_key(request.fingerprint, request.layout),
+                                        compat=compat_key(fingerprint, request.layout),
                                         signature=request.signature, write=write)
 
 
@@ -696,7 +710,10 @@ class ReusePatch:
         # The patched model may reach a second sampler on another latent (an upscale pass): that
         # sampling runs without the match (an online miss, nothing recorded), and says why.
         problem = match_grid_problem(self.match, latent_image)
-        run = ReuseRun(self.model_patcher, None if problem else self.match, self.options,
+        # The guider's model, not the node's input: a LoRA or ModelSamplingSD3 placed after this
+        # node is part of what samples, so of the hit check, the recorded shift and the entry's model.
+        sampling_model = getattr(executor.class_obj, "model_patcher", None) or self.model_patcher
+        run = ReuseRun(sampling_model, None if problem else self.match, self.options,
                        SamplingSettings(steps, _sampler_name(sampler), "sigmas"), block_size=self.block_size)
         if problem is not None:
             run.report.warnings.append(f"ran without the match, as a miss that records nothing: {problem}")
@@ -757,7 +774,9 @@ def _mean_density(stats) -> float | None:
 
 
 def _model_shift(model_patcher) -> float:
-    sampling = getattr(model_patcher.model, "model_sampling", None)
+    # get_model_object sees object patches (ModelSamplingSD3 sets model_sampling as one)
+    sampling = model_patcher.get_model_object("model_sampling") if hasattr(model_patcher, "get_model_object") \
+        else getattr(model_patcher.model, "model_sampling", None)
     return float(getattr(sampling, "shift", 0.0) or 0.0)
 
 

@@ -419,7 +419,7 @@ def measure_overheads(ctx, shape, entry_layers, bank_entries):
 
     from chorus_core.bank import LatentLayout, MaskBank, Schedule, build_signature
     from chorus_core.bank.signature import COMPONENTS, DIM
-    from chorus_core.reuse_run import fingerprint_patcher
+    from chorus_core.model_identity import fingerprint_patcher
     from kernels.block_sparse import block_map_to_mask
     from kernels import _triton_block_sparse as tbs
 

@@ -1,0 +1,98 @@
+"""The model that samples, not the model the node was given, is the run's model (issue 25).
+
+A LoRA (LoraLoaderModelOnly runs ``load_lora_for_models``) or ModelSamplingSD3 placed after
+Chorus Sparse Attention is part of what samples: the hit check, the recorded shift and the
+model an entry is filed under all follow it. Tiny Wan2.1-I2V in process, on the CPU.
+"""
+
+import pytest
+
+from test_fingerprint import with_lora
+from test_reuse_loop import BLOCK, STEPS, match_for, request
+
+pytestmark = pytest.mark.comfy
+
+LORA_KEYS = ("blocks.1.self_attn.q", "blocks.0.ffn.0")  # the tiny model has 2 blocks
+
+
+def reuse_patch(model, match):
+    from chorus_core.reuse_run import ReuseOptions, ReusePatch
+
+    return ReusePatch(model, match, ReuseOptions(dense_warmup_steps=1), block_size=BLOCK).install()
+
+
+def model_sampling_sd3(model, shift):
+    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
+
+    (patched,) = ModelSamplingSD3().patch(model, shift)
+    return patched
+
+
+def sample(model):
+    """KSampler's path (comfy.sample.sample); returns the run's report."""
+    import comfy.sample
+
+    from chorus_core import bank_writer
+    from chorus_core.reuse_run import get_reuse_patch
+
+    positive, negative, latent = request()
+    noise = comfy.sample.prepare_noise(latent["samples"], 0)
+    comfy.sample.sample(model, noise, STEPS, 5.0, "euler", "simple", positive, negative, latent["samples"], seed=0,
+                        disable_pbar=True)
+    assert bank_writer.flush_all(timeout=60)
+    return get_reuse_patch(model).last_report
+
+
+@pytest.fixture()
+def bank(tmp_path):
+    from chorus_core.bank import MaskBank
+
+    bank = MaskBank.open(tmp_path / "bank")
+    yield bank
+    bank.close()
+
+
+def test_a_lora_and_model_sampling_after_the_node_are_the_model_that_records(bank, tiny_wan_patcher):
+    from chorus_core.model_identity import fingerprint_patcher
+
+    positive, _, latent = request()
+    base_match = match_for(bank, tiny_wan_patcher, positive, latent)
+    sampled = model_sampling_sd3(with_lora(reuse_patch(tiny_wan_patcher, base_match), 3, 1.0, LORA_KEYS), 3.0)
+    report = sample(sampled)
+
+    assert (report.mode, report.recording) == ("miss", "queued")
+    layout, base = base_match.request.layout, base_match.request.fingerprint
+    lora = fingerprint_patcher(sampled)
+    assert lora != base
+    assert bank.compatible_entries(lora, layout) == [report.recorded_entry_id]
+    assert bank.compatible_entries(base, layout) == []  # not filed under the model the match was made with
+    assert bank.show(report.recorded_entry_id)["shift"] == 3.0  # ModelSamplingSD3's, not the base model's 5.0
+
+
+def test_base_model_matched_lora_sampled_misses_and_later_base_requests_never_get_the_loras_masks(
+        bank, tiny_wan_patcher):
+    positive, _, latent = request()
+    lora_model = with_lora(tiny_wan_patcher, 3, 1.0, LORA_KEYS)
+    base_match = match_for(bank, tiny_wan_patcher, positive, latent)
+    first = sample(with_lora(reuse_patch(tiny_wan_patcher, base_match), 3, 1.0, LORA_KEYS))
+    assert (first.mode, first.recording) == ("miss", "queued")
+
+    # a base-model request: the LoRA's entry is not compatible, so nothing to hit
+    base_again = match_for(bank, tiny_wan_patcher, positive, latent)
+    assert base_again.result.candidates == 0 and not base_again.result.hit
+    # the same request with the LoRA'd model matched and sampled hits the LoRA's entry
+    lora_match = match_for(bank, lora_model, positive, latent)
+    assert lora_match.result.entry_id == first.recorded_entry_id
+    second = sample(reuse_patch(lora_model, lora_match))
+    assert (second.mode, second.entry_id, second.warnings) == ("hit", first.recorded_entry_id, [])
+
+
+def test_a_hit_matched_on_the_base_model_but_sampled_with_a_lora_runs_as_a_miss_and_says_so(bank, tiny_wan_patcher):
+    positive, _, latent = request()
+    first = sample(reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent)))
+    assert first.mode == "miss"
+    base_match = match_for(bank, tiny_wan_patcher, positive, latent)
+    assert base_match.result.hit
+    report = sample(with_lora(reuse_patch(tiny_wan_patcher, base_match), 3, 1.0, LORA_KEYS))
+    assert report.mode == "miss" and report.entry_id is None
+    assert any("differs from the one the match was made for" in w for w in report.warnings)
