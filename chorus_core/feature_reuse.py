@@ -784,7 +784,7 @@ def install_feature_reuse(model_patcher, region_map: torch.Tensor, grid: Sequenc
         the same key replaces the earlier install.
     :raises UnsupportedModelError: for any model other than Wan 2.1 I2V/T2V.
     """
-    from .sparse_patch import check_supported_model
+    from .model_checks import check_supported_model
 
     check_supported_model(model_patcher)
     holder = FeatureReuseState(region_map, grid, settings, key)

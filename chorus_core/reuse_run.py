@@ -1,6 +1,7 @@
-"""One generation with mask reuse: match, choose a mask source, sample patched, record on a miss.
+"""One generation with mask reuse: choose a mask source, sample patched, record on a miss.
 
-This is the library side of the Similarity Match and Sparse Wan Sampler nodes. It knows
+This is the library side of the Sparse Wan Sampler and Chorus Sparse Attention nodes (the
+match itself: ``reuse_match``; the mask sources: ``mask_sources``). It knows
 ComfyUI's data (a ModelPatcher, CONDITIONING lists, LATENT dicts) but none of its nodes.
 """
 
@@ -8,32 +9,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
-from dataclasses import asdict, dataclass, field, replace
-
-import torch
-
-from typing import Optional
+from dataclasses import asdict, dataclass, field
 
 from . import bank_writer
-from ._siblings import import_sibling
-from .bank import BankError, LatentLayout, MaskBank, MatchResult, Schedule, Signature, build_signature, compat_key
+from .bank import Schedule, compat_key
 from .bank.encoding import PackedBlockMaps
-from .bank.signature import resolve_weights
 from .entry_prefetch import EntryPrefetch
-from .mask_provider import (DenseProvider, DenseWarmupProvider, bucket_index, observes, serve_prepared_mask,
-                            step_bucket_of)
+from .mask_provider import (DenseProvider, DenseWarmupProvider, observes, serve_prepared_mask, step_bucket_of)
+from .mask_sources import (BankEntryProvider, OnlinePredictionProvider, RecordingPlan, RecordingProvider,
+                           buckets_recordable_from, recorded_steps)
 from .masks import MaskRecorder
+from .model_checks import check_no_competing_sparse_attention, check_supported_model
 from .model_identity import fingerprint_patcher
-from .online_predictor import predict_block_map
 from .prior_store import PRIOR_ENTRIES, load_prior
-from .sparse_patch import (DENSE_ATTENTION_MODES, OUTER_SAMPLE, check_no_competing_sparse_attention,
-                           check_supported_model, get_run_stats, get_sparse_state, install_sparse_attention)
+from .reuse_match import ReuseMatch, match_grid_problem
+from .run_keys import OUTER_SAMPLE
+from .sparse_patch import DENSE_ATTENTION_MODES, get_run_stats, get_sparse_state, install_sparse_attention
 
 log = logging.getLogger("chorus")
 MISS_MODES = ("online", "prior", "dense")
-PATCH_SIZE = (1, 2, 2)  # Wan 2.1 patchify: latent (T, H, W) -> tokens (T, H/2, W/2)
 
 
 @dataclass(frozen=True)
@@ -67,105 +62,6 @@ class ReuseOptions:
 
 
 @dataclass
-class MatchRequest:
-    """Everything a bank lookup needs, taken from what an I2V graph already has."""
-
-    signature: Signature
-    fingerprint: object
-    layout: LatentLayout
-    threshold: float
-    weights: dict
-
-
-@dataclass
-class ReuseMatch:
-    """The Similarity Match node's output: the bank, the request and the lookup's result."""
-
-    bank: MaskBank
-    request: MatchRequest
-    result: MatchResult
-    match_ms: float
-    warning: str | None = None  # why the lookup could not run (the request is then a miss)
-
-    def summary(self) -> str:
-        if self.warning:
-            return f"Chorus: MISS ({self.warning})"
-        r = self.result
-        parts = " ".join(f"{k}={v:.3f}" for k, v in sorted(r.components.items()))
-        verdict = f"HIT {r.entry_id}" if r.hit else "MISS"
-        return (f"Chorus: {verdict} similarity={r.similarity:.3f} (threshold {self.request.threshold:.3f}; {parts}) "
-                f"among {r.candidates} compatible entries in {self.match_ms:.1f} ms")
-
-
-def layout_from_latent(samples: torch.Tensor, block_size: int) -> LatentLayout:
-    """Token grid of a Wan latent ``[B, 16, T, H, W]`` after patchify, cut into square blocks."""
-    if samples.ndim != 5:
-        raise ValueError(f"Chorus needs a video latent [B, 16, T, H, W]; got shape {tuple(samples.shape)}. "
-                         "Use the latent from WanImageToVideo.")
-    t, h, w = samples.shape[2:]
-    grid = (math.ceil(t / PATCH_SIZE[0]), math.ceil(h / PATCH_SIZE[1]), math.ceil(w / PATCH_SIZE[2]))
-    return LatentLayout(grid=grid, token_order="thw", block_size=(block_size, block_size))
-
-
-def match_grid_problem(match: "ReuseMatch | None", samples: torch.Tensor) -> Optional[str]:
-    """Why ``match`` cannot serve a run on ``samples`` (a latent of another token grid), or None.
-
-    Such a match's entries can never serve the run, and the masks it records could never be
-    stored under it: every rerun would miss with nothing to say why, so callers refuse it (the
-    Sparse Wan Sampler) or sample without it and warn (Chorus Sparse Attention).
-    """
-    if match is None:
-        return None
-    wanted = tuple(match.request.layout.grid)
-    sampled = tuple(layout_from_latent(samples, match.request.layout.block_size[0]).grid)
-    if sampled == wanted:
-        return None
-    shown = ["x".join(map(str, grid)) for grid in (wanted, sampled)]
-    return (f"the match was made for a latent of {shown[0]} tokens (frames x height x width), but the sampler "
-            f"got {shown[1]}. Wire the same latent into Similarity Match's latent and the sampler's latent_image.")
-
-
-def start_latent_from(positive, start_latent: dict | None) -> torch.Tensor | None:
-    """The start frame's latent: given directly, or WanImageToVideo's ``concat_latent_image``."""
-    if start_latent is not None:
-        return start_latent["samples"][:, :, :1]
-    concat = positive[0][1].get("concat_latent_image") if positive else None
-    return None if concat is None else concat[:, :, :1]
-
-
-def build_match_request(model_patcher, clip_vision_output, positive, latent: dict, start_latent: dict | None,
-                        threshold: float, weights: dict, block_size: int) -> MatchRequest:
-    """Signature, fingerprint and layout of one request, from ComfyUI's objects."""
-    check_supported_model(model_patcher)  # refuse other variants here too, never file masks under them
-    signature = build_signature(clip_vision=clip_vision_output, text=positive[0][0] if positive else None,
-                                start_latent=start_latent_from(positive, start_latent))
-    return MatchRequest(signature=signature, fingerprint=fingerprint_patcher(model_patcher),
-                        layout=layout_from_latent(latent["samples"], block_size), threshold=threshold,
-                        weights=resolve_weights(weights))
-
-
-def match_request(bank: MaskBank, request: MatchRequest) -> ReuseMatch:
-    """Look the request up; a similar entry still being written is waited for, then hit.
-
-    A bank that cannot answer (a PostgreSQL server restarting, a damaged index) makes this
-    request a miss with a warning, never a failed prompt.
-    """
-    started = time.perf_counter()
-    try:
-        bank_writer.wait_for_similar(bank.label, compat_key(request.fingerprint, request.layout),
-                                     request.signature, request.threshold, request.weights)
-        result = bank.match(request.signature, request.fingerprint, request.layout,
-                            threshold=request.threshold, top_k=1, weights=request.weights)
-        warning = None
-    except BankError as exc:
-        result = MatchResult(hit=False, entry_id=None, similarity=0.0, components={}, candidates=0)
-        warning = f"the bank could not be searched, so this request runs as a miss: {exc}"
-        log.warning("Chorus: %s", warning)
-    return ReuseMatch(bank=bank, request=request, result=result, match_ms=(time.perf_counter() - started) * 1e3,
-                      warning=warning)
-
-
-@dataclass
 class RunReport:
     """What one generation did; the sampler's UI output and ``/history`` carry it as JSON."""
 
@@ -187,208 +83,6 @@ class RunReport:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def scaled_bucket_starts(schedule: Schedule, steps: int) -> list[int]:
-    """Bucket starts of a recorded schedule, rescaled to this run's step count."""
-    starts = [round(a * steps / schedule.steps) for a, _ in schedule.step_buckets]
-    unique = []
-    for s in starts:
-        unique.append(max(s, unique[-1] + 1) if unique else 0)
-    return unique
-
-
-class BankEntryProvider:
-    """Serves a bank entry (or a population prior) prefetched by :class:`EntryPrefetch`.
-
-    The kernel-ready masks of a step bucket are built once, at its first sparse call; a hit
-    adds no host sync, conversion or validation per attention call. When the entry turns out
-    unusable (corrupt, pruned meanwhile), every later call goes to ``fallback`` (a miss source).
-    """
-
-    def __init__(self, prefetch: EntryPrefetch, steps: int, block_size: tuple[int, int], fallback=None):
-        self.prefetch, self.steps, self.fallback = prefetch, steps, fallback
-        self.block_size = tuple(block_size)
-        self.failure: Optional[str] = None  # why the entry could not serve, once known
-        self._bucket_starts: Optional[list[int]] = None
-
-    def _source(self):
-        """self while the entry serves, the fallback once it has failed (checked once: then cached)."""
-        if self.failure is None and self._bucket_starts is None:
-            try:  # the entry's schedule: known once the worker has loaded it
-                self._bucket_starts = scaled_bucket_starts(self.prefetch.entry().schedule, self.steps)
-            except Exception as exc:
-                self._fail(exc)
-        if self.failure is not None and self.fallback is not None:
-            return self.fallback
-        if self.failure is not None:
-            raise RuntimeError(self.failure)
-        return self
-
-    def unusable(self) -> bool:
-        """True once the entry is known not to serve; the first call waits for the worker's load."""
-        self._source()
-        return self.failure is not None
-
-    def _fail(self, exc: Exception) -> None:
-        self.failure = str(exc.__cause__ or exc)
-        log.warning("Chorus: %s; this run continues as a miss", self.failure)
-
-    def step_bucket(self, step: int):
-        source = self._source()
-        return bucket_index(self._bucket_starts, step) if source is self else ("fallback", step_bucket_of(source, step))
-
-    def observes(self, step: int) -> bool:
-        source = self._source()
-        return source is not self and observes(source, step)
-
-    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
-        source = self._source()
-        if source is not self and hasattr(source, "observe"):
-            source.observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
-
-    def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device):
-        source = self._source()
-        if source is not self:
-            return serve_prepared_mask(source, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-        try:  # a bucket the worker could not decode: the rest of the run is a miss, like a failed load
-            masks = self.prefetch.device_bucket(self.step_bucket(step), self.block_size, seq_len, device).masks
-        except Exception as exc:
-            self._fail(exc)
-            return self.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-        if layer >= len(masks):
-            return None
-        prepared = masks[layer]
-        if prepared.mask.heads != num_heads or prepared.mask.n_q_blocks != prepared.mask.live_counts.shape[2]:
-            raise ValueError(f"bank entry masks have {prepared.mask.heads} heads and "
-                             f"{prepared.mask.live_counts.shape[2]} query blocks; this run needs {num_heads} heads "
-                             f"over {seq_len} tokens. The bank's compatibility filter should have excluded it")
-        return prepared
-
-    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
-        """A bool map for callers that want one (Feature Reuse maps it to its shorter sequence),
-        made on the device from the uploaded masks: no second decode on the sampling thread."""
-        source = self._source()
-        if source is not self:
-            return source.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
-        prepared = self.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, 1, device)
-        if prepared is None or self.failure is not None:  # failed just now: this call runs dense
-            return None
-        return import_sibling("kernels.block_sparse").mask_to_block_map(prepared.mask)
-
-
-class OnlinePredictionProvider:
-    """A miss without a usable entry: masks predicted from pooled q and k at every step."""
-
-    def __init__(self, block_size: int, top_p: float, min_density: float, max_density: float):
-        self.block_size = (block_size, block_size)
-        self.settings = dict(block_size=block_size, top_p=top_p, min_density=min_density, max_density=max_density)
-        self._predicted: dict[int, torch.Tensor] = {}
-
-    def step_bucket(self, step: int) -> int:
-        return step  # a fresh prediction every step
-
-    def observes(self, step: int) -> bool:
-        return True
-
-    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
-        self._predicted[layer] = predict_block_map(q, k, None if skip_reshape else heads, **self.settings)
-
-    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
-        return self._predicted.pop(layer, None)
-
-
-class RecordingProvider:
-    """Wraps a provider and shows every self-attention call's q and k to a MaskRecorder.
-
-    A hit passes no recorder but ``late_start=(first_step, start)``: at ``first_step`` (its first
-    sparse step) ``start(step)`` returns the recorder when the entry turned out unusable, else
-    None and this run records nothing (see :meth:`ReuseRun.recorder_after_failure`).
-    """
-
-    def __init__(self, inner, recorder: MaskRecorder | None, late_start=None):
-        self.inner, self.recorder = inner, recorder
-        self.block_size = tuple(inner.block_size)
-        self.error: str | None = None  # set when recording failed; nothing is stored then
-        self._late_start = late_start
-
-    def step_bucket(self, step: int):
-        return step_bucket_of(self.inner, step)
-
-    def _recording(self, step: int) -> bool:
-        if self._late_start is not None and step >= self._late_start[0]:
-            start, self._late_start = self._late_start[1], None  # decided once per run
-            try:
-                self.recorder = start(step)
-            except Exception as exc:  # recording is a by-product: it must not stop the generation
-                self.error = f"{type(exc).__name__}: {exc}"
-                log.warning("Chorus: recording not started: %s", self.error)
-        return self.error is None and self.recorder is not None
-
-    def observes(self, step: int) -> bool:
-        return (self._recording(step) and self.recorder.bucket(step) is not None) or observes(self.inner, step)
-
-    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
-        if self._recording(step):
-            try:
-                self.recorder.record(layer, step, q, k, None if skip_reshape else heads)
-            except Exception as exc:  # recording is a by-product: it must not stop the generation
-                self.error = f"{type(exc).__name__}: {exc}"
-                log.warning("Chorus: recording stopped: %s", self.error)
-        observer = getattr(self.inner, "observe", None)
-        if observer is not None:
-            observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
-
-    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
-        return self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
-
-    def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device):
-        return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-
-
-def recorded_steps(step_buckets, per_bucket: Optional[int] = None, first_step: int = 0) -> list[list[int]]:
-    """Which steps feed each bucket's recorded mass: every step of the bucket (``per_bucket`` None),
-    else that many spread over its first half (2: the first and the middle one, what was recorded
-    before every step was); only steps from ``first_step`` on, when the recording starts late.
-
-    Every step is the default because a bucket's mask serves every step of it: masks selected from
-    the first and middle steps only missed the blocks the later steps attend to and cost 1.0 to
-    11 dB against the same rule over the whole bucket on the sharp16k testbed
-    (tests/benchmarks/results/hit_stages_h200_before_fix_r*.md).
-    """
-    chosen = []
-    for start, end in step_buckets:
-        start = max(start, first_step)
-        if per_bucket is None:
-            chosen.append(list(range(start, end)))
-        else:
-            spread = 2 * max(1, per_bucket - 1)
-            chosen.append(sorted({start + (i * (end - start - 1)) // spread for i in range(per_bucket)
-                                  if start < end}))
-    return chosen
-
-
-def buckets_recordable_from(schedule: Schedule, step: int) -> Schedule:
-    """The schedule with every bucket that ends at or before ``step`` merged into the next one:
-    a recording that starts at ``step`` has no q and k of the steps before it."""
-    buckets = [list(bucket) for bucket in schedule.step_buckets]
-    while len(buckets) > 1 and buckets[0][1] <= step:
-        merged = buckets.pop(0)
-        buckets[0][0] = merged[0]
-    return replace(schedule, step_buckets=[tuple(bucket) for bucket in buckets])
-
-
-@dataclass(frozen=True)
-class RecordingPlan:
-    """What a recording miss records: how many steps of each bucket, and every how many queries.
-
-    :param steps_per_bucket: None = every step of each bucket (see :func:`recorded_steps`)
-    :param query_stride: block mass from every ``query_stride``-th query; None = 4 on a GPU
-        (a quarter of the cost), 1 elsewhere
-    """
-
-    steps_per_bucket: Optional[int] = None
-    query_stride: Optional[int] = None
 
 
 @dataclass(frozen=True)

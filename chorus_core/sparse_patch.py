@@ -47,6 +47,11 @@ from .hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, 
                     unwrap_own)
 from ._siblings import import_sibling
 from .mask_provider import MaskProvider, PreparedMask, observes, serve_prepared_mask, step_bucket_of
+from .model_checks import (ATTENTION_BACKEND_NODE, CompetingAttentionError, UnsupportedModelError,
+                           check_no_competing_sparse_attention, check_supported_model, is_attention_backend_override)
+from .run_keys import (APPLY_MODEL, DIFFUSION_MODEL, OUTER_SAMPLE, OVERRIDE_KEY, sparse_block_key, sparse_plan_key,
+                       sparse_run_key, sparse_video_key)
+from .run_stats import LayerStats, RunStats, StepCallback, StepStats
 
 __all__ = [
     "UnsupportedModelError",
@@ -63,233 +68,10 @@ __all__ = [
     "get_run_stats",
 ]
 
-OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE (checked in tests)
-DIFFUSION_MODEL = "diffusion_model"  # comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL (checked in tests)
-APPLY_MODEL = "apply_model"  # comfy.patcher_extension.WrappersMP.APPLY_MODEL (checked in tests)
 # What the self-attention Chorus leaves dense runs on: "auto" = FlashAttention-4's dense forward
 # where it applies (sm_90/sm_100, flash-attn-4 installed, bf16/fp16, head_dim 128), else
 # ComfyUI's own function; "comfyui" = always ComfyUI's own function.
 DENSE_ATTENTION_MODES = ("auto", "comfyui")
-ON_PREPARE_STATE = "on_prepare_state"  # comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE
-OVERRIDE_KEY = "optimized_attention_override"
-SUPPORTED = "Wan 2.1 image-to-video and text-to-video (comfy.model_base.WAN21 running a WanModel)"
-
-# Diffusion-model classes of the pinned ComfyUI that look like Wan but are not supported.
-_KNOWN_VARIANTS = {
-    "VaceWanModel": "Wan 2.1 VACE",
-    "CameraWanModel": "Wan camera control",
-    "WanModel_S2V": "Wan 2.2 S2V (speech to video)",
-    "HumoWanModel": "HuMo",
-    "AnimateWanModel": "Wan 2.2 Animate",
-}
-
-
-# --------------------------------------------------------------------------------------------
-# Which models
-# --------------------------------------------------------------------------------------------
-
-
-class UnsupportedModelError(ValueError):
-    """The model is not one Chorus can make sparse; the message names it and what is supported."""
-
-
-class CompetingAttentionError(ValueError):
-    """Another sparse-attention method patches the same model; two would silently stack."""
-
-
-CORE_SPARSE_NODE = "Model Sparse Attention (BlockSparseAttention)"
-CORE_SPARSE_CALLBACK_KEY = "block_sparse_attention"  # its ON_PREPARE_STATE callback reinstalls it every step
-ATTENTION_BACKEND_NODE = "Model Attention Backend (ModelAttentionBackend)"
-
-
-def is_core_sparse_override(function) -> bool:
-    """Core's Model Sparse Attention override (comfy_extras/nodes_sparse_attention.py, newer ComfyUI)."""
-    return (getattr(function, "__module__", "") or "").endswith("nodes_sparse_attention") or \
-        getattr(function, "__qualname__", "") == "make_attention_override.<locals>.override"
-
-
-def is_attention_backend_override(function) -> bool:
-    """The override ModelPatcher.set_model_optimized_attention installs (Model Attention Backend)."""
-    return getattr(function, "__qualname__", "") == \
-        "ModelPatcher.set_model_optimized_attention.<locals>.optimized_attention_override"
-
-
-def check_no_competing_sparse_attention(model_patcher, transformer_options: dict) -> None:
-    """Refuse a model that core's Model Sparse Attention also patches, whichever was applied first.
-
-    Core's node reinstalls its override on top of any other at every step and makes sparse
-    whatever it accepts; Chorus would then run sparse only what core declines: two methods
-    stacked, neither measured. One of the two has to go.
-    """
-    callbacks = (getattr(model_patcher, "callbacks", None) or {}).get(ON_PREPARE_STATE, {})
-    override = transformer_options.get(OVERRIDE_KEY)
-    found = CORE_SPARSE_CALLBACK_KEY in callbacks
-    while override is not None and not found:
-        found = is_core_sparse_override(override)
-        override = getattr(override, "chorus_previous", None)
-    if found:
-        raise CompetingAttentionError(
-            f"Chorus sparse attention and core's {CORE_SPARSE_NODE} node patch the same model: both would make "
-            "self-attention sparse, each with its own masks. Remove one of the two nodes from the MODEL path "
-            "(a Model Attention Backend node is fine: Chorus runs its dense calls through it)."
-        )
-
-
-def check_supported_model(model_patcher) -> None:
-    """Raise UnsupportedModelError unless the patcher holds a Wan 2.1 I2V/T2V model."""
-    import comfy.ldm.wan.model
-    import comfy.model_base
-
-    model = getattr(model_patcher, "model", None)
-    diffusion_model = getattr(model, "diffusion_model", None)
-    if type(model) is comfy.model_base.WAN21 and type(diffusion_model) is comfy.ldm.wan.model.WanModel:
-        variant = _wan21_variant(model, diffusion_model)
-        if variant is None:
-            return
-        raise UnsupportedModelError(
-            f"Chorus sparse attention does not support {variant}: {_describe_model(model, diffusion_model)}. "
-            f"Supported: {SUPPORTED}. Its masks would be filed with, and matched against, plain I2V entries. "
-            "Leave Chorus out of this workflow."
-        )
-    raise UnsupportedModelError(
-        f"Chorus sparse attention does not support this model: {_describe_model(model, diffusion_model)}. "
-        f"Supported: {SUPPORTED}. Load a Wan 2.1 I2V or T2V checkpoint, or leave Chorus out of this workflow."
-    )
-
-
-def _wan21_variant(model, diffusion_model) -> Optional[str]:
-    """A Wan 2.1 variant that loads as a plain WAN21/WanModel but is not I2V or T2V, or None.
-
-    FunControl (``WAN21_FunControl2V``) has 48 input channels; FLF2V (first-last-frame) has the
-    CLIP position embedding ``img_emb.emb_pos`` for its two images.
-    """
-    config = type(getattr(model, "model_config", None)).__name__
-    in_dim = getattr(diffusion_model, "in_dim", None)
-    if config == "WAN21_FunControl2V" or in_dim == 48:
-        return "Wan 2.1 Fun Control (WAN21_FunControl2V, 48 input channels)"
-    if getattr(getattr(diffusion_model, "img_emb", None), "emb_pos", None) is not None:
-        return "Wan 2.1 FLF2V (first-last-frame to video)"
-    return None
-
-
-def _describe_model(model, diffusion_model) -> str:
-    config = getattr(model, "model_config", None)
-    names = f"{type(model).__name__} / {type(diffusion_model).__name__}"
-    if config is not None:
-        names += f" (config {type(config).__name__})"
-    variant = _KNOWN_VARIANTS.get(type(diffusion_model).__name__)
-    if variant is None and type(model).__name__ == "WAN22":
-        variant = "Wan 2.2 TI2V 5B"
-    return f"{variant}, {names}" if variant else names
-
-
-# --------------------------------------------------------------------------------------------
-# Statistics
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LayerStats:
-    """Self-attention calls of one layer: how many ran sparse, how many dense, at what density."""
-
-    sparse_calls: int = 0
-    dense_calls: int = 0
-    density_sum: float = 0.0  # over sparse calls
-
-    def add(self, density: Optional[float]) -> None:
-        """Count one call; ``density`` None means it ran dense."""
-        if density is None:
-            self.dense_calls += 1
-        else:
-            self.sparse_calls += 1
-            self.density_sum += density
-
-    @property
-    def mean_density(self) -> Optional[float]:
-        """Mean share of blocks kept by the sparse calls; None when none ran sparse."""
-        return self.density_sum / self.sparse_calls if self.sparse_calls else None
-
-    @property
-    def effective_density(self) -> Optional[float]:
-        """Mean share of attention computed over all calls (a dense call counts as 1)."""
-        calls = self.sparse_calls + self.dense_calls
-        return (self.density_sum + self.dense_calls) / calls if calls else None
-
-    def as_dict(self) -> dict:
-        return {
-            "sparse_calls": self.sparse_calls,
-            "dense_calls": self.dense_calls,
-            "mean_density": self.mean_density,
-            "effective_density": self.effective_density,
-        }
-
-
-@dataclass
-class StepStats:
-    """One sampling step: per-layer calls and the wall time from its first model call to the next step's."""
-
-    step: int
-    layers: dict[int, LayerStats] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict:
-        return {"step": self.step, "seconds": self.seconds,
-                "layers": {layer: s.as_dict() for layer, s in sorted(self.layers.items())}}
-
-
-@dataclass
-class RunStats:
-    """One sampling run (readable while it runs, and after)."""
-
-    layers: dict[int, LayerStats] = field(default_factory=dict)
-    steps: list[StepStats] = field(default_factory=list)  # closed steps, in order
-    scheduled_steps: int = 0  # len(sample_sigmas) - 1
-    seconds: float = 0.0
-    finished: bool = False  # sampling returned normally
-    warnings: list[str] = field(default_factory=list)  # why some calls fell back to dense
-    backend: Optional[str] = None  # the block-sparse kernel backend and why it was chosen
-    dense_backend: Optional[str] = None  # what the dense self-attention calls ran on, and why
-
-    @property
-    def total_steps(self) -> int:
-        return len(self.steps)
-
-    @property
-    def sparse_calls(self) -> int:
-        return sum(s.sparse_calls for s in self.layers.values())
-
-    @property
-    def dense_calls(self) -> int:
-        return sum(s.dense_calls for s in self.layers.values())
-
-    def step_timings(self) -> dict:
-        """Mean wall time of this run's all-dense steps and of its steps with sparse calls, each where
-        the run had such steps: together, the run's own measure of what sparse attention saved (the
-        dense steps are usually the warm-up, so they also carry one-time costs; a hit sparse from its
-        first step has none to compare with)."""
-        dense = [s.seconds for s in self.steps if not any(layer.sparse_calls for layer in s.layers.values())]
-        sparse = [s.seconds for s in self.steps if any(layer.sparse_calls for layer in s.layers.values())]
-        means = {"dense_step_s": dense, "sparse_step_s": sparse}
-        return {key: round(sum(v) / len(v), 4) for key, v in means.items() if v}
-
-    def as_dict(self) -> dict:
-        return {
-            "total_steps": self.total_steps,
-            "scheduled_steps": self.scheduled_steps,
-            "seconds": self.seconds,
-            "finished": self.finished,
-            "sparse_calls": self.sparse_calls,
-            "dense_calls": self.dense_calls,
-            "layers": {layer: s.as_dict() for layer, s in sorted(self.layers.items())},
-            "warnings": list(self.warnings),
-            "backend": self.backend,
-            "dense_backend": self.dense_backend,
-        }
-
-
-StepCallback = Callable[[StepStats, RunStats], Any]
-
-
 # --------------------------------------------------------------------------------------------
 # State: one holder per patched model, one _Run per sampling run
 # --------------------------------------------------------------------------------------------
@@ -664,22 +446,6 @@ class _BlockCall:
 # --------------------------------------------------------------------------------------------
 
 
-def _run_key(key: str) -> str:
-    return f"{key}_sparse_run"
-
-
-def _block_key(key: str) -> str:
-    return f"{key}_sparse_block"
-
-
-def _video_key(key: str) -> str:
-    return f"{key}_sparse_video_tokens"
-
-
-def _plan_key(key: str) -> str:
-    return f"{key}_sparse_plan"
-
-
 def _foreign_override_in(override: Optional[Callable]) -> bool:
     """True when the override chain holds a function that is not one of Chorus's own."""
     while override is not None:
@@ -697,7 +463,7 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
     declaring it keeps that fallback's memory-saving container path (e.g. Model Attention
     Backend's int8 kernel). Without one, wrap_attn unwraps the containers before calling us.
     """
-    run_key, block_key, plan_key = _run_key(key), _block_key(key), _plan_key(key)
+    run_key, block_key, plan_key = sparse_run_key(key), sparse_block_key(key), sparse_plan_key(key)
     # An override another node installed below ours (Model Attention Backend, another pack) is the
     # user's choice of dense attention: it keeps the dense calls, FA4 dense does not take them.
     fast_dense = not _foreign_override_in(previous)
@@ -792,7 +558,7 @@ def _unwrapped(args: tuple, kwargs: dict, call: AttentionCall) -> tuple[tuple, d
 
 
 def _make_block_patch(key: str, index: int, previous: Optional[Callable]) -> Callable:
-    run_key, block_key, video_key = _run_key(key), _block_key(key), _video_key(key)
+    run_key, block_key, video_key = sparse_run_key(key), sparse_block_key(key), sparse_video_key(key)
 
     def chorus_block_patch(args, extra):
         options = args.get("transformer_options")
@@ -819,7 +585,7 @@ def _video_tokens(options: dict, video_key: str) -> Optional[int]:
 
 def _make_video_tokens_wrapper(key: str) -> Callable:
     """DIFFUSION_MODEL wrapper: the video latent's token count, before any extra token is added."""
-    run_key, video_key = _run_key(key), _video_key(key)
+    run_key, video_key = sparse_run_key(key), sparse_video_key(key)
 
     def chorus_video_tokens(executor, x, *args, **kwargs):
         options = kwargs.get("transformer_options", args[4] if len(args) > 4 else None)
@@ -837,7 +603,7 @@ def _make_apply_model_wrapper(key: str) -> Callable:
     mode. Under compile a kernel failure cannot fall back inside the graph: it raises out of
     the model call, and the call runs again with the rest of the run dense (one warning).
     """
-    run_key, plan_key = _run_key(key), _plan_key(key)
+    run_key, plan_key = sparse_run_key(key), sparse_plan_key(key)
 
     def chorus_plan_model_call(executor, x, t, *args, **kwargs):
         options = kwargs.get("transformer_options", args[3] if len(args) > 3 else None)
@@ -880,7 +646,7 @@ def _is_kernels_file(co_filename: str) -> bool:
 
 
 def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
-    run_key = _run_key(holder.key)
+    run_key = sparse_run_key(holder.key)
 
     def chorus_outer_sample(executor, *args, **kwargs):
         # The guider's model_options are a per-sample copy here, so the run never leaks into

@@ -250,7 +250,7 @@ class ChorusSimilarityMatch(io.ComfyNode):
     @classmethod
     def execute(cls, mask_bank, model, positive, latent, threshold, clip_weight, text_weight,
                 layout_weight, block_size, clip_vision_output=None, start_latent=None) -> io.NodeOutput:
-        from ..chorus_core.reuse_run import build_match_request, match_request
+        from ..chorus_core.reuse_match import build_match_request, match_request
 
         weights = {"clip": clip_weight, "text": text_weight, "layout": layout_weight}
         request = build_match_request(model, clip_vision_output, positive, latent, start_latent, threshold,

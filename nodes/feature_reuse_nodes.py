@@ -54,7 +54,7 @@ class ChorusFeatureReuse(io.ComfyNode):
     def execute(cls, model, positive, latent, strength, cell, start_percent, end_percent, rim, blend,
                 start_latent=None) -> io.NodeOutput:
         from ..chorus_core.feature_reuse import CELL_CHOICES, FeatureReuseSettings, apply_feature_reuse
-        from ..chorus_core.reuse_run import start_latent_from
+        from ..chorus_core.reuse_match import start_latent_from
 
         settings = FeatureReuseSettings(cell=CELL_CHOICES[cell], start_percent=start_percent,
                                         end_percent=end_percent, rim=rim, blend=blend)

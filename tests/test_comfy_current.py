@@ -323,7 +323,8 @@ def test_a_backend_applied_after_chorus_is_chained_below_it(tiny_wan_patcher, ne
 
 
 def test_core_sparse_attention_applied_before_chorus_is_refused_at_the_node(tiny_wan_patcher):
-    from chorus_core.sparse_patch import CompetingAttentionError, install_sparse_attention
+    from chorus_core.model_checks import CompetingAttentionError
+    from chorus_core.sparse_patch import install_sparse_attention
 
     with_core = tiny_wan_patcher.clone()
     install_core_sparse(with_core, [])
@@ -334,7 +335,8 @@ def test_core_sparse_attention_applied_before_chorus_is_refused_at_the_node(tiny
 
 
 def test_core_sparse_attention_applied_after_chorus_is_refused_before_any_attention(tiny_wan_patcher):
-    from chorus_core.sparse_patch import CompetingAttentionError, install_sparse_attention
+    from chorus_core.model_checks import CompetingAttentionError
+    from chorus_core.sparse_patch import install_sparse_attention
 
     patched = install_sparse_attention(tiny_wan_patcher, sparse_provider()).clone()
     core_calls = []
@@ -401,8 +403,9 @@ def test_fun_control_and_flf2v_are_refused_by_name(comfy_runtime, config_name, e
     import comfy.model_patcher
     import comfy.supported_models
 
-    from chorus_core.reuse_run import build_match_request
-    from chorus_core.sparse_patch import UnsupportedModelError, install_sparse_attention
+    from chorus_core.reuse_match import build_match_request
+    from chorus_core.model_checks import UnsupportedModelError
+    from chorus_core.sparse_patch import install_sparse_attention
 
     model = getattr(comfy.supported_models, config_name)({**_TINY_WAN, **extra}).get_model({})
     patcher = comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
@@ -446,7 +449,7 @@ def t2v_run(patcher, match):
 
 
 def t2v_match(bank, patcher, subject=0):
-    from chorus_core.reuse_run import build_match_request, match_request
+    from chorus_core.reuse_match import build_match_request, match_request
 
     positive, _, latent = t2v_request(subject)
     request = build_match_request(patcher, None, positive, latent, None, 0.9, {}, BLOCK)

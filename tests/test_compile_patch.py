@@ -238,7 +238,7 @@ def test_dense_attention_must_be_a_known_mode(tiny_wan_patcher):
 def test_online_prediction_stays_eager_inside_the_compiled_model_and_equals_eager(tiny_wan_patcher, dynamo):
     """Online prediction looks at q and k in the attention call, so it is not planned: under
     compile its calls break the graph (documented as eager-only) and the results still agree."""
-    from chorus_core.reuse_run import OnlinePredictionProvider
+    from chorus_core.mask_sources import OnlinePredictionProvider
     from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
 
     def online():

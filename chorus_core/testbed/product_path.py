@@ -222,7 +222,7 @@ class ProductPath:
 
     def match(self, bank, conds, threshold: float):
         from ..bank.signature import resolve_weights
-        from ..reuse_run import build_match_request, match_request
+        from ..reuse_match import build_match_request, match_request
 
         positive, _, latent = conds
         req = build_match_request(self.patcher, positive[0][1]["clip_vision_output"], positive, latent, None,
@@ -252,7 +252,7 @@ class ProductPath:
     # --- masks of entries ------------------------------------------------------------------
     def entry_maps(self, entry) -> dict:
         """(step, layer) -> bool [H, nq, nk] of an entry (a hit's, a prior's), over the sparse steps."""
-        from ..reuse_run import scaled_bucket_starts
+        from ..mask_sources import scaled_bucket_starts
 
         starts = scaled_bucket_starts(entry.schedule, self.steps)
         per_bucket = [[entry.block_map(b, l).bool() for l in range(self.L)] for b in range(len(starts))]
@@ -299,7 +299,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     """
     from ..bank import MaskBank
     from ..prior_store import load_prior
-    from ..reuse_run import OnlinePredictionProvider
+    from ..mask_sources import OnlinePredictionProvider
 
     pp = ProductPath(patcher, config, workdir, threshold, log)
     size = config.long_size
@@ -434,7 +434,7 @@ def merge_results(docs: list) -> dict:
 
 
 def _starts(entry, pp) -> list:
-    from ..reuse_run import scaled_bucket_starts
+    from ..mask_sources import scaled_bucket_starts
 
     return scaled_bucket_starts(entry.schedule, pp.steps)
 

@@ -116,8 +116,8 @@ def testbed_maps(steps: int = 6) -> np.ndarray:
 
     from chorus_core import bank_writer
     from chorus_core.bank.signature import resolve_weights
-    from chorus_core.reuse_run import (ReuseOptions, ReuseRun, SamplingSettings, build_match_request,
-                                       match_request)
+    from chorus_core.reuse_run import ReuseOptions, ReuseRun, SamplingSettings
+    from chorus_core.reuse_match import build_match_request, match_request
     from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
 
     patcher = comfy.sd.load_diffusion_model(str(REPO / "tests" / "testbed" / "chorus_testbed_wan21_i2v.safetensors"))

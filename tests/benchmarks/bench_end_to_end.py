@@ -281,7 +281,7 @@ def make_provider(mode, layers, ctx):
     """(provider, recorder or None) for a Chorus mode."""
     from chorus_core.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
     from chorus_core.masks import MaskRecorder
-    from chorus_core.reuse_run import OnlinePredictionProvider, RecordingProvider
+    from chorus_core.mask_sources import OnlinePredictionProvider, RecordingProvider
 
     recorder = None
     if mode["mode"] == "hit":
@@ -601,7 +601,7 @@ def derive_rows(shape, res, ov):
                      "note": "bank read-only or record_on_miss off: no recording"})
         if record is not None:
             from chorus_core.bank import default_step_buckets
-            from chorus_core.reuse_run import recorded_steps
+            from chorus_core.mask_sources import recorded_steps
 
             rec_steps = sum(len(s) for s in recorded_steps(default_step_buckets(GEN_STEPS)))
             r40 = step40(record, a)

@@ -95,7 +95,7 @@ def mode_table(densities) -> list[tuple[str, dict]]:
 
 def provider_for(spec, ctx, layers):
     from chorus_core.mask_provider import DenseProvider, DenseWarmupProvider, StaticBlockMapProvider
-    from chorus_core.reuse_run import OnlinePredictionProvider
+    from chorus_core.mask_sources import OnlinePredictionProvider
 
     if spec["kind"] == "dense_fa4":
         return DenseProvider(block_size=(e2e.BLOCK, e2e.BLOCK))

@@ -89,7 +89,7 @@ def record_masks(patcher, request, seed, steps, cfg, max_density):
     from chorus_core.bank.records import default_step_buckets
     from chorus_core.mask_provider import DenseProvider
     from chorus_core.masks import MaskRecorder
-    from chorus_core.reuse_run import RecordingProvider
+    from chorus_core.mask_sources import RecordingProvider
     from chorus_core.sparse_patch import install_sparse_attention
 
     buckets = default_step_buckets(steps)

@@ -177,7 +177,8 @@ def generate(ctx, mode: str, bank=None, attention: str = "comfyui") -> dict:
     """One request of ``mode`` (``dense`` or a Chorus mode) with the model's current blocks."""
     import comfy.sample
 
-    from chorus_core.reuse_run import ReuseRun, SamplingSettings, build_match_request, match_request
+    from chorus_core.reuse_run import ReuseRun, SamplingSettings
+    from chorus_core.reuse_match import build_match_request, match_request
     from chorus_core.sparse_patch import get_run_stats
 
     cuda, steps, patcher = ctx["cuda"], ctx["steps"], ctx["patcher"]
