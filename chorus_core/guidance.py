@@ -44,6 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .run_keys import OUTER_SAMPLE, OVERRIDE_KEY
 from .hooks import StepClock, clock_outer_sample, mark_own, sigma_window, steps_in_sigma_window, unwrap_own
 
 __all__ = [
@@ -63,8 +64,6 @@ __all__ = [
 log = logging.getLogger("chorus")
 
 METHODS = ("cfg_boost", "cross_attention")
-OUTER_SAMPLE = "outer_sample"  # comfy.patcher_extension.WrappersMP.OUTER_SAMPLE
-OVERRIDE_KEY = "optimized_attention_override"
 DEFAULT_KEY = "chorus_guidance"
 
 

@@ -25,3 +25,11 @@ def sparse_video_key(key: str) -> str:
 
 def sparse_plan_key(key: str) -> str:
     return f"{key}_sparse_plan"
+
+
+def feature_reuse_run_key(key: str) -> str:
+    return f"{key}_feature_reuse_run"
+
+
+def feature_reuse_call_key(key: str) -> str:
+    return f"{key}_feature_reuse_call"

@@ -14,9 +14,11 @@ import sys
 import pytest
 import torch
 
-from chorus_core.feature_reuse import (FeatureReuseSettings, TokenLayout, apply_feature_reuse, cell_grid,
-                                       erode_regions, flops_estimate, get_feature_reuse_state, install_feature_reuse,
-                                       region_map_image, seam_measure, select_regions, token_grid)
+from chorus_core.feature_regions import (cell_grid, erode_regions, flops_estimate, region_map_image, seam_measure,
+                                         select_regions, token_grid)
+from chorus_core.feature_reuse import (FeatureReuseSettings, apply_feature_reuse, get_feature_reuse_state,
+                                       install_feature_reuse)
+from chorus_core.token_layout import TokenLayout
 from conftest import REPO_ROOT
 
 GRID = (5, 8, 8)  # tokens of the default 5 x 16 x 16 latent request

@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from chorus_core import bank_writer
-from chorus_core.feature_reuse import FeatureReuseSettings, TokenLayout, cell_grid, install_feature_reuse
+from chorus_core.feature_regions import cell_grid
+from chorus_core.feature_reuse import FeatureReuseSettings, install_feature_reuse
+from chorus_core.token_layout import TokenLayout
 
 pytestmark = pytest.mark.comfy
 

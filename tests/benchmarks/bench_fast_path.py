@@ -126,7 +126,8 @@ def patched_model(ctx, spec, layers, compiled: bool):
 
 
 def with_feature_reuse(patcher, ctx, layers):
-    from chorus_core.feature_reuse import FeatureReuseSettings, install_feature_reuse, select_regions, token_grid
+    from chorus_core.feature_regions import select_regions, token_grid
+    from chorus_core.feature_reuse import FeatureReuseSettings, install_feature_reuse
 
     latent = ctx["req"][2]
     grid = token_grid(latent.shape[2:])

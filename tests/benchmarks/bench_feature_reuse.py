@@ -88,7 +88,8 @@ HEADS_14B, HEAD_DIM = 40, 128
 
 def half_pooled_layout(grid):
     """Every other column of 1x2x2 cells pooled: half the tokens, N' = 5/8 N."""
-    from chorus_core.feature_reuse import TokenLayout, cell_grid
+    from chorus_core.feature_regions import cell_grid
+    from chorus_core.token_layout import TokenLayout
 
     region_map = torch.zeros(cell_grid(grid, (1, 2, 2)), dtype=torch.bool)
     region_map[:, :, ::2] = True
@@ -213,9 +214,11 @@ def main() -> None:
 
     from i2v_inputs import sample_request
 
+    from chorus_core import feature_regions as regions
     from chorus_core import feature_reuse as fr
     from chorus_core.quality import psnr, ssim
     from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.token_layout import TokenLayout
     from chorus_core.workload import I2VRequest, generate_request
 
     tmp = Path(tempfile.mkdtemp())
@@ -227,7 +230,7 @@ def main() -> None:
     started = time.perf_counter()
     dense = sample_request(patcher, seed, steps, 5.0, request)
     dense_s = time.perf_counter() - started
-    grid = fr.token_grid(dense.shape)
+    grid = regions.token_grid(dense.shape)
     shape = f"testbed-{math.prod(grid)}"
     rows = [dict(shape=shape, N=math.prod(grid), mode="dense", model=model_name, psnr_db=float("inf"), ssim=1.0,
                  generation_s=round(dense_s, 2))]
@@ -239,7 +242,7 @@ def main() -> None:
 
     def case(strength, selection="smoothest", hit=False, **changes):
         settings = fr.FeatureReuseSettings(**changes)
-        region_map = fr.select_regions(start, grid, strength, settings.cell, rim=settings.rim)
+        region_map = regions.select_regions(start, grid, strength, settings.cell, rim=settings.rim)
         if selection == "random":
             count = int(region_map.sum())
             g = torch.Generator().manual_seed(7)
@@ -252,8 +255,8 @@ def main() -> None:
         t0 = time.perf_counter()
         out = sample_request(model, seed, steps, 5.0, request)
         stats = fr.get_feature_reuse_state(model).stats
-        layout = fr.TokenLayout(region_map, grid, settings.cell)
-        seams = fr.seam_measure(dense, out, region_map, settings.cell)
+        layout = TokenLayout(region_map, grid, settings.cell)
+        seams = regions.seam_measure(dense, out, region_map, settings.cell)
         row = dict(shape=shape, N=math.prod(grid), mode="hit+feature_reuse" if hit else "feature_reuse",
                    model=model_name, strength=strength, selection=selection,
                    cell="x".join(map(str, settings.cell)), rim=settings.rim, blend=settings.blend,
@@ -289,8 +292,8 @@ def main() -> None:
     for name, grid14 in (("480p", (21, 30, 52)), ("720p", (21, 45, 80))):
         for share in (default.pooled_token_share, 0.5):
             for density in (1.0, 0.15):
-                est = fr.flops_estimate(grid14, share, 4, reduced_steps=reduced_steps, reduced_layers=38,
-                                        density=density)
+                est = regions.flops_estimate(grid14, share, 4, reduced_steps=reduced_steps, reduced_layers=38,
+                                             density=density)
                 rows.append(dict(shape=name, N=est["N"], kind="flops_estimate", estimate=True, density=density,
                                  pooled_token_share=round(share, 3), cell="1x2x2", N_reduced=est["N_reduced"],
                                  reduced_steps=reduced_steps, reduced_layers=38,
