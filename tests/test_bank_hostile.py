@@ -2,7 +2,7 @@
 
 Flat tests over temporary banks. Each asserts the exact outcome: counts, the files on disk
 (nothing written, moved or deleted outside the bank) and the message text. Faults are
-injected with CHORUS_BANK_FAULT (store._fault SIGKILLs the process at a named point).
+injected with CHORUS_BANK_FAULT (faults.fault SIGKILLs the process at a named point).
 """
 
 import hashlib
@@ -32,7 +32,8 @@ from chorus_core.bank import (BankEntryCorrupt, BankError, BankIncompatible, Ban
                               MaskBank, compat_key, encode_masks)
 from chorus_core.bank.__main__ import main
 from chorus_core.bank.errors import BankInvalidArgument
-from chorus_core.bank.store import STALE_TEMP_S, _blob_metadata
+from chorus_core.bank.rows import blob_metadata
+from chorus_core.bank.sqlite_store import STALE_TEMP_S
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
@@ -100,7 +101,7 @@ def raw_entry(bank, masks=None, data=None, **row):
     """Insert an entry by hand (as an old or hand-made bank has it): blob bytes + row."""
     if data is None:
         tensors, meta = encode_masks(toy_masks(0) if masks is None else masks)
-        data = st_save(tensors, metadata=_blob_metadata(meta))
+        data = st_save(tensors, metadata=blob_metadata(meta))
     sha = hashlib.sha256(data).hexdigest()
     path = bank.blob_path(f"{sha}.safetensors")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,9 +110,9 @@ def raw_entry(bank, masks=None, data=None, **row):
     values = bank._row(entry, FP, LAYOUT, SCHEDULE, toy_signature(0), 0.3, 0.9, [],
                        f"{sha}.safetensors", len(data), sha)
     values.update(row)
-    from chorus_core.bank.store import _insert
+    from chorus_core.bank.sqlite_index import insert_row
     with bank._write():
-        _insert(bank.conn, values)
+        insert_row(bank.conn, values)
     return entry, path
 
 
@@ -297,7 +298,7 @@ def test_import_refuses_blob_with_wrong_digest_or_empty_row(tmp_path, location):
     masks = toy_masks(0)
     masks[1, 1, 0, 3] = False  # bucket 1, layer 1, head 0, query block 3 keeps nothing
     tensors, meta = encode_masks(masks)
-    empty = st_save(tensors, metadata=_blob_metadata(meta))
+    empty = st_save(tensors, metadata=blob_metadata(meta))
     sha = hashlib.sha256(empty).hexdigest()
     rows[0].update(blob_sha256=sha, blob_bytes=len(empty))
     with pytest.raises(BankError, match=r"bucket 1 layer 1: block map has 1 empty query rows "
@@ -349,7 +350,7 @@ def test_symlinked_shard_folder_is_never_written_through(tmp_path):
     outside.mkdir()
     bank = MaskBank.open(tmp_path / "bank")
     tensors, meta = encode_masks(toy_masks(3))
-    sha = hashlib.sha256(st_save(tensors, metadata=_blob_metadata(meta))).hexdigest()
+    sha = hashlib.sha256(st_save(tensors, metadata=blob_metadata(meta))).hexdigest()
     (bank.root / "blobs" / sha[:2]).symlink_to(outside)
     with pytest.raises(BankError, match="its path would leave"):
         add_toy(bank, seed=3)
@@ -711,7 +712,7 @@ def test_shape_mismatch_and_huge_declared_shape_are_quarantined(tmp_path):
     bank, ids = new_bank(tmp_path, n=1)
     other = toy_masks(0)[:, :, :, :4, :4] | True  # 4x4 blocks in a blob whose row says 8x8
     tensors, meta = encode_masks(other)
-    wrong, _ = raw_entry(bank, data=st_save(tensors, metadata=_blob_metadata(meta)))
+    wrong, _ = raw_entry(bank, data=st_save(tensors, metadata=blob_metadata(meta)))
     with pytest.warns(UserWarning), pytest.raises(BankEntryCorrupt) as info:
         bank.load_masks(wrong)
     assert info.value.reason == ("blob cannot serve its layout: blob declares mask shape "
@@ -762,7 +763,7 @@ def test_zlib_bomb_is_quarantined_with_bounded_memory(tmp_path, codec, part):
     bank = MaskBank.open(tmp_path / "bank")
     tensors, meta = encode_masks(toy_masks(0), codec=codec)
     tensors[part] = np.frombuffer(zlib.compress(b"\0" * (64 * 2 ** 20), 9), np.uint8)
-    data = st_save(tensors, metadata=_blob_metadata(meta))
+    data = st_save(tensors, metadata=blob_metadata(meta))
     assert len(data) < 200_000
     entry, path = raw_entry(bank, data=data)
     bank.close()
@@ -869,7 +870,7 @@ def test_writers_readers_prune_and_verify_in_parallel(tmp_path):
 def pause_at(monkeypatch, module, point):
     """Hold the bank operation that reaches fault ``point`` of ``module`` (in another thread)
     until the returned ``go_on`` is set; ``reached`` is set when it is there."""
-    reached, go_on, real = threading.Event(), threading.Event(), module._fault
+    reached, go_on, real = threading.Event(), threading.Event(), module.fault
 
     def pause(name):
         if name == point:
@@ -877,7 +878,7 @@ def pause_at(monkeypatch, module, point):
             assert go_on.wait(60)
         real(name)
 
-    monkeypatch.setattr(module, "_fault", pause)
+    monkeypatch.setattr(module, "fault", pause)
     return reached, go_on
 
 
@@ -885,11 +886,11 @@ def pause_at(monkeypatch, module, point):
 def test_verify_raises_no_alarm_while_an_import_or_a_writer_is_midway(tmp_path, monkeypatch, writer):
     """Into an empty bank: the blobs are written, the rows not yet committed. verify (another
     process) must neither say the index looks lost nor remove those blobs."""
-    from chorus_core.bank import store, transfer
+    from chorus_core.bank import sqlite_store, transfer
     src, ids = new_bank(tmp_path, n=3, name="src")
     src.export(tmp_path / "all.tar")
     dst = MaskBank.open(tmp_path / "dst")
-    module, point = (transfer, "import-blobs-staged") if writer == "import" else (store, "add-blob-written")
+    module, point = (transfer, "import-blobs-staged") if writer == "import" else (sqlite_store, "add-blob-written")
     reached, go_on = pause_at(monkeypatch, module, point)
     work = (lambda: dst.import_file(tmp_path / "all.tar")) if writer == "import" else (lambda: add_toy(dst, seed=0))
     done = {}
@@ -921,7 +922,7 @@ def test_an_export_changed_during_its_import_adds_nothing(tmp_path, location, mo
     with tarfile.open(tar_path) as tar:
         first = next(m for m in tar if m.name.startswith("blobs/"))
     dst = target(location)
-    real = transfer._fault
+    real = transfer.fault
 
     def change_the_file(point):
         if point == "import-blobs-staged":
@@ -934,7 +935,7 @@ def test_an_export_changed_during_its_import_adds_nothing(tmp_path, location, mo
                 (dst.root / "blobs" / first.name[6:8] / first.name[6:]).unlink()
         real(point)
 
-    monkeypatch.setattr(transfer, "_fault", change_the_file)
+    monkeypatch.setattr(transfer, "fault", change_the_file)
     with pytest.raises(BankError, match=r"the blob of entry [0-9a-f]{32} changed while it was imported\. "
                                         "Nothing was imported"):
         dst.import_file(tar_path)
@@ -1011,10 +1012,10 @@ def test_read_only_mount_opens_read_only(small_tmpfs):
 
 
 def test_read_only_folder_uses_immutable(tmp_path, monkeypatch):
-    from chorus_core.bank import store
+    from chorus_core.bank import sqlite_index
     bank, ids = new_bank(tmp_path, n=1)
     bank.close()
-    monkeypatch.setattr(store, "_folder_writable", lambda root: False)
+    monkeypatch.setattr(sqlite_index, "folder_writable", lambda root: False)
     uri = MaskBank._read_only_uri(bank.root, bank.root / "bank.sqlite")
     assert uri.endswith("?mode=ro&immutable=1")
     with MaskBank.open(bank.root, read_only=True) as reader:
@@ -1062,19 +1063,19 @@ def test_prune_racing_a_writer_of_the_same_masks_keeps_the_new_entry(tmp_path, m
     """The writer has written blob X (same masks as entry A) but not yet committed its row
     when a prune removes A: X is unlinked as unreferenced, and the writer, under the lock,
     writes it again before committing, so the new entry is healthy and never quarantined."""
-    from chorus_core.bank import store
+    from chorus_core.bank import sqlite_store
     bank, (old,) = new_bank(tmp_path, n=1)
     pruner = MaskBank.open(tmp_path / "bank")
     add_toy(pruner, seed=5)  # newer entry: prune keeps it, evicts `old`
     path = blob_of(bank, old)
-    real_fault = store._fault
+    real_fault = sqlite_store.fault
 
     def prune_between_blob_and_row(point):
         if point == "add-blob-written":
             assert pruner.prune(max_entries=1) == [old] and not path.exists()
         real_fault(point)
 
-    monkeypatch.setattr(store, "_fault", prune_between_blob_and_row)
+    monkeypatch.setattr(sqlite_store, "fault", prune_between_blob_and_row)
     new = add_toy(bank, seed=0)  # the same masks as `old`: the same blob X
     assert bank.show(new)["blob_name"] == path.name and path.exists()
     report = pruner.verify()

@@ -177,10 +177,10 @@ def test_v1_bank_opens_after_migration(tmp_path):
     import hashlib
 
     from chorus_core.bank import compat_key
-    from chorus_core.bank.store import _blob_metadata
+    from chorus_core.bank.rows import blob_metadata
     root = tmp_path / "old"
     tensors, meta = encode_masks(toy_masks(2))
-    data = st_save(tensors, metadata=_blob_metadata(meta))
+    data = st_save(tensors, metadata=blob_metadata(meta))
     sha = hashlib.sha256(data).hexdigest()
     (root / "blobs" / sha[:2]).mkdir(parents=True)
     (root / "blobs" / sha[:2] / f"{sha}.safetensors").write_bytes(data)

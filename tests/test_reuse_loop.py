@@ -262,16 +262,16 @@ def test_a_recording_miss_returns_before_its_entry_is_written(tmp_path, tiny_wan
     a similar request waits for the write and then hits it."""
     from chorus_core import bank_writer
     from chorus_core.bank import MaskBank
-    from chorus_core.bank import store
+    from chorus_core.bank import sqlite_store
 
     gate = threading.Event()
-    real_write_blob = store.MaskBank._write_blob
+    real_write_blob = sqlite_store.SQLiteBank._write_blob
 
     def slow_write_blob(self, *args, **kwargs):
         assert gate.wait(60), "the test never opened the gate"
         return real_write_blob(self, *args, **kwargs)
 
-    monkeypatch.setattr(store.MaskBank, "_write_blob", slow_write_blob)
+    monkeypatch.setattr(sqlite_store.SQLiteBank, "_write_blob", slow_write_blob)
     try:
         bank = MaskBank.open(tmp_path / "bank")
         positive, _, latent = request()

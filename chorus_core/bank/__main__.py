@@ -19,7 +19,7 @@ import time
 import warnings
 
 from .errors import BankError
-from .store import MaskBank
+from . import MaskBank
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)I?B?")

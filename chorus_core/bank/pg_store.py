@@ -32,9 +32,10 @@ from psycopg.rows import dict_row
 
 from . import bank_url, schema, validation
 from .errors import BankError, BankInvalidArgument, BankReadOnly, BankUnavailable
+from .faults import fault
 from .matching import SignatureIndex
-from .store import (_SUMMARY, BankStorage, _decode_row, _fault,
-                    _guarded)
+from .rows import SUMMARY_COLUMNS, decode_row, entry_label
+from .storage import BankStorage, guarded
 
 CONNECT_TIMEOUT_S = 5
 LOCK_TIMEOUT_S = 60
@@ -226,7 +227,7 @@ class PostgresBank(BankStorage):
     def _write(self, bump: bool = True, removal: bool = False):
         """One transaction holding the bank's advisory lock (writers are serialised, so rows
         appear in rowid order); bumps the counters when asked; rolled back on any error."""
-        self._check_writable()
+        self.check_writable()
         conn = self._connection()
         with self._lock, conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", [self._lock_key])
@@ -254,7 +255,7 @@ class PostgresBank(BankStorage):
                             "damaged. Restore it from a backup.")
         return int(rows["generation"]), int(rows["removals"])
 
-    @_guarded
+    @guarded
     def content_token(self) -> str:
         """A string that changes whenever entries are added, removed or quarantined."""
         rows = {r["key"]: r["value"] for r in self.db.query(
@@ -304,11 +305,11 @@ class PostgresBank(BankStorage):
     def _store_entry(self, row: dict, data: bytes) -> None:
         with self._write():
             self._put_blob(data, row["blob_sha256"])
-            _fault("add-blob-written")
+            fault("add-blob-written")
             self._insert(row)
-            _fault("add-before-commit")
+            fault("add-before-commit")
 
-    def _stage_blob(self, data: bytes, sha: str) -> None:
+    def stage_blob(self, data: bytes, sha: str) -> None:
         """Nothing to do before an import's transaction: the blob goes in with its row."""
 
     def _import_row(self, row: dict, read_data) -> None:
@@ -327,7 +328,7 @@ class PostgresBank(BankStorage):
                           f"({self._scrub(exc)}).", stacklevel=3)
 
     # ---- maintenance ---------------------------------------------------------------------
-    @_guarded
+    @guarded
     def quarantine(self, entry_id: str, reason: str) -> None:
         """Mark an entry (and every entry sharing its blob) quarantined and move the blob to
         the quarantine table; read-only: warn and skip it in this process."""
@@ -336,13 +337,11 @@ class PostgresBank(BankStorage):
     def _quarantine_row(self, row: dict, reason: str, recheck: bool, warn: bool = True):
         """True: quarantined; None: read-only, skipped in this process; False: ``recheck``
         found the blob healthy under the lock; "gone": deleted or quarantined meanwhile."""
-        from .store import _entry_label
-
-        label = _entry_label(row)
+        label = entry_label(row)
         if self.read_only:
             return self._skip_for_this_process(row, reason, warn)
         with self._write(bump=False):
-            current = self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE rowid = ? "
+            current = self.db.query(f"SELECT rowid, {SUMMARY_COLUMNS} FROM entries WHERE rowid = ? "
                                     "AND id IS NOT DISTINCT FROM ?", [row["rowid"], row.get("id")])
             if not current or current[0]["status"] != "ok":
                 return "gone"
@@ -351,7 +350,7 @@ class PostgresBank(BankStorage):
             self._mark_quarantined(current[0], reason)
             self._bump("generation")
             self._bump("removals")
-            _fault("quarantine-moved")
+            fault("quarantine-moved")
         if warn:
             warnings.warn(f"Chorus mask bank: quarantining entry {label}: {reason}. "
                           "Requests that matched it run as an online-prediction miss (dense with "
@@ -372,7 +371,7 @@ class PostgresBank(BankStorage):
                         [row["id"], reason, time.time(), sha])
         self.db.execute("DELETE FROM blobs WHERE sha256 = ?", [sha])
 
-    @_guarded
+    @guarded
     def verify(self) -> dict:
         """Recompute every blob digest and check every header; quarantine failures; drop
         blobs no entry uses (when the index can be trusted).
@@ -382,7 +381,7 @@ class PostgresBank(BankStorage):
         """
         report = {"checked": 0, "ok": 0, "quarantined": [], "orphans_removed": 0,
                   "problems": [], "read_only": self.read_only}
-        rows = self.db.query(f"SELECT rowid, {_SUMMARY} FROM entries WHERE status = 'ok' "
+        rows = self.db.query(f"SELECT rowid, {SUMMARY_COLUMNS} FROM entries WHERE status = 'ok' "
                              "ORDER BY rowid")
         self._verify_entries(rows, report)
         if not self.read_only:
@@ -416,7 +415,7 @@ class PostgresBank(BankStorage):
         return len(gone), []
 
     # ---- reading -------------------------------------------------------------------------
-    @_guarded
+    @guarded
     def stats(self) -> dict:
         """Counts and sizes: ``entries``, ``quarantined``, ``bytes``, ``hits``, ``schema_version``."""
         row = self.db.query(
@@ -430,7 +429,7 @@ class PostgresBank(BankStorage):
                 "schema_version": int(self._meta("schema_version")),
                 "content_token": self.content_token()}
 
-    @_guarded
+    @guarded
     def entries(self, tag: str | None = None, limit: int | None = None,
                 order: str = "created DESC") -> list[dict]:
         """Entry rows (without signature vectors), optionally only those carrying ``tag``.
@@ -444,11 +443,11 @@ class PostgresBank(BankStorage):
             raise BankInvalidArgument(f"order {order[:60]!r} must be one of created, last_hit, "
                                       "hits, density, recall, blob_bytes, optionally ASC/DESC.")
         nulls = "NULLS FIRST" if direction == "ASC" else "NULLS LAST"
-        sql, params = f"SELECT {_SUMMARY} FROM entries", []
+        sql, params = f"SELECT {SUMMARY_COLUMNS} FROM entries", []
         if tag is not None:
             sql += (" WHERE EXISTS (SELECT 1 FROM json_array_elements_text(entries.tags::json) "
                     "AS t(value) WHERE t.value = ?)")
             params.append(tag)
         sql += f" ORDER BY {column.lower()} {direction} {nulls}, rowid {direction}"
         sql += f" LIMIT {int(limit)}" if limit else ""
-        return [_decode_row(r) for r in self.db.query(sql, params)]
+        return [decode_row(r) for r in self.db.query(sql, params)]

@@ -1,5 +1,9 @@
 """Export and import a set of entries between banks as one tar file (rows JSON + blobs).
 
+Works on any backend through its public interface (``entries``, ``read_entry_blob``,
+``check_writable``, ``stage_blob``, ``add_imported_rows``); it imports no backend, so the
+storage base class can offer ``export`` and ``import_file`` on top of it without a circle.
+
 An export file is untrusted input. Import never extracts anything: it reads two kinds of
 member by exact name (``entries.json`` and ``blobs/<sha256>.safetensors`` for digests the
 rows declare), only regular, non-sparse members (so a file never costs more reading than its
@@ -29,7 +33,8 @@ from safetensors.numpy import load as st_load
 from . import validation
 from .encoding import CODECS, decode_block_map
 from .errors import BankError, BankInvalidArgument
-from .store import _fault, compat_key
+from .faults import fault
+from .rows import compat_key
 
 FORMAT = "chorus-bank-export-v1"
 ROWS_NAME = "entries.json"
@@ -96,12 +101,10 @@ def _write_tar(bank, fh, wanted: list[str]) -> int:
     rows, written = [], set()
     with tarfile.open(fileobj=fh, mode="w") as tar:
         for entry_id in wanted:
-            row = bank._get_row(entry_id)
-            reason, loaded = bank._problem(row)
-            if reason is not None:
-                bank._quarantine_row(row, reason, recheck=True)
+            found = bank.read_entry_blob(entry_id)
+            if found is None:  # damaged: quarantined (read-only: skipped) by the bank
                 continue
-            data = loaded[1]
+            row, data = found
             if row["blob_sha256"] not in written:
                 _add_member(tar, f"blobs/{validation.blob_name(row['blob_sha256'])}", data)
                 written.add(row["blob_sha256"])
@@ -325,7 +328,7 @@ def import_entries(bank, in_path) -> dict:
     :raises BankError: the file is not a valid export, or any row or blob in it fails its
         checks (then nothing is added)
     """
-    bank._check_writable()
+    bank.check_writable()
     export = _ExportFile(Path(in_path).expanduser())
     try:
         rows = _load_rows(export)
@@ -342,8 +345,8 @@ def import_entries(bank, in_path) -> dict:
                 raise export._bad(f"the blob of entry {row['id']} {exc}") from None
         for row, spec in rows:  # read again rather than hold every blob in memory at once
             # a folder writes it now (content-addressed: harmless)
-            bank._stage_blob(_read_again(export, row), row["blob_sha256"])
-        _fault("import-blobs-staged")
+            bank.stage_blob(_read_again(export, row), row["blob_sha256"])
+        fault("import-blobs-staged")
         return _insert_rows(bank, export, rows)
     finally:
         export.close()
@@ -358,17 +361,7 @@ def _read_again(export: _ExportFile, row: dict) -> bytes:
 
 
 def _insert_rows(bank, export: _ExportFile, rows) -> dict:
-    added = skipped = 0
-    with bank._write(bump=False):
-        for row, _ in rows:
-            if bank._has_entry(row["id"]):
-                skipped += 1
-                continue
-            # the backend stores row and blob (PostgreSQL: always; a folder: a blob removed
-            # meanwhile), each read again and digest-checked, as the file may have changed
-            bank._import_row(row, lambda row=row: _read_again(export, row))
-            added += 1
-        _fault("import-before-commit")
-        if added:
-            bank._bump("generation")
-    return {"added": added, "skipped": skipped}
+    # the backend stores row and blob (PostgreSQL: always; a folder: a blob removed
+    # meanwhile), each read again and digest-checked, as the file may have changed
+    return bank.add_imported_rows([row for row, _ in rows],
+                                  lambda row: _read_again(export, row))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from chorus_core.bank import (LatentLayout, MaskBank, ModelFingerprint, Signature,  # noqa: E402
                               compat_key, decode_block_map, encode_masks)
 from chorus_core.bank.signature import COMPONENTS, DIM  # noqa: E402
-from chorus_core.bank.store import _blob_metadata  # noqa: E402
+from chorus_core.bank.rows import blob_metadata  # noqa: E402
 
 RESULTS = ROOT / "tests" / "benchmarks" / "results"
 T, HH, WW, BLOCK = 21, 45, 80, 128
@@ -129,7 +129,7 @@ def entry_size(extras: float, coarsen: int, layers: int, seed: int = 0) -> dict:
     shape = meta["shape"].split(",")
     shape[1] = str(LAYERS)
     meta["shape"] = ",".join(shape)
-    blob = st_save(tensors, metadata=_blob_metadata(meta))
+    blob = st_save(tensors, metadata=blob_metadata(meta))
     scale = LAYERS / layers
     return {"shape": "720p", "model": "wan2.1-i2v-14b", "N": T * HH * WW,
             "mask_shape": f"[{BUCKETS}, {LAYERS}, {HEADS}, {geo[2]}, {geo[2]}]",

@@ -1,0 +1,474 @@
+"""The storage interface of the mask bank: what every backend offers, and what they share.
+
+:class:`BankStorage` holds the logic that is the same whichever engine stores the rows and
+blobs (checking an entry, adding, matching, loading, deleting, pruning, export and import);
+a backend (:mod:`.sqlite_store` for a folder, :mod:`.pg_store` for PostgreSQL) subclasses it
+and provides the storage hooks listed in its docstring. This module imports neither backend:
+:func:`chorus_core.bank.open_bank` chooses one from the location.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import uuid
+import warnings
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from . import transfer, validation
+from .encoding import PackedBlockMaps, encode_masks
+from .entry_masks import EntryMasks
+from .errors import BankEntryCorrupt, BankError, BankIncompatible, BankInvalidArgument, BankReadOnly
+from .faults import fault
+from .fingerprint import ModelFingerprint
+from .matching import MatchResult, stack_vectors
+from .records import LatentLayout, Schedule
+from .rows import blob_metadata, build_row, compat_key, decode_row, entry_label, signature_columns
+from .signature import COMPONENTS, DIM, Signature, cosine
+
+# Entries found damaged in read-only banks: {bank's skip key: {entry id: reason}}.
+# Kept for the whole process so a bad entry is tried once, not on every request.
+_READ_ONLY_SKIPS: dict[str, dict[str, str]] = {}
+
+
+def guarded(method):
+    """Turn database and OS errors escaping a public method into a BankError (each backend's
+    ``_guard`` knows its own errors): callers treat every BankError as "no masks from the
+    bank" and never see a traceback."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._guard(method.__name__.strip("_").replace("_", " ")):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class BankStorage:
+    """What every mask bank backend offers, and the logic they share.
+
+    Public API (the same on every backend): ``open`` (usually through
+    :func:`chorus_core.bank.open_bank`, which picks the backend from the location),
+    ``add_entry``, ``match``, ``load_masks``, ``compatible_entries``, ``quarantine``,
+    ``verify``, ``delete``, ``prune``, ``eviction_order``, ``stats``, ``entries``, ``recent``,
+    ``show``, ``export``, ``import_file``, ``content_token``, ``close``, ``reopen``; for
+    export and import (:mod:`.transfer`) also ``check_writable``, ``read_entry_blob``,
+    ``stage_blob`` and ``add_imported_rows``; attributes ``read_only``, ``label`` (the
+    location as it may be shown: never a password) and ``root`` (the bank folder, or None for
+    a bank without one, such as PostgreSQL: caches that need files keep them in memory then).
+
+    A backend provides: ``db`` (``query(sql, params)`` with ``?`` placeholders over its own
+    connection), ``_guard(what)`` (turns its errors into BankError), ``_write(bump, removal)``
+    (one serialised write transaction), ``_bump``, ``_meta``, ``_get_row``, ``_has_entry``,
+    ``_read_blob(sha, size) -> (data, reason)``, ``_store_entry(row, data)``,
+    ``stage_blob(data, sha)``, ``_import_row(row, read_data)``, ``_record_hit``,
+    ``_quarantine_row``, ``_skip_key``, ``_delete_rows(ids) -> (count, blobs to release)`` and,
+    where blobs live outside the database, ``_release_blobs``.
+    """
+
+    root: Path | None
+    read_only: bool
+
+    def reopen(self) -> "BankStorage":
+        """The same bank on a new connection (e.g. for a writer thread), same read_only."""
+        raise NotImplementedError
+
+    def check_writable(self) -> None:
+        """:raises BankReadOnly: the bank was opened read-only"""
+        if self.read_only:
+            raise BankReadOnly(f"The bank at {self.label} was opened read-only; "
+                               "open it with read_only=False to change it.")
+
+    # ---- removal (the same on every backend) ---------------------------------------------
+    @guarded
+    def delete(self, entry_ids) -> int:
+        """Delete entries and the blobs no other entry uses; returns how many rows went.
+
+        The rows go in one committed transaction first; a backend whose blobs live outside the
+        database (the folder bank) removes them afterwards, under the write lock, only if still
+        no row references them. A crash in between leaves orphan blobs (``verify`` removes
+        them), never rows without blobs.
+        """
+        ids = [str(i) for i in entry_ids]
+        if not ids:
+            return 0
+        with self._write(removal=True):
+            count, released = self._delete_rows(ids)
+            fault("delete-before-commit")
+        fault("delete-after-commit")
+        self._release_blobs(released)
+        return count
+
+    @guarded
+    def eviction_order(self) -> list[dict]:
+        """Rows in the order :meth:`prune` removes them: quarantined first, then least
+        recently used (creation time counts as a use), fewer hits first on ties."""
+        return list(self.db.query(
+            "SELECT id, blob_bytes, hits, COALESCE(last_hit, created) AS last_use FROM entries "
+            "ORDER BY status = 'ok', last_use, hits, created"))
+
+    @guarded
+    def prune(self, max_bytes: int | None = None, max_entries: int | None = None,
+              dry_run: bool = False) -> list[str]:
+        """Evict entries until the bank fits ``max_bytes`` and ``max_entries``.
+
+        :param max_bytes: most blob bytes to keep, a positive whole number (None: no limit)
+        :param max_entries: most entries to keep, a positive whole number (None: no limit)
+        :param dry_run: only return what would be removed
+        :return: ids removed (or to remove), in eviction order
+        :raises BankInvalidArgument: a limit that is negative, zero, NaN, infinite or not whole
+        """
+        if not dry_run:
+            self.check_writable()
+        max_bytes = _check_limit("max_bytes", max_bytes)
+        max_entries = _check_limit("max_entries", max_entries)
+        if dry_run:
+            return _doomed(self.eviction_order(), max_bytes, max_entries)
+        with self._write(bump=False):  # choose and delete in one transaction
+            doomed = _doomed(self.eviction_order(), max_bytes, max_entries)
+            released = self._delete_rows(doomed)[1] if doomed else []
+            if doomed:
+                self._bump("generation")
+                self._bump("removals")
+            fault("prune-before-commit")
+        fault("prune-after-commit")
+        self._release_blobs(released)
+        return doomed
+
+    def _release_blobs(self, keys: list) -> None:
+        """After a deletion commits: remove blobs kept outside the database (none by default)."""
+
+    def _skip_for_this_process(self, row: dict, reason: str, warn: bool) -> None:
+        """A read-only bank cannot quarantine: say so, and skip the entry for the rest of the process."""
+        _READ_ONLY_SKIPS.setdefault(self._skip_key, {})[row.get("id")] = reason
+        if warn:
+            warnings.warn(f"Chorus mask bank: would quarantine entry {entry_label(row)}: {reason}. The "
+                          "bank is read-only, so nothing was moved; this process skips the entry: "
+                          "requests that matched it run as an online-prediction miss (dense with "
+                          "miss_mode \"dense\") and record nothing.", stacklevel=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _problem(self, row: dict):
+        """``(None, (spec, data, meta))`` for a healthy entry, else ``(reason, None)``.
+
+        Checks, cheapest first: id, digest and records of the row; size against the row and
+        the layout; the blob's type (a file's), size and digest; the safetensors header against the shape
+        the row's model, layout and schedule imply.
+        """
+        if not validation.is_entry_id(row.get("id")):
+            return "invalid entry id (not 32 lowercase hex digits)", None
+        sha = row.get("blob_sha256")
+        if not validation.is_sha256(sha):
+            return "invalid blob sha256 in its row", None
+        try:
+            spec = validation.entry_spec(row)
+        except ValueError as exc:
+            return f"row unreadable: {exc}", None
+        if row.get("compat") != compat_key(spec.fingerprint, spec.layout):
+            return "row's compatibility key does not match its model and layout", None
+        size = row.get("blob_bytes")
+        if not isinstance(size, int) or not 0 < size <= spec.max_blob_bytes:
+            return (f"row declares a blob of {size} bytes; its layout allows at most "
+                    f"{spec.max_blob_bytes}"), None
+        data, reason = self._read_blob(sha, size)
+        if reason is not None:
+            return reason, None
+        if hashlib.sha256(data).hexdigest() != sha:
+            return "blob sha256 mismatch", None
+        try:
+            meta = validation.check_header(validation.read_header(data), spec.shape)
+        except ValueError as exc:
+            return f"blob cannot serve its layout: {exc}", None
+        return None, (spec, data, meta)
+
+    # ---- adding --------------------------------------------------------------------------
+    @guarded
+    def add_entry(self, fingerprint: ModelFingerprint, layout: LatentLayout, schedule: Schedule,
+                  masks, signature: Signature, density: float, recall: float | None = None,
+                  tags=(), coarsen: int = 1, entry_id: str | None = None) -> str:
+        """Store recorded masks and return the new entry's id.
+
+        :param fingerprint: model the masks were recorded on (:func:`fingerprint_model`)
+        :param layout: latent layout (grid, token order, block size)
+        :param schedule: sampling schedule; one mask set per step bucket
+        :param masks: bool ``[S, L, H, nq, nk]`` torch tensor or numpy array, or ``PackedBlockMaps``
+        :param signature: request signature (:func:`build_signature`)
+        :param density: share of key blocks kept (0..1)
+        :param recall: measured attention recall of the masks, if known
+        :param tags: user tags, e.g. the effect template's name
+        :param coarsen: store at ``coarsen`` x coarser blocks (OR-pooled; 1 = lossless)
+        :param entry_id: the id to use (32 hex characters, as ``uuid.uuid4().hex`` makes); new by default
+        :raises BankIncompatible: when the masks' shape does not fit the other arguments, or a
+            query row keeps no key block
+        :raises BankError: when the disk is full or the bank cannot be written (the
+            database's or the OS's own message is in the text)
+        """
+        self.check_writable()
+        if entry_id is not None and not validation.is_entry_id(entry_id):
+            raise BankInvalidArgument(f"entry_id must be 32 lowercase hex characters, got {entry_id!r}; "
+                                      "leave it out to get a new one.")
+        try:
+            signature_columns(signature)  # checked before any encoding (_row stores them)
+        except ValueError as exc:
+            raise BankInvalidArgument(f"signature not stored: {exc}; build it with "
+                                      "build_signature() from the request's inputs.") from None
+        masks = _as_bool_array(masks)
+        self._check_shape(masks, fingerprint, layout, schedule)
+        try:
+            validation.check_masks(masks)
+        except ValueError as exc:
+            raise BankIncompatible(f"masks not stored: {exc}; every query block must attend to "
+                                   "at least one key block (keep the diagonal).") from None
+        tensors, meta = encode_masks(masks, coarsen=coarsen)
+        data = st_save(tensors, metadata=blob_metadata(meta))
+        sha = hashlib.sha256(data).hexdigest()
+        entry_id = entry_id or uuid.uuid4().hex  # a background write names its entry up front
+        row = self._row(entry_id, fingerprint, layout, schedule, signature, density, recall,
+                        tags, validation.blob_name(sha), len(data), sha)
+        self._store_entry(row, data)
+        return entry_id
+
+    @staticmethod
+    def _check_shape(masks, fingerprint, layout, schedule) -> None:
+        want = validation.expected_shape(schedule, fingerprint, layout)
+        if tuple(masks.shape) != want:
+            raise BankIncompatible(
+                f"masks have shape {tuple(masks.shape)} but the fingerprint, layout and schedule "
+                f"ask for {want} (buckets, layers, heads, query blocks, key blocks); record one "
+                "block map per step bucket, layer and head.")
+        try:
+            validation.check_shape_bounds(want)
+        except ValueError as exc:
+            raise BankIncompatible(f"masks not stored: {exc}.") from None
+
+    # Kept as a method: hostile-bank tests build rows for hand-made entries through it.
+    _row = staticmethod(build_row)
+
+    @guarded
+    def match(self, signature: Signature, fingerprint: ModelFingerprint, layout: LatentLayout,
+              threshold: float = 0.9, top_k: int = 1, weights=None) -> MatchResult:
+        """Most similar compatible entry; a hit when its similarity >= ``threshold``.
+
+        :param signature: the request's signature
+        :param fingerprint: the model about to run
+        :param layout: the request's latent layout
+        :param threshold: least weighted cosine similarity for a hit
+        :param top_k: how many best entries to list in ``MatchResult.top``
+        :param weights: per-component weights, e.g. ``{"clip": 0.5, "text": 0.3, "layout": 0.2}``
+        :raises BankError: the index is damaged or not a Chorus bank (treat as a miss)
+        """
+        self._index.refresh(self.db, *self._counters())
+        compat, top_k = compat_key(fingerprint, layout), max(1, top_k)
+        skipped = self._skipped()
+        if not skipped:
+            return self._index.match(self.db, compat, signature, threshold, top_k, weights)
+        result = self._index.match(self.db, compat, signature, threshold,
+                                   top_k + len(skipped), weights)
+        return self._without_skipped(result, skipped, signature, threshold, top_k)
+
+    def _counters(self) -> tuple[int, int]:
+        """(generation, removals): what the in-process signature matrices are refreshed by."""
+        return int(self._meta("generation")), int(self._meta("removals"))
+
+    def _verify_entries(self, rows: list[dict], report: dict) -> None:
+        """Check each healthy row's blob; quarantine failures (read-only: report them)."""
+        for row in rows:
+            report["checked"] += 1
+            reason = self._problem(row)[0]
+            outcome = None if reason is None else self._quarantine_row(row, reason, recheck=True,
+                                                                        warn=False)
+            if outcome is True or (reason is not None and outcome is None):  # None: read-only
+                report["quarantined"].append({"id": row["id"], "reason": reason})
+            elif outcome == "gone":
+                report["checked"] -= 1  # pruned or quarantined by another process meanwhile
+            else:
+                report["ok"] += 1
+
+    def _skipped(self) -> dict[str, str]:
+        return _READ_ONLY_SKIPS.get(self._skip_key, {}) if self.read_only else {}
+
+    def _without_skipped(self, result, skipped, signature, threshold, top_k) -> MatchResult:
+        """``result`` without the entries this process found damaged in a read-only bank."""
+        top = [(i, s) for i, s in result.top if i not in skipped]
+        if not top:
+            return MatchResult(False, None, 0.0, {}, result.candidates, [])
+        best, sim = top[0]
+        comps = result.components
+        if best != result.entry_id:
+            # list(): the folder bank's query yields rows lazily, PostgreSQL's returns a list
+            rows = list(self.db.query("SELECT sig_clip, sig_text, sig_layout FROM entries "
+                                      "WHERE id = ?", [best]))
+            vec = stack_vectors(rows[:1])[0] if rows else None  # None: removed meanwhile
+            comps = {} if vec is None else {
+                c: cosine(vec[j * DIM:(j + 1) * DIM], signature.vector(c))
+                for j, c in enumerate(COMPONENTS) if c in signature.components}
+        return MatchResult(sim >= threshold, best, sim, comps, result.candidates, top[:top_k])
+
+    @guarded
+    def compatible_entries(self, fingerprint: ModelFingerprint, layout: LatentLayout, limit: int = 8) -> list[str]:
+        """Ids of healthy entries interchangeable with this model and layout, most recently used first.
+
+        :param limit: at most this many ids
+        """
+        skipped = self._skipped()
+        rows = self.db.query("SELECT id FROM entries WHERE compat = ? AND status = 'ok' "
+                             "ORDER BY COALESCE(last_hit, created) DESC LIMIT ?",
+                             [compat_key(fingerprint, layout), int(limit) + len(skipped)])
+        return [row["id"] for row in rows if row["id"] not in skipped][:int(limit)]
+
+    @guarded
+    def load_masks(self, entry_id: str, record_hit: bool = True) -> EntryMasks:
+        """Load an entry's masks and, unless ``record_hit`` is False, record a hit.
+
+        :param entry_id: an id from :meth:`match` or :meth:`add_entry`
+        :param record_hit: count this load as a hit (a population prior's reads are not hits)
+        :raises BankEntryCorrupt: blob missing, damaged or unfit for its layout (the entry is
+            quarantined first; in a read-only bank it is skipped for the rest of the process)
+        :raises BankError: no such entry, or it is quarantined
+        """
+        if entry_id in self._skipped():
+            raise BankEntryCorrupt(entry_id, self._skipped()[entry_id], moved=False)
+        row = self._get_row(entry_id)
+        if row["status"] != "ok":
+            raise BankError(f"Entry {entry_id} is quarantined ({row['status_reason']}); "
+                            "run dense for this request and record it again.")
+        reason, loaded = self._problem(row)
+        if reason is not None:
+            self._found_corrupt(row, reason, recheck=True)
+        spec, data, meta = loaded
+        try:
+            tensors = st_load(data)
+        except Exception as exc:  # safetensors raises its own error types
+            self._found_corrupt(row, f"blob unreadable: {exc}", recheck=False)
+        if record_hit and not self.read_only:
+            self._record_hit(entry_id)
+        return EntryMasks(entry_id, spec.schedule, spec.layout, tensors, meta,
+                          on_corrupt=functools.partial(self._found_corrupt, row, recheck=False))
+
+    def _found_corrupt(self, row: dict, reason: str, recheck: bool):
+        """Quarantine (or, read-only, skip) the entry of ``row`` and raise BankEntryCorrupt."""
+        outcome = self._quarantine_row(row, reason, recheck)
+        if outcome == "gone":
+            raise BankError(f"No entry {row['id']} any more: another process removed or "
+                            "quarantined it while it was being read; run this request as a miss.")
+        if outcome is False:
+            raise BankError(f"Entry {row['id']} could not be read ({reason}), but its blob is "
+                            "healthy again (another process rewrote it); retry the request.")
+        raise BankEntryCorrupt(row["id"], reason, moved=outcome is True)
+
+    def recent(self, n: int = 20) -> list[dict]:
+        """The ``n`` most recently added entries, newest first."""
+        return self.entries(limit=n)
+
+    @guarded
+    def show(self, entry_id: str) -> dict:
+        """One entry as a dict, without signature vectors."""
+        row = self._get_row(entry_id)
+        return decode_row({k: v for k, v in row.items() if not k.startswith("sig_") and k != "rowid"})
+
+    # ---- export and import (the file format is transfer.py's) -----------------------------
+    @guarded
+    def export(self, out_path, tag=None, ids=None) -> int:
+        """Write entries (all, one ``tag``'s, or ``ids``) and their blobs to one tar file.
+
+        :param out_path: tar file to write (its folder must exist)
+        :param tag: only entries carrying this tag
+        :param ids: only these entry ids
+        :return: number of entries exported
+        """
+        return transfer.export_entries(self, out_path, tag=tag, ids=ids)
+
+    @guarded
+    def import_file(self, in_path) -> dict:
+        """Add the entries of an export file that this bank lacks, all or nothing.
+
+        :param in_path: a tar written by :meth:`export`
+        :return: ``{"added": n, "skipped": n}``
+        """
+        return transfer.import_entries(self, in_path)
+
+    @guarded
+    def read_entry_blob(self, entry_id: str) -> tuple[dict, bytes] | None:
+        """An entry's row and its blob's bytes, checked as :meth:`load_masks` checks them;
+        None when the blob fails a check (the entry is quarantined first; read-only: it is
+        skipped for the rest of the process).
+
+        :raises BankError: no such entry
+        """
+        row = self._get_row(entry_id)
+        reason, loaded = self._problem(row)
+        if reason is not None:
+            self._quarantine_row(row, reason, recheck=True)
+            return None
+        return row, loaded[1]
+
+    @guarded
+    def add_imported_rows(self, rows: list[dict], read_data) -> dict:
+        """Insert the ``rows`` this bank lacks (by id), all in one write transaction.
+
+        :param rows: checked rows, as :func:`.transfer.rebuild_row` builds them
+        :param read_data: ``read_data(row)`` gives the row's blob bytes, read and checked again
+            (the backend stores them: PostgreSQL always, a folder when the blob staged by
+            :meth:`stage_blob` was removed or damaged meanwhile)
+        :return: ``{"added": n, "skipped": n}`` (skipped: id already present)
+        """
+        added = skipped = 0
+        with self._write(bump=False):
+            for row in rows:
+                if self._has_entry(row["id"]):
+                    skipped += 1
+                    continue
+                self._import_row(row, functools.partial(read_data, row))
+                added += 1
+            fault("import-before-commit")
+            if added:
+                self._bump("generation")
+        return {"added": added, "skipped": skipped}
+
+
+def _as_bool_array(masks):
+    if isinstance(masks, PackedBlockMaps):  # a recording: unpacked layer by layer by the encoder
+        return masks
+    if hasattr(masks, "detach"):  # torch tensor, without importing torch here
+        masks = masks.detach().cpu().numpy()
+    masks = np.asarray(masks)
+    return masks if masks.dtype == bool else masks != 0
+
+
+def _check_limit(name: str, value):
+    """A prune limit: None, or a positive whole number; anything else would delete all."""
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if ok and isinstance(value, (float, np.floating)):
+        ok = bool(np.isfinite(value)) and float(value).is_integer()
+    if not ok or value <= 0:
+        flag = "--" + name.replace("_", "-")
+        raise BankInvalidArgument(
+            f"prune: {name} must be a positive whole number, got {value!r}; e.g. {flag} 20G "
+            f"or {flag} 5000. A zero, negative, NaN or infinite limit is refused because it would "
+            "delete every entry or none; to empty a bank, delete its folder.")
+    return int(value)
+
+
+def _doomed(rows: list[dict], max_bytes, max_entries) -> list[str]:
+    """The ids of ``rows`` (in eviction order) to remove until both limits hold."""
+    total, count = sum(r["blob_bytes"] or 0 for r in rows), len(rows)
+    doomed = []
+    for row in rows:
+        over_bytes = max_bytes is not None and total > max_bytes
+        over_count = max_entries is not None and count > max_entries
+        if not (over_bytes or over_count):
+            break
+        doomed.append(row["id"])
+        total, count = total - (row["blob_bytes"] or 0), count - 1
+    return doomed
