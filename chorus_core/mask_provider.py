@@ -46,6 +46,33 @@ class MaskProvider(Protocol):
 
 
 @dataclass(frozen=True)
+class SamplingCall:
+    """What one sampling run is: the guider's model (with every patch applied after Chorus), the
+    latent it starts from, the sampler and the sigma schedule (ComfyUI's OUTER_SAMPLE arguments)."""
+
+    model_patcher: Any
+    latent_image: Optional[torch.Tensor]
+    sampler: Any
+    sigmas: Optional[torch.Tensor]
+
+
+@runtime_checkable
+class RunSource(Protocol):
+    """Chooses the mask provider of each sampling run (Chorus Sparse Attention: a hit or a miss
+    per run), and hears how the run ended; installed where a fixed provider would be."""
+
+    block_size: tuple[int, int]
+
+    def begin_run(self, sampling: SamplingCall) -> MaskProvider:
+        """This run's provider, chosen before its first model call."""
+        ...
+
+    def end_run(self, succeeded: bool) -> None:
+        """After the run's last model call: report and record on success, release on failure."""
+        ...
+
+
+@dataclass(frozen=True)
 class PreparedMask:
     """A kernel-ready mask and its density, known on the host, so using it costs no host sync."""
 

@@ -16,15 +16,13 @@ from . import bank_writer
 from .bank import Schedule, compat_key
 from .bank.encoding import PackedBlockMaps
 from .entry_prefetch import EntryPrefetch
-from .mask_provider import (DenseProvider, DenseWarmupProvider, observes, serve_prepared_mask, step_bucket_of)
+from .mask_provider import DenseProvider, DenseWarmupProvider, SamplingCall
 from .mask_sources import (BankEntryProvider, OnlinePredictionProvider, RecordingPlan, RecordingProvider,
                            buckets_recordable_from, recorded_steps)
 from .masks import MaskRecorder
-from .model_checks import check_no_competing_sparse_attention, check_supported_model
 from .model_identity import fingerprint_patcher
 from .prior_store import PRIOR_ENTRIES, load_prior
 from .reuse_match import ReuseMatch, match_grid_problem
-from .run_keys import OUTER_SAMPLE
 from .sparse_patch import DENSE_ATTENTION_MODES, get_run_stats, get_sparse_state, install_sparse_attention
 
 log = logging.getLogger("chorus")
@@ -121,20 +119,6 @@ class ReuseRun:
         if self._fingerprint is None:
             self._fingerprint = fingerprint_patcher(self.model_patcher)
         return self._fingerprint
-
-    def prepare(self, on_step=None):
-        """The patched clone to sample with; ``on_step(report_dict)`` is called after every step."""
-        started = time.perf_counter()
-        if get_reuse_patch(self.model_patcher) is not None:
-            raise ValueError("This model already went through Chorus Sparse Attention, which runs the reuse itself: "
-                             "sample it with KSampler (or any sampler), or leave that node out and keep the "
-                             "Chorus Sparse Wan Sampler.")
-        self.patched = install_sparse_attention(self.model_patcher, self.choose_provider(),
-                                                dense_attention=self.options.dense_attention)
-        if on_step is not None:
-            get_sparse_state(self.patched).on_step(lambda step, run: on_step(self.progress(step, run)))
-        self.report.timings["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 2)
-        return self.patched
 
     def choose_provider(self):
         """This run's mask source: the hit's entry or a miss source, behind the dense warm-up, recorded on a miss."""
@@ -330,106 +314,84 @@ class ReuseRun:
                                         signature=request.signature, write=write)
 
 
-class DeferredProvider:
-    """The mask source of the MODEL patch: set per sampling run by :class:`ReusePatch`; dense without one."""
-
-    def __init__(self, block_size: int):
-        self.block_size = (block_size, block_size)
-        self.inner = None
-
-    def step_bucket(self, step: int):
-        return None if self.inner is None else step_bucket_of(self.inner, step)
-
-    def observes(self, step: int) -> bool:
-        return self.inner is not None and observes(self.inner, step)
-
-    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
-        observer = getattr(self.inner, "observe", None)
-        if observer is not None:
-            observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
-
-    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
-        return None if self.inner is None else self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len,
-                                                                     device)
-
-    def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device):
-        if self.inner is None:
-            return None
-        return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-
-
 REUSE_KEY = "chorus_reuse"
 
 
 class ReusePatch:
-    """The Chorus Sparse Attention node: :class:`ReuseRun` as a MODEL patch, so any sampler runs it.
+    """Mask reuse as a MODEL patch: each sampling run with the patched model is one :class:`ReuseRun`.
 
-    The sparse hooks are installed once, at the node; an ``OUTER_SAMPLE`` wrapper (outside the
-    sparse patch's own) makes one ReuseRun per sampling run from the sigmas it is given (steps),
-    hands its mask source to the hooks, and after a successful run fills the report and queues
-    a miss's recording, as the Sparse Wan Sampler does after ``common_ksampler``.
+    Installed as the sparse patch's :class:`~chorus_core.mask_provider.RunSource`: the patch's one
+    OUTER_SAMPLE wrapper asks :meth:`begin_run` for the run's mask source, built from the guider's
+    own model and sigmas, and calls :meth:`end_run` after the run: a successful run fills the
+    report and queues a miss's recording. Both reuse nodes use it (the Sparse Wan Sampler installs
+    it, then runs ``common_ksampler``), so any sampler runs the same reuse.
 
     :param events: optional object with ``run_start(report)``, ``step(payload)`` and
         ``finished(report)``, called for the web view
+    :param scheduler: the scheduler's name when the caller knows it (recorded with an entry);
+        else "sigmas"
     """
 
     def __init__(self, model_patcher, match: ReuseMatch | None, options: ReuseOptions, block_size: int = 128,
-                 events=None):
+                 events=None, scheduler: str = "sigmas", recording_plan: RecordingPlan = RecordingPlan()):
         self.model_patcher, self.match, self.options, self.events = model_patcher, match, options, events
-        self.block_size = match.request.layout.block_size[0] if match else block_size
-        self.provider = DeferredProvider(self.block_size)
+        self.block_size = (match.request.layout.block_size[0] if match else block_size,) * 2
+        self.scheduler, self.recording_plan = scheduler, recording_plan
         self.patched = None
         self.current: ReuseRun | None = None
+        self.last_run: ReuseRun | None = None
         self.last_report: RunReport | None = None
 
     def install(self):
-        """A clone of the model with the hooks and the per-run wrapper; the input model is unchanged."""
-        check_supported_model(self.model_patcher)
-        check_no_competing_sparse_attention(self.model_patcher,
-                                            self.model_patcher.model_options.get("transformer_options", {}))
-        outer = self.model_patcher.clone()
-        outer.remove_wrappers_with_key(OUTER_SAMPLE, REUSE_KEY)
-        outer.add_wrapper_with_key(OUTER_SAMPLE, REUSE_KEY, self._outer_sample)  # first: outside the sparse wrapper
-        self.patched = install_sparse_attention(outer, self.provider, dense_attention=self.options.dense_attention)
+        """A clone of the model with the hooks; the input model is unchanged."""
+        if get_reuse_patch(self.model_patcher) is not None:
+            raise ValueError("This model already went through Chorus Sparse Attention, which runs the reuse itself: "
+                             "sample it with KSampler (or any sampler), or leave that node out and keep the "
+                             "Chorus Sparse Wan Sampler.")
+        self.patched = install_sparse_attention(self.model_patcher, self, dense_attention=self.options.dense_attention)
         get_sparse_state(self.patched).on_step(self._on_step)
         self.patched.set_attachments(REUSE_KEY, self)
         return self.patched
 
-    def _on_step(self, step_stats, run_stats) -> None:
-        if self.current is not None and self.events is not None:
-            self.events.step(self.current.progress(step_stats, run_stats))
-
-    def _outer_sample(self, executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
-        steps = max(1, len(sigmas) - 1)
+    def begin_run(self, sampling: SamplingCall):
+        """This sampling run's mask source: a hit's entry, or a miss source (recorded when it may be)."""
+        started = time.perf_counter()
+        steps = max(1, len(sampling.sigmas) - 1) if sampling.sigmas is not None else 1
         # The patched model may reach a second sampler on another latent (an upscale pass): that
         # sampling runs without the match (an online miss, nothing recorded), and says why.
-        problem = match_grid_problem(self.match, latent_image)
+        problem = None if sampling.latent_image is None else match_grid_problem(self.match, sampling.latent_image)
         # The guider's model, not the node's input: a LoRA or ModelSamplingSD3 placed after this
         # node is part of what samples, so of the hit check, the recorded shift and the entry's model.
-        sampling_model = getattr(executor.class_obj, "model_patcher", None) or self.model_patcher
-        run = ReuseRun(sampling_model, None if problem else self.match, self.options,
-                       SamplingSettings(steps, _sampler_name(sampler), "sigmas"), block_size=self.block_size)
+        run = ReuseRun(sampling.model_patcher or self.model_patcher, None if problem else self.match, self.options,
+                       SamplingSettings(steps, _sampler_name(sampling.sampler), self.scheduler),
+                       block_size=self.block_size[0], recording_plan=self.recording_plan)
         if problem is not None:
             run.report.warnings.append(f"ran without the match, as a miss that records nothing: {problem}")
             log.warning("Chorus Sparse Attention: %s", run.report.warnings[-1])
         run.patched = self.patched  # its statistics live on the holder attached there
-        self.provider.inner, self.current = run.choose_provider(), run
+        provider, self.current, self.last_run = run.choose_provider(), run, run
+        run.report.timings["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 2)
         if self.events is not None:
             self.events.run_start(run.report)
-        try:
-            result = executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
-        except BaseException:
+        return provider
+
+    def end_run(self, succeeded: bool) -> None:
+        run, self.current = self.current, None
+        if run is None:
+            return
+        if not succeeded:
             if run.prefetch is not None:
-                run.prefetch.join()  # a failed run records nothing; its worker is still joined
-            raise
-        finally:
-            self.provider.inner, self.current = None, None
+                run.prefetch.join()  # a failed run records nothing; its worker (pinned memory) is still joined
+            return
         self.last_report = run.finish()
         if self.events is not None:
             self.events.finished(self.last_report)
         log.info("Chorus: %s run, %s; density %s", self.last_report.mode, self.last_report.mask_source,
                  self.last_report.density)
-        return result
+
+    def _on_step(self, step_stats, run_stats) -> None:
+        if self.current is not None and self.events is not None:
+            self.events.step(self.current.progress(step_stats, run_stats))
 
 
 def get_reuse_patch(model_patcher) -> ReusePatch | None:

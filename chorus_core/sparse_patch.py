@@ -46,7 +46,8 @@ from .hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, 
                     mark_own, schedule_step,
                     unwrap_own)
 from ._siblings import import_sibling
-from .mask_provider import MaskProvider, PreparedMask, observes, serve_prepared_mask, step_bucket_of
+from .mask_provider import (MaskProvider, PreparedMask, RunSource, SamplingCall, observes, serve_prepared_mask,
+                            step_bucket_of)
 from .model_checks import (ATTENTION_BACKEND_NODE, CompetingAttentionError, UnsupportedModelError,
                            check_no_competing_sparse_attention, check_supported_model, is_attention_backend_override)
 from .run_keys import (APPLY_MODEL, DIFFUSION_MODEL, OUTER_SAMPLE, OVERRIDE_KEY, sparse_block_key, sparse_plan_key,
@@ -78,10 +79,14 @@ DENSE_ATTENTION_MODES = ("auto", "comfyui")
 
 
 class SparseAttentionState:
-    """Attached to the patched clone: the provider, the current/last run's stats, step callbacks."""
+    """Attached to the patched clone: the mask source, the current/last run's stats, step callbacks.
 
-    def __init__(self, provider: MaskProvider, key: str, dense_attention: str = "auto"):
-        self.provider = provider
+    The source is a fixed provider, or a :class:`RunSource` that chooses each run's provider
+    (Chorus Sparse Attention): one OUTER_SAMPLE wrapper asks it, runs, and tells it how it ended.
+    """
+
+    def __init__(self, source, key: str, dense_attention: str = "auto"):
+        self.source = source
         self.key = key
         self.dense_attention = dense_attention
         self.stats: Optional[RunStats] = None
@@ -92,10 +97,21 @@ class SparseAttentionState:
         self.step_callbacks.append(callback)
         return callback
 
-    def start_run(self) -> "_Run":
-        run = _Run(self.provider, self.step_callbacks, self.dense_attention)
+    @property
+    def provider(self):
+        """The fixed provider (None when a RunSource chooses one per run)."""
+        return None if isinstance(self.source, RunSource) else self.source
+
+    def start_run(self, sampling: Optional[SamplingCall] = None) -> "_Run":
+        """The per-run state; a RunSource chooses the run's provider from ``sampling``."""
+        provider = self.source.begin_run(sampling) if isinstance(self.source, RunSource) else self.source
+        run = _Run(provider, self.step_callbacks, self.dense_attention)
         self.stats = run.stats
         return run
+
+    def end_run(self, succeeded: bool) -> None:
+        if isinstance(self.source, RunSource):
+            self.source.end_run(succeeded)
 
 
 class _Run:
@@ -655,18 +671,28 @@ def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
         options = guider.model_options.setdefault("transformer_options", {})
         check_no_competing_sparse_attention(getattr(guider, "model_patcher", None), options)
         _chain_above_later_backend(options, holder.key)
-        run = holder.start_run()
+        run = holder.start_run(_sampling_call(guider, args, kwargs))
         run.clock, args, kwargs = clock_outer_sample(args, kwargs)
         options[run_key] = run
+        succeeded = False
         try:
             result = executor(*args, **kwargs)
             run.finish()
+            succeeded = True
             return result
         finally:
             options.pop(run_key, None)
             run.release()
+            holder.end_run(succeeded)
 
     return chorus_outer_sample
+
+
+def _sampling_call(guider, args: tuple, kwargs: dict) -> SamplingCall:
+    """``outer_sample(noise, latent_image, sampler, sigmas, ...)``'s arguments and the guider's model."""
+    bound = dict(zip(("noise", "latent_image", "sampler", "sigmas"), args), **kwargs)
+    return SamplingCall(getattr(guider, "model_patcher", None), bound.get("latent_image"), bound.get("sampler"),
+                        bound.get("sigmas"))
 
 
 def _chain_above_later_backend(options: dict, key: str) -> None:
@@ -692,12 +718,12 @@ def _chain_above_later_backend(options: dict, key: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def install_sparse_attention(model_patcher, provider: MaskProvider, key: str = "chorus",
-                             dense_attention: str = "auto"):
+def install_sparse_attention(model_patcher, provider, key: str = "chorus", dense_attention: str = "auto"):
     """Return a clone of ``model_patcher`` whose Wan self-attention runs block-sparse.
 
     :param model_patcher: a ComfyUI ModelPatcher of a Wan 2.1 I2V/T2V model; never modified.
-    :param provider: gives the block map per (layer, step, batch chunks); None = dense.
+    :param provider: a MaskProvider (the block map per layer, step, batch chunks, for every run),
+        or a RunSource that chooses each sampling run's provider.
     :param key: namespace of the wrapper, attachment and transformer_options entries; installing
         again with the same key replaces the earlier install instead of stacking on it.
     :param dense_attention: what the self-attention left dense (warm-up steps, dense layers) runs
@@ -745,7 +771,7 @@ def _require_kernels() -> None:
 
 
 def _check_provider(provider) -> None:
-    if not callable(getattr(provider, "block_map", None)):
+    if not isinstance(provider, RunSource) and not callable(getattr(provider, "block_map", None)):
         raise TypeError(f"{type(provider).__name__} is not a MaskProvider: it has no block_map(...) method")
     block_size = getattr(provider, "block_size", None)
     if not (isinstance(block_size, (tuple, list)) and len(block_size) == 2

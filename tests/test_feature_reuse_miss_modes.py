@@ -116,21 +116,28 @@ def match_for(model, bank, threshold):
 
 
 def generate(model, match, miss_mode="online", record_on_miss=True, on_prepared=None):
-    """One ReuseRun generation as the sampler node runs it; returns (latent, run, report)."""
+    """One ReuseRun generation as the sampler node runs it; returns (latent, run, report).
+
+    ``on_prepared(provider)`` sees the run's mask source as the run begins."""
     import comfy.sample
 
-    from chorus_core.reuse_run import ReuseOptions, ReuseRun, SamplingSettings
+    from chorus_core.reuse_run import ReuseOptions, ReusePatch
 
     options = ReuseOptions(miss_mode=miss_mode, record_on_miss=record_on_miss, min_density=0.2, max_density=0.6)
-    run = ReuseRun(model, match, options, SamplingSettings(STEPS, "euler", "simple"), block_size=BLOCK)
-    patched = run.prepare()
-    if on_prepared is not None:
-        on_prepared(patched)
+    class WatchedPatch(ReusePatch):
+        def begin_run(self, sampling):
+            provider = super().begin_run(sampling)
+            if on_prepared is not None:
+                on_prepared(provider)
+            return provider
+
+    patch = WatchedPatch(model, match, options, block_size=BLOCK, scheduler="simple")
+    patched = patch.install()
     positive, negative, latent = request()
     noise = comfy.sample.prepare_noise(latent["samples"], 0)
     out = comfy.sample.sample(patched, noise, STEPS, 5.0, "euler", "simple", positive, negative,
                               latent["samples"], seed=0, disable_pbar=True)
-    return out, run, run.finish()
+    return out, patch.last_run, patch.last_report
 
 
 def feature_reuse(patcher):
@@ -143,10 +150,7 @@ def fr_stats(patched):
     return get_feature_reuse_state(patched).stats
 
 
-def mask_source(patched):
-    from chorus_core.sparse_patch import get_sparse_state
-
-    provider = get_sparse_state(patched).provider
+def mask_source(provider):
     while getattr(provider, "inner", None) is not None:
         provider = provider.inner
     return provider
@@ -166,8 +170,8 @@ def recorded(tiny_wan_patcher, bank):
     model = feature_reuse(tiny_wan_patcher)
     shown = []
 
-    def watch_recorder(patched):
-        recorder = get_recorder(patched)
+    def watch_recorder(provider):
+        recorder = get_recorder(provider)
         real = recorder.record
 
         def record(layer, step, q, k, heads=None):
@@ -181,10 +185,8 @@ def recorded(tiny_wan_patcher, bank):
     return dict(out=out, run=run, report=report, shown=shown, model=model)
 
 
-def get_recorder(patched):
-    from chorus_core.sparse_patch import get_sparse_state
-
-    return get_sparse_state(patched).provider.recorder
+def get_recorder(provider):
+    return provider.recorder
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,8 +198,8 @@ def test_online_miss_predicts_on_the_reduced_tokens_and_runs_them_sparse(tiny_wa
     kernel = KernelSpy(monkeypatch)
     observed, predicted = [], []
 
-    def watch_predictor(patched):
-        source = mask_source(patched)
+    def watch_predictor(provider):
+        source = mask_source(provider)
         real_observe, real_block_map = source.observe, source.block_map
 
         def observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape):

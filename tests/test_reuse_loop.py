@@ -65,16 +65,16 @@ def bank_with_entry(tmp_path, tiny_wan_patcher):
 def run_generation(patcher, match, options=None, steps=STEPS):
     import comfy.sample
 
-    from chorus_core.reuse_run import ReuseOptions, ReuseRun, SamplingSettings
+    from chorus_core.reuse_run import ReuseOptions, ReusePatch
 
     positive, negative, latent = request()
-    run = ReuseRun(patcher, match, options or ReuseOptions(dense_warmup_steps=1),
-                   SamplingSettings(steps, "euler", "simple"), block_size=BLOCK)
-    patched = run.prepare()
+    patch = ReusePatch(patcher, match, options or ReuseOptions(dense_warmup_steps=1), block_size=BLOCK,
+                       scheduler="simple")
+    patched = patch.install()
     noise = comfy.sample.prepare_noise(latent["samples"], 0)
     out = comfy.sample.sample(patched, noise, steps, 5.0, "euler", "simple", positive, negative, latent["samples"],
                               seed=0, disable_pbar=True)
-    return out, run.finish(), run
+    return out, patch.last_report, patch.last_run
 
 
 # --------------------------------------------------------------------------------------------

@@ -77,31 +77,35 @@ def recording_run(pp: ProductPath, bank, conds, seed: int, plan):
     """A recording miss as shipped, with the exact mass of its own calls; returns (entry id, mass
     [S, L, H, nb, nb], the recorder's selection bool [B, L, H, nq, nk], the recorded steps per bucket)."""
     from .. import bank_writer
-    from ..reuse_run import ReuseRun, SamplingSettings
     from ..mask_sources import recorded_steps
+    from ..reuse_run import ReusePatch
 
-    run = ReuseRun(pp.patcher, pp.match(bank, conds, RECORD_THRESHOLD), pp.options,
-                   SamplingSettings(pp.steps, "euler", "simple"), block_size=pp.bs, recording_plan=plan)
-    chosen = run.choose_provider
-    tee = {}
+    tee, selection = {}, {}
 
-    def choose_and_tee():
-        tee["provider"] = TeeObserver(chosen(), pp.bs)
-        return tee["provider"]
+    class TeePatch(ReusePatch):
+        """The shipped patch, with the run's q/k mass teed off and the recorder's selection kept."""
 
-    run.choose_provider = choose_and_tee
-    selection = {}
-    pp.sample(run.prepare(), conds, seed)
-    recorder = run.recording.recorder
-    original_finish = recorder.finish
+        def begin_run(self, sampling):
+            tee["provider"] = TeeObserver(super().begin_run(sampling), pp.bs)
+            return tee["provider"]
 
-    def keep_selection():
-        recorded = original_finish()
-        selection["maps"] = recorded.block_maps
-        return recorded
+        def end_run(self, succeeded):
+            recorder = self.current.recording.recorder if succeeded else None
+            if recorder is not None:
+                original_finish = recorder.finish
 
-    recorder.finish = keep_selection
-    report = run.finish()
+                def keep_selection():
+                    recorded = original_finish()
+                    selection["maps"] = recorded.block_maps
+                    return recorded
+
+                recorder.finish = keep_selection
+            super().end_run(succeeded)
+
+    patch = TeePatch(pp.patcher, pp.match(bank, conds, RECORD_THRESHOLD), pp.options, block_size=pp.bs,
+                     scheduler="simple", recording_plan=plan)
+    pp.sample(patch.install(), conds, seed)
+    run, report = patch.last_run, patch.last_report
     if report.recording != "queued":
         raise RuntimeError(f"the recording run did not record: {report.recording}, {report.warnings}")
     if not bank_writer.flush_all(timeout=300):

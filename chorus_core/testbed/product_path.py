@@ -230,12 +230,11 @@ class ProductPath:
         return match_request(bank, req)
 
     def reuse_run(self, match, conds, seed: int, options=None):
-        from ..reuse_run import ReuseRun, SamplingSettings
+        from ..reuse_run import ReusePatch
 
-        run = ReuseRun(self.patcher, match, options or self.options, SamplingSettings(self.steps, "euler", "simple"),
-                       block_size=self.bs)
-        final = self.sample(run.prepare(), conds, seed)
-        return final, run.finish()
+        patch = ReusePatch(self.patcher, match, options or self.options, block_size=self.bs, scheduler="simple")
+        final = self.sample(patch.install(), conds, seed)
+        return final, patch.last_report
 
     def record(self, bank, conds, seed: int) -> str:
         """A recording miss (online prediction as shipped); waits for the bank writer."""

@@ -17,7 +17,7 @@ re-encoded with each candidate:
 (local 3D windows, global key columns, noise; what real video-DiT masks look like, as far as
 random-weight runs can show) at density 0.15, 3 step buckets, ``--layers`` layers, 40 heads.
 
-``--testbed`` records one entry the way a user's miss does (``ReuseRun`` with recording, the
+``--testbed`` records one entry the way a user's miss does (``ReusePatch`` with recording, the
 background writer, a real bank in a temporary folder) on the committed testbed checkpoint
 (a trained Wan2.1-I2V-architecture model, ``tests/testbed/``) at its long training size,
 16 x 64 x 64 latents = 16,384 tokens, on the CPU, and measures the codecs on that entry.
@@ -116,7 +116,7 @@ def testbed_maps(steps: int = 6) -> np.ndarray:
 
     from chorus_core import bank_writer
     from chorus_core.bank.signature import resolve_weights
-    from chorus_core.reuse_run import ReuseOptions, ReuseRun, SamplingSettings
+    from chorus_core.reuse_run import ReuseOptions, ReusePatch
     from chorus_core.reuse_match import build_match_request, match_request
     from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
 
@@ -126,12 +126,12 @@ def testbed_maps(steps: int = 6) -> np.ndarray:
         bank = MaskBank.open(tmp)
         request = build_match_request(patcher, positive[0][1]["clip_vision_output"], positive, latent, None, 0.9,
                                       resolve_weights(None), 128)
-        run = ReuseRun(patcher, match_request(bank, request), ReuseOptions(), SamplingSettings(steps, "euler", "simple"))
-        patched = run.prepare()
+        patch = ReusePatch(patcher, match_request(bank, request), ReuseOptions(), scheduler="simple")
+        patched = patch.install()
         noise = comfy.sample.prepare_noise(latent["samples"], 0)
         comfy.sample.sample(patched, noise, steps, 5.0, "euler", "simple", positive, negative, latent["samples"],
                             seed=0, disable_pbar=True)
-        report = run.finish()
+        report = patch.last_report
         if not bank_writer.flush_all(timeout=600) or bank.stats()["entries"] != 1:
             raise RuntimeError(f"the testbed recording was not written: {report.warnings}")
         return entry_maps(bank, report.recorded_entry_id)

@@ -12,8 +12,8 @@ What runs: the model of ``bench_end_to_end.py`` (ComfyUI's ``WanModel`` built th
 its I2V conditioning (512 text tokens, 257 CLIP-vision tokens, concat latent image and mask).
 Every Chorus request goes the way the nodes take it: ``build_match_request`` + ``match_request``
 (the Similarity Match node) against a real ``MaskBank`` in a temporary folder, then
-``ReuseRun.prepare()`` -> ``comfy.sample.sample`` with the patched clone (euler, simple, cfg 5,
-cond + uncond as one batch of 2) -> ``ReuseRun.finish()`` (the Sparse Wan Sampler node).
+``ReusePatch.install()`` -> ``comfy.sample.sample`` with the patched clone (euler, simple, cfg 5,
+cond + uncond as one batch of 2), whose run ends with ``ReuseRun.finish()`` (the Sparse Wan Sampler node).
 A sampler callback (after a CUDA sync) stamps every step.
 
 Modes, per shape, in this order (density 0.15, 1 dense warm-up step):
@@ -177,14 +177,14 @@ def generate(ctx, mode: str, bank=None, attention: str = "comfyui") -> dict:
     """One request of ``mode`` (``dense`` or a Chorus mode) with the model's current blocks."""
     import comfy.sample
 
-    from chorus_core.reuse_run import ReuseRun, SamplingSettings
+    from chorus_core.reuse_run import ReusePatch
     from chorus_core.reuse_match import build_match_request, match_request
     from chorus_core.sparse_patch import get_run_stats
 
     cuda, steps, patcher = ctx["cuda"], ctx["steps"], ctx["patcher"]
     positive, negative, latent, clip = ctx["req"]
     noise = comfy.sample.prepare_noise(latent, 0)
-    stamps, m, run = [], {}, None
+    stamps, m, patch = [], {}, None
 
     def callback(step, x0, x, total):
         sync(cuda)
@@ -204,8 +204,8 @@ def generate(ctx, mode: str, bank=None, attention: str = "comfyui") -> dict:
             request = build_match_request(patcher, clip, positive, {"samples": latent}, None, threshold, {}, BLOCK)
             match = match_request(bank, request)
             t_matched = time.perf_counter()
-            run = ReuseRun(patcher, match, chorus_options(mode), SamplingSettings(steps, SAMPLER, SCHEDULER))
-            sampled = run.prepare()
+            patch = ReusePatch(patcher, match, chorus_options(mode), scheduler=SCHEDULER)
+            sampled = patch.install()
             t_prepared = time.perf_counter()
         t_sample = time.perf_counter()
         with dense_attention(attention, cuda):
@@ -213,7 +213,7 @@ def generate(ctx, mode: str, bank=None, attention: str = "comfyui") -> dict:
                                       callback=callback, disable_pbar=True, seed=0)
         sync(cuda)
         t_sampled = time.perf_counter()
-        report = run.finish() if run is not None else None
+        report = patch.last_report if patch is not None else None
         t_end = time.perf_counter()
         flush = bank_writer_flush() if mode == "miss_recording" else None
         wait = min(FLUSH_TIMEOUT_S, max(5.0, ctx["budget_s"] - elapsed()))  # never past the budget
