@@ -7,7 +7,7 @@ the output is ``[B, N, H*D]``, or ``[B, H, N, D]`` with ``skip_output_reshape=Tr
 
 Backends (``select_backend`` picks one and says why): FlashAttention-4's block-sparse
 forward (``fa4_block_sparse``) on sm_90/sm_100 when ``flash-attn-4`` imports and the call fits
-it, else the Triton kernel (``_triton_block_sparse``) on CUDA tensors when triton imports, else
+it, else the Triton kernel (``triton_block_sparse``) on CUDA tensors when triton imports, else
 the pure-torch reference (always on CPU tensors). Importing this module needs neither triton
 nor flash-attn-4. Under ``torch.compile`` the call goes through the ``chorus::block_sparse_attention``
 custom op (``kernels.ops``), so it never breaks the graph.
@@ -422,7 +422,7 @@ def run_backend(
     if choice.name == "fa4":
         fa4.fa4_block_sparse_fwd(qh, kh, vh, oh, mask.live_blocks, mask.live_counts, mask.block_q, mask.block_k)
         return out
-    from . import _triton_block_sparse as tbs
+    from . import triton_block_sparse as tbs
 
     tbs.block_sparse_attn_fwd(qh, kh, vh, oh, mask, config)
     return out
