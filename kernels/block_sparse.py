@@ -7,10 +7,11 @@ the output is ``[B, N, H*D]``, or ``[B, H, N, D]`` with ``skip_output_reshape=Tr
 
 Backends (``select_backend`` picks one and says why): FlashAttention-4's block-sparse
 forward (``fa4_block_sparse``) on sm_90/sm_100 when ``flash-attn-4`` imports and the call fits
-it, else the Triton kernel (``_triton_block_sparse``) on CUDA tensors when triton imports, else
+it, else the Triton kernel (``triton_block_sparse``) on CUDA tensors when triton imports, else
 the pure-torch reference (always on CPU tensors). Importing this module needs neither triton
 nor flash-attn-4. Under ``torch.compile`` the call goes through the ``chorus::block_sparse_attention``
-custom op (``kernels.ops``), so it never breaks the graph.
+custom op, so it never breaks the graph: this module registers its eager dispatch as the op's
+implementation through ``kernels.ops`` (which holds the op's name and fake implementation).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from . import fa4_block_sparse as fa4
 from .layouts import from_bhnd, output_buffer, to_bhnd
-from .ops import block_sparse_attention_op
+from .ops import define_block_sparse_op
 
 __all__ = [
     "BlockSparseMask",
@@ -422,7 +423,27 @@ def run_backend(
     if choice.name == "fa4":
         fa4.fa4_block_sparse_fwd(qh, kh, vh, oh, mask.live_blocks, mask.live_counts, mask.block_q, mask.block_k)
         return out
-    from . import _triton_block_sparse as tbs
+    from . import triton_block_sparse as tbs
 
     tbs.block_sparse_attn_fwd(qh, kh, vh, oh, mask, config)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op (what ``torch.compile`` sees; see ``kernels.ops``)
+# --------------------------------------------------------------------------------------------
+
+
+def _op_impl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live_blocks: torch.Tensor, live_counts: torch.Tensor,
+    block_q: int, block_k: int, seq_len: int, heads: int, skip_reshape: bool, skip_output_reshape: bool,
+    backend: str,
+) -> torch.Tensor:
+    mask = BlockSparseMask(live_blocks, live_counts, block_q, block_k, seq_len)
+    choice = select_backend(q, mask, backend)
+    # Compiled graphs may hand over non-contiguous views; the kernels need a unit stride on D.
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    return run_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, validate=False)
+
+
+block_sparse_attention_op = define_block_sparse_op(_op_impl)

@@ -10,7 +10,8 @@ rounding: both compute softmax(QK^T / sqrt(d)) V in fp32 with bf16 inputs and ou
 hands the call to ComfyUI's own attention function (whatever backend the user chose there),
 never to a different one. The pure-torch reference (``dense_attention_reference``) is the
 CPU fallback and the test oracle. Under ``torch.compile`` the call is the
-``chorus::dense_attention`` custom op (``kernels.ops``), one opaque node in the graph.
+``chorus::dense_attention`` custom op, one opaque node in the graph: this module registers
+``run_dense`` as its implementation through ``kernels.ops``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from . import fa4_block_sparse as fa4
 from .layouts import from_bhnd, output_buffer, to_bhnd
-from .ops import dense_attention_op
+from .ops import define_dense_op
 
 __all__ = ["dense_attention", "dense_attention_reference", "dense_unsupported_reason", "dense_unsupported_for"]
 
@@ -66,6 +67,15 @@ def run_dense(q, k, v, heads: int, skip_reshape=False, skip_output_reshape=False
     out, out_bhnd = output_buffer(qh, skip_output_reshape)
     fa4.fa4_dense_fwd(qh, kh, vh, out_bhnd)
     return out
+
+
+def _op_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, skip_reshape: bool,
+             skip_output_reshape: bool) -> torch.Tensor:
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    return run_dense(q, k, v, heads, skip_reshape, skip_output_reshape)
+
+
+dense_attention_op = define_dense_op(_op_impl)  # the chorus::dense_attention custom op (see kernels.ops)
 
 
 def dense_attention(q, k, v, heads: int, skip_reshape=False, skip_output_reshape=False) -> torch.Tensor:

@@ -6,14 +6,18 @@ one graph. The mask travels as its two int32 tensors plus ints; the backend is c
 the op runs, exactly as in eager (``block_sparse.select_backend``), and recorded in
 ``block_sparse.last_backend_choice()``.
 
-This module imports only torch; the implementation imports ``block_sparse`` when it runs.
+This module holds what the compiler sees of the two ops (their names and fake implementations)
+and registers them; it imports only torch. The real implementations live with the eager code
+they run: ``block_sparse`` and ``dense_attention`` call ``define_block_sparse_op`` and
+``define_dense_op`` with them when they are imported (they import this module, never the
+other way round).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["block_sparse_attention_op", "dense_attention_op", "OP_NAME", "DENSE_OP_NAME"]
+__all__ = ["define_block_sparse_op", "define_dense_op", "OP_NAME", "DENSE_OP_NAME"]
 
 OP_NAME = "chorus::block_sparse_attention"
 DENSE_OP_NAME = "chorus::dense_attention"
@@ -28,31 +32,9 @@ def _output_shape(q: torch.Tensor, heads: int, skip_reshape: bool, skip_output_r
     return (b, h, n, d) if skip_output_reshape else (b, n, h * d)
 
 
-def _impl(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live_blocks: torch.Tensor, live_counts: torch.Tensor,
-    block_q: int, block_k: int, seq_len: int, heads: int, skip_reshape: bool, skip_output_reshape: bool,
-    backend: str,
-) -> torch.Tensor:
-    from . import block_sparse as bs
-
-    mask = bs.BlockSparseMask(live_blocks, live_counts, block_q, block_k, seq_len)
-    choice = bs.select_backend(q, mask, backend)
-    # Compiled graphs may hand over non-contiguous views; the kernels need a unit stride on D.
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return bs.run_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, validate=False)
-
-
 def _fake(q, k, v, live_blocks, live_counts, block_q, block_k, seq_len, heads, skip_reshape, skip_output_reshape,
           backend):
     return q.new_empty(_output_shape(q, heads, skip_reshape, skip_output_reshape))
-
-
-def _dense_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, skip_reshape: bool,
-                skip_output_reshape: bool) -> torch.Tensor:
-    from . import dense_attention as da
-
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return da.run_dense(q, k, v, heads, skip_reshape, skip_output_reshape)
 
 
 def _dense_fake(q, k, v, heads, skip_reshape, skip_output_reshape):
@@ -71,5 +53,14 @@ def _define(qualified_name: str, impl, fake):
     return getattr(getattr(torch.ops, namespace), name).default
 
 
-block_sparse_attention_op = _define(OP_NAME, _impl, _fake)
-dense_attention_op = _define(DENSE_OP_NAME, _dense_impl, _dense_fake)
+def define_block_sparse_op(impl):
+    """``chorus::block_sparse_attention`` with ``impl`` as its implementation (the first one registered
+    in this process wins). ``impl`` takes ``(q, k, v, live_blocks, live_counts, block_q, block_k,
+    seq_len, heads, skip_reshape, skip_output_reshape, backend)``, annotated, and returns the output."""
+    return _define(OP_NAME, impl, _fake)
+
+
+def define_dense_op(impl):
+    """``chorus::dense_attention`` with ``impl`` as its implementation (the first one registered in this
+    process wins). ``impl`` takes ``(q, k, v, heads, skip_reshape, skip_output_reshape)``, annotated."""
+    return _define(DENSE_OP_NAME, impl, _dense_fake)

@@ -6,9 +6,8 @@ from comfy_api.latest import io
 
 from . import CATEGORY
 from .input_checks import density_range_problem
-from .sampler_nodes import RUN_START_EVENT, STEP_EVENT, _send, reuse_option_inputs, reuse_options, run_start_payload
-
-REPORT_EVENT = "chorus.report"
+from .reuse_common import (REPORT_EVENT, RUN_START_EVENT, STEP_EVENT, reuse_option_inputs, reuse_options,
+                           run_start_payload, send_event)
 
 
 class _NodeEvents:
@@ -18,13 +17,13 @@ class _NodeEvents:
         self.node_id, self.max_density = node_id, max_density
 
     def run_start(self, report) -> None:
-        _send(RUN_START_EVENT, run_start_payload(self.node_id, report, self.max_density))
+        send_event(RUN_START_EVENT, run_start_payload(self.node_id, report, self.max_density))
 
     def step(self, payload: dict) -> None:
-        _send(STEP_EVENT, {"node": self.node_id, **payload})
+        send_event(STEP_EVENT, {"node": self.node_id, **payload})
 
     def finished(self, report) -> None:
-        _send(REPORT_EVENT, {"node": self.node_id, "chorus_report": report.to_json()})
+        send_event(REPORT_EVENT, {"node": self.node_id, "chorus_report": report.to_json()})
 
 
 class ChorusSparseAttention(io.ComfyNode):

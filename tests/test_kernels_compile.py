@@ -27,11 +27,12 @@ from kernels.block_sparse import (  # noqa: E402
     BlockSparseMask,
     block_map_to_mask,
     block_sparse_attention,
+    block_sparse_attention_op,
     block_sparse_attention_reference,
     last_backend_choice,
     select_backend,
 )
-from kernels.ops import OP_NAME, block_sparse_attention_op  # noqa: E402
+from kernels.ops import OP_NAME  # noqa: E402
 
 
 @pytest.fixture

@@ -162,7 +162,7 @@ def check_correctness(config, backends, log):
 
 def _resources(q, k, v, out, mask, cfg):
     """Registers and spills of the compiled kernel for cfg (the compiler's resource report)."""
-    from kernels import _triton_block_sparse as tbs
+    from kernels import triton_block_sparse as tbs
 
     try:
         h = tbs.block_sparse_attn_fwd(to_bhnd(q), to_bhnd(k), to_bhnd(v), to_bhnd(out), mask, cfg)
@@ -367,7 +367,7 @@ def main():
             commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
         except OSError:
             commit = ""
-    from kernels._triton_block_sparse import pick_config
+    from kernels.triton_block_sparse import pick_config
 
     meta = dict(
         benchmark="bench_block_sparse",

@@ -421,7 +421,7 @@ def measure_overheads(ctx, shape, entry_layers, bank_entries):
     from chorus_core.bank.signature import COMPONENTS, DIM
     from chorus_core.model_identity import fingerprint_patcher
     from kernels.block_sparse import block_map_to_mask
-    from kernels import _triton_block_sparse as tbs
+    from kernels import triton_block_sparse as tbs
 
     cuda, device, heads = ctx["cuda"], ctx["device"], ctx["heads"]
     positive, negative, latent, clip = ctx["req"]

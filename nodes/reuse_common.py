@@ -1,0 +1,79 @@
+"""What Chorus Sparse Wan Sampler and Chorus Sparse Attention share: the reuse inputs and the
+web view's events (sent over ComfyUI's websocket)."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from .bank_nodes import MatchType
+
+STEP_EVENT, RUN_START_EVENT, REPORT_EVENT = "chorus.step", "chorus.run_start", "chorus.report"
+
+
+def send_event(event: str, payload: dict) -> None:
+    """A websocket event for the web view; silent when no server runs (in-process use)."""
+    try:
+        from server import PromptServer
+    except ImportError:
+        return
+    server = getattr(PromptServer, "instance", None)
+    if server is not None:
+        server.send_sync(event, payload, server.client_id)
+
+
+def _parse_layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
+    except ValueError:
+        raise ValueError(f"dense_layers must be comma-separated block indices such as '0, 39', got {text!r}") from None
+
+
+def run_start_payload(node_id, report, max_density: float) -> dict:
+    """The web view's "chorus.run_start" event: what the match found (components: empty when the
+    bank had no compatible entry), and the cap the view compares the layers' densities with."""
+    return {"node": node_id, "mode": report.mode, "steps": report.steps, "mask_source": report.mask_source,
+            "entry_id": report.entry_id, "similarity": report.similarity, "components": dict(report.components),
+            "max_density": max_density}
+
+
+def reuse_option_inputs() -> list:
+    """The optional match and the reuse options of both nodes."""
+    return [
+        MatchType.Input("match", optional=True, tooltip="From Chorus Similarity Match. Without it every run is a miss and nothing is recorded."),
+        io.Int.Input("dense_warmup_steps", default=1, min=0, max=10000, tooltip="First steps of a miss run dense attention (the web view's kept density leaves them out). A hit uses hit_warmup_steps instead."),
+        io.String.Input("dense_layers", default="", tooltip="Comma-separated block indices that always run dense, e.g. '0, 39'."),
+        io.Combo.Input("miss_mode", options=["online", "prior", "dense"], default="online",
+                       tooltip="On a miss: predict masks from pooled q/k each step; or use the bank's population "
+                               "prior (blocks most often kept by compatible entries, no prediction cost; online "
+                               "when the bank has none); or run dense."),
+        io.Float.Input("top_p", default=0.9, min=0.5, max=1.0, step=0.01, tooltip="Attention mass each query block keeps (online prediction and recording)."),
+        io.Float.Input("min_density", default=0.05, min=0.01, max=1.0, step=0.01, tooltip="Least share of key blocks kept per query block (0.01 to 1, not above max_density)."),
+        io.Float.Input("max_density", default=0.5, min=0.01, max=1.0, step=0.01, tooltip="Most share of key blocks kept per query block (0.01 to 1, not below min_density)."),
+        io.Boolean.Input("record_on_miss", default=True, tooltip="Add this run's masks to the bank after a successful miss."),
+        io.String.Input("tag", default="", tooltip="Tag stored with a recorded entry, e.g. the effect template's name."),
+        # Optional, last: workflows and API prompts saved before it existed keep working unchanged.
+        io.Combo.Input("dense_attention", options=["auto", "comfyui"], default="auto", optional=True,
+                       tooltip="What the self-attention left dense (warm-up steps, dense layers) runs on. auto: "
+                               "FlashAttention-4's dense forward on Hopper/Blackwell datacenter GPUs when flash-attn-4 "
+                               "is installed, else ComfyUI's attention; comfyui: always ComfyUI's attention (and "
+                               "whatever backend you chose there). Speed only: results agree to bf16 rounding."),
+        io.Int.Input("hit_warmup_steps", default=0, min=0, max=10000, optional=True,
+                     tooltip="First steps of a hit run dense. 0: a hit runs sparse from the first step, since its "
+                             "entry holds every step's masks (the biggest saving at 4-8 steps). Older runs kept "
+                             "dense_warmup_steps on hits too: set it to that to get the same output."),
+        io.Int.Input("dense_last_steps", default=0, min=0, max=10000, optional=True,
+                     tooltip="Last steps run dense on every run (some step-distilled workflows keep the last step "
+                             "dense). 0: none. Not yet chosen by measurement."),
+    ]
+
+
+def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
+                  dense_attention="auto", hit_warmup_steps=0, dense_last_steps=0):
+    """ReuseOptions from the inputs of reuse_option_inputs()."""
+    from ..chorus_core.reuse_run import ReuseOptions
+
+    return ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=_parse_layers(dense_layers),
+                        miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
+                        record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else (),
+                        dense_attention=dense_attention, hit_warmup_steps=hit_warmup_steps,
+                        dense_last_steps=dense_last_steps)
