@@ -21,7 +21,30 @@ def send_event(event: str, payload: dict) -> None:
         server.send_sync(event, payload, server.client_id)
 
 
-def _parse_layers(text: str) -> tuple[int, ...]:
+class NodeEvents:
+    """The web view's events of one reuse node's runs, sent under that node's id.
+
+    :param send_report: also send the finished report as an event (Chorus Sparse Attention: the
+        sampler that runs its model has none of our outputs; the Sparse Wan Sampler's report is
+        its own UI output)
+    """
+
+    def __init__(self, node_id, max_density: float, send_report: bool = True):
+        self.node_id, self.max_density, self.send_report = node_id, max_density, send_report
+
+    def run_start(self, report) -> None:
+        send_event(RUN_START_EVENT, run_start_payload(self.node_id, report, self.max_density))
+
+    def step(self, payload: dict) -> None:
+        send_event(STEP_EVENT, {"node": self.node_id, **payload})
+
+    def finished(self, report) -> None:
+        if self.send_report:
+            send_event(REPORT_EVENT, {"node": self.node_id, "chorus_report": report.to_json()})
+
+
+def parse_dense_layers(text: str) -> tuple[int, ...]:
+    """The dense_layers widget's text ("0, 39") as sorted block indices; a clear error otherwise."""
     try:
         return tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
     except ValueError:
@@ -72,7 +95,7 @@ def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_densit
     """ReuseOptions from the inputs of reuse_option_inputs()."""
     from ..chorus_core.reuse_run import ReuseOptions
 
-    return ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=_parse_layers(dense_layers),
+    return ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=parse_dense_layers(dense_layers),
                         miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
                         record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else (),
                         dense_attention=dense_attention, hit_warmup_steps=hit_warmup_steps,

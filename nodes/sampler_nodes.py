@@ -7,7 +7,7 @@ from comfy_api.latest import io
 
 from . import CATEGORY
 from .input_checks import density_range_problem
-from .reuse_common import RUN_START_EVENT, STEP_EVENT, reuse_option_inputs, reuse_options, run_start_payload, send_event
+from .reuse_common import NodeEvents, reuse_option_inputs, reuse_options
 from .sparse_attention_node import ChorusSparseAttention
 
 
@@ -56,7 +56,7 @@ class ChorusSparseWanSampler(io.ComfyNode):
                 match=None, dense_attention="auto", hit_warmup_steps=0, dense_last_steps=0) -> io.NodeOutput:
         import nodes as comfy_nodes
 
-        from ..chorus_core.reuse_run import ReuseRun, SamplingSettings
+        from ..chorus_core.reuse_run import ReusePatch
         from ..chorus_core.reuse_match import match_grid_problem
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
@@ -64,17 +64,12 @@ class ChorusSparseWanSampler(io.ComfyNode):
         problem = match_grid_problem(match, latent_image["samples"])
         if problem is not None:
             raise ValueError(f"Chorus Sparse Wan Sampler: {problem}")
-        run = ReuseRun(model, match, options, SamplingSettings(steps, sampler_name, scheduler))
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        patched = run.prepare(on_step=lambda payload: send_event(STEP_EVENT, {"node": node_id, **payload}))
-        send_event(RUN_START_EVENT, run_start_payload(node_id, run.report, max_density))
-        try:
-            (latent,) = comfy_nodes.common_ksampler(patched, seed, steps, cfg, sampler_name, scheduler, positive,
-                                                    negative, latent_image, denoise=denoise)
-        finally:
-            if run.prefetch is not None:  # also when sampling raises: its worker holds pinned host memory
-                run.prefetch.join()
-        report = run.finish()
+        patch = ReusePatch(model, match, options, events=NodeEvents(node_id, max_density, send_report=False),
+                           scheduler=scheduler)
+        (latent,) = comfy_nodes.common_ksampler(patch.install(), seed, steps, cfg, sampler_name, scheduler, positive,
+                                                negative, latent_image, denoise=denoise)
+        report = patch.last_report
         return io.NodeOutput(latent, ui={"chorus_report": [report.to_json()]})
 
 

@@ -6,24 +6,7 @@ from comfy_api.latest import io
 
 from . import CATEGORY
 from .input_checks import density_range_problem
-from .reuse_common import (REPORT_EVENT, RUN_START_EVENT, STEP_EVENT, reuse_option_inputs, reuse_options,
-                           run_start_payload, send_event)
-
-
-class _NodeEvents:
-    """The web view's events, sent under this node's id (the sampler that runs the model has none of ours)."""
-
-    def __init__(self, node_id, max_density: float):
-        self.node_id, self.max_density = node_id, max_density
-
-    def run_start(self, report) -> None:
-        send_event(RUN_START_EVENT, run_start_payload(self.node_id, report, self.max_density))
-
-    def step(self, payload: dict) -> None:
-        send_event(STEP_EVENT, {"node": self.node_id, **payload})
-
-    def finished(self, report) -> None:
-        send_event(REPORT_EVENT, {"node": self.node_id, "chorus_report": report.to_json()})
+from .reuse_common import NodeEvents, reuse_option_inputs, reuse_options
 
 
 class ChorusSparseAttention(io.ComfyNode):
@@ -60,7 +43,7 @@ class ChorusSparseAttention(io.ComfyNode):
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
                                 record_on_miss, tag, dense_attention, hit_warmup_steps, dense_last_steps)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
-        patch = ReusePatch(model, match, options, events=_NodeEvents(node_id, max_density))
+        patch = ReusePatch(model, match, options, events=NodeEvents(node_id, max_density))
         return io.NodeOutput(patch.install())
 
 

@@ -123,7 +123,7 @@ def test_dense_attention_input_reaches_the_run_and_its_report(pack, tiny_wan_pat
 
 def test_dense_layers_widget_rejects_garbage(pack):
     with pytest.raises(ValueError, match="comma-separated block indices"):
-        pack[1]._parse_layers("first, last")
+        sys.modules[pack[1].__name__.replace("sampler_nodes", "reuse_common")].parse_dense_layers("first, last")
 
 
 def test_a_bank_that_cannot_store_the_recording_keeps_the_generation(pack, tiny_wan_patcher):
@@ -217,10 +217,11 @@ def test_a_cancelled_hit_releases_its_prefetched_entry(pack, tiny_wan_patcher):
                 0.9, 0.1, 0.6, False, "", match=match)
     finally:
         comfy.utils.set_progress_bar_global_hook(None)
-    runs = [frame.f_locals["run"] for frame, _ in traceback.walk_tb(info.value.__traceback__)
-            if frame.f_code.co_name == "execute" and "run" in frame.f_locals]
-    assert len(runs) == 1 and runs[0].prefetch is not None  # the run the traceback keeps alive
-    prefetch = runs[0].prefetch
+    patches = [frame.f_locals["patch"] for frame, _ in traceback.walk_tb(info.value.__traceback__)
+               if frame.f_code.co_name == "execute" and "patch" in frame.f_locals]
+    run = patches[0].last_run if len(patches) == 1 else None  # the run the traceback keeps alive
+    assert run is not None and run.prefetch is not None
+    prefetch = run.prefetch
     assert not prefetch._thread.is_alive() and prefetch._host == {} and prefetch._entry is None
 
 
