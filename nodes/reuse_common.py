@@ -21,7 +21,8 @@ def send_event(event: str, payload: dict) -> None:
         server.send_sync(event, payload, server.client_id)
 
 
-def _parse_layers(text: str) -> tuple[int, ...]:
+def parse_dense_layers(text: str) -> tuple[int, ...]:
+    """The ``dense_layers`` input ('0, 39') as sorted unique block indices; ValueError naming it otherwise."""
     try:
         return tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
     except ValueError:
@@ -72,7 +73,7 @@ def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_densit
     """ReuseOptions from the inputs of reuse_option_inputs()."""
     from ..chorus_core.reuse_run import ReuseOptions
 
-    return ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=_parse_layers(dense_layers),
+    return ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=parse_dense_layers(dense_layers),
                         miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
                         record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else (),
                         dense_attention=dense_attention, hit_warmup_steps=hit_warmup_steps,

@@ -123,7 +123,7 @@ def test_dense_attention_input_reaches_the_run_and_its_report(pack, tiny_wan_pat
 
 def test_dense_layers_widget_rejects_garbage(pack):
     with pytest.raises(ValueError, match="comma-separated block indices"):
-        pack[1]._parse_layers("first, last")
+        sys.modules[pack[1].__name__.replace("sampler_nodes", "reuse_common")].parse_dense_layers("first, last")
 
 
 def test_a_bank_that_cannot_store_the_recording_keeps_the_generation(pack, tiny_wan_patcher):
