@@ -44,7 +44,7 @@ class NodeEvents:
 
 
 def parse_dense_layers(text: str) -> tuple[int, ...]:
-    """The dense_layers widget's text ("0, 39") as sorted block indices; a clear error otherwise."""
+    """The ``dense_layers`` input ('0, 39') as sorted unique block indices; ValueError naming it otherwise."""
     try:
         return tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
     except ValueError:
