@@ -179,7 +179,7 @@ def test_a_hit_makes_no_host_sync_inside_its_model_calls(bank_with_entry, tiny_w
     bank, _ = bank_with_entry
     counter = HostSyncCounter(monkeypatch)
     per_call, planned = [], []
-    real_wrapper, real_plan = sparse_patch._make_video_tokens_wrapper, sparse_patch._Run.plan_call
+    real_wrapper, real_plan = sparse_patch._make_video_tokens_wrapper, sparse_patch.SparseRun.plan_call
 
     def counted_wrapper(key):
         inner = real_wrapper(key)
@@ -200,7 +200,7 @@ def test_a_hit_makes_no_host_sync_inside_its_model_calls(bank_with_entry, tiny_w
         return plan
 
     monkeypatch.setattr(sparse_patch, "_make_video_tokens_wrapper", counted_wrapper)
-    monkeypatch.setattr(sparse_patch._Run, "plan_call", noted_plan)
+    monkeypatch.setattr(sparse_patch.SparseRun, "plan_call", noted_plan)
     positive, _, latent = request()
     _, report, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
     assert report.mode == "hit"

@@ -216,10 +216,10 @@ def test_stepping_a_model_call_reads_nothing_from_the_device(tiny_wan_patcher, m
 
     reads = HostReads(monkeypatch)
     calls = []
-    for owner, name in ((sparse_patch._Run, "step_of"), (feature_reuse._Run, "step_of"), (guidance._Run, "active")):
+    for owner, name in ((sparse_patch.SparseRun, "step_of"), (feature_reuse._Run, "step_of"), (guidance._Run, "active")):
         reads.around(owner, name, monkeypatch)
-    real = sparse_patch._Run.step_of
-    monkeypatch.setattr(sparse_patch._Run, "step_of", lambda self, options: calls.append(1) or real(self, options))
+    real = sparse_patch.SparseRun.step_of
+    monkeypatch.setattr(sparse_patch.SparseRun, "step_of", lambda self, options: calls.append(1) or real(self, options))
 
     region_map = torch.zeros(5, 4, 4, dtype=torch.bool)
     region_map[:, :2] = True

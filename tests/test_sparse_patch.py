@@ -188,7 +188,7 @@ def test_cfg_1_runs_cond_only_with_the_cond_masks(tiny_wan_patcher, cond_uncond_
 
 def test_skip_reshape_layouts(tiny_wan_patcher):
     """Wan's self-attention uses [B, N, H*D]; other callers may pass [B, H, N, D]."""
-    from chorus_core.sparse_patch import _BlockCall, get_sparse_state, install_sparse_attention
+    from chorus_core.sparse_patch import BlockCall, get_sparse_state, install_sparse_attention
     from chorus_core.run_keys import sparse_block_key as _block_key, sparse_run_key as _run_key
 
     maps = random_block_maps(seed=3, batch=1)
@@ -196,7 +196,7 @@ def test_skip_reshape_layouts(tiny_wan_patcher):
     override = patched.model_options["transformer_options"]["optimized_attention_override"]
     options = {
         _run_key("chorus"): get_sparse_state(patched).start_run(),
-        _block_key("chorus"): _BlockCall(layer=1, seq_len=SEQ_LEN),
+        _block_key("chorus"): BlockCall(layer=1, seq_len=SEQ_LEN),
         "sigmas": torch.tensor([0.5]), "sample_sigmas": torch.tensor([1.0, 0.5, 0.0]), "cond_or_uncond": [0],
     }
     q, k, v = torch.randn(3, 1, HEADS, SEQ_LEN, 16).unbind(0)
