@@ -57,7 +57,7 @@ from typing import Any, Optional
 import torch
 
 from .feature_regions import cell_grid, region_map_image, select_regions, token_grid
-from .mask_provider import match_batch, step_bucket_of
+from .mask_provider import match_batch
 from .hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, mark_own, sigma_window,
                     steps_in_sigma_window, unwrap_own)
 from .run_keys import (OUTER_SAMPLE, OVERRIDE_KEY, feature_reuse_call_key, feature_reuse_run_key, sparse_block_key,
@@ -262,7 +262,7 @@ class _Run:
         step = sparse_run.step_of(options)
         if provider is None or step is None:
             return None
-        bucket = step_bucket_of(provider, step)
+        bucket = provider.step_bucket(step)
         if bucket != self._bucket:
             self._masks.clear()
             self._bucket = bucket
@@ -289,9 +289,7 @@ def _reduced_mask(provider, layer: int, step: int, cond_or_uncond: list, call: A
     sees a reduced call.
     """
     serving = _without_recorders(provider)
-    observe = getattr(serving, "observe", None)
-    if callable(observe):
-        observe(layer, step, cond_or_uncond, call.q, call.k, call.heads, call.skip_reshape)
+    serving.observe(layer, step, cond_or_uncond, call.q, call.k, call.heads, call.skip_reshape)
     block_map = serving.block_map(layer, step, cond_or_uncond, call.heads, layout.n_full, call.q.device)
     if block_map is None:
         return None

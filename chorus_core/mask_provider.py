@@ -1,6 +1,10 @@
-"""Where the sparse-attention patch gets its block maps: the provider protocol and simple providers.
+"""Where the sparse-attention patch gets its block maps: the two kinds of mask source and simple ones.
 
-The patch (``sparse_patch.py``) asks a provider, once per (layer, step bucket, batch chunks) of a
+Sources whose masks are known before the model runs (:class:`KnownMasks`: a bank hit, the prior,
+static maps, dense) are planned a model call ahead; sources that make masks from q and k
+(:class:`ObservedMasks`: online prediction, the recorder) are shown each call first.
+
+The patch (``sparse_patch.py``) asks a source, once per (layer, step bucket, batch chunks) of a
 run, for a bool block map ``[B, H, nq, nk]`` (True = the query block attends to the key block);
 ``None`` means "run this layer dense". Block ``r`` covers tokens ``[r * block_q, (r + 1) * block_q)``
 of the (t, h, w)-raster video tokens; ``nq = ceil(N / block_q)``, ``nk = ceil(N / block_k)``.
@@ -21,30 +25,6 @@ import torch
 COND, UNCOND = 0, 1  # ComfyUI's values in transformer_options["cond_or_uncond"]
 
 
-@runtime_checkable
-class MaskProvider(Protocol):
-    """Block maps for block-sparse self-attention, per (layer, step, batch chunks)."""
-
-    #: (block_q, block_k) in tokens; the maps' nq/nk follow from it and the sequence length.
-    block_size: tuple[int, int]
-
-    def step_bucket(self, step: int) -> Hashable:
-        """Steps with equal buckets get equal maps; the patch converts a map once per bucket."""
-        ...
-
-    def block_map(
-        self, layer: int, step: int, cond_or_uncond: list[int], num_heads: int, seq_len: int, device: torch.device
-    ) -> Optional[torch.Tensor]:
-        """bool ``[B, num_heads, nq, nk]`` (B as in the module docstring), or None for dense."""
-        ...
-
-    # Optional: ``observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)`` is called with
-    # each self-attention call's q and k just before ``block_map`` (online prediction, recording).
-    # Optional: ``prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)``
-    # returns a ready :class:`PreparedMask` (a bank entry built before sampling); the patch then
-    # never converts a block map (see :func:`serve_prepared_mask`).
-
-
 @dataclass(frozen=True)
 class SamplingCall:
     """What one sampling run is: the guider's model (with every patch applied after Chorus), the
@@ -63,7 +43,7 @@ class RunSource(Protocol):
 
     block_size: tuple[int, int]
 
-    def begin_run(self, sampling: SamplingCall) -> MaskProvider:
+    def begin_run(self, sampling: SamplingCall) -> "MaskSource":
         """This run's provider, chosen before its first model call."""
         ...
 
@@ -80,7 +60,69 @@ class PreparedMask:
     density: float
 
 
-class DenseProvider:
+class MaskSource:
+    """Base of every mask source the sparse patch serves. Derive from one of its two kinds:
+
+    * :class:`KnownMasks`: the masks are decided before the model runs (a bank hit, the population
+      prior, static maps, dense). The patch plans a whole model call's masks ahead (the path a
+      compiled model keeps one graph on).
+    * :class:`ObservedMasks`: the masks come from each call's q and k (online prediction, the
+      recorder). The patch shows each self-attention call to :meth:`observe` first, then asks.
+
+    A wrapper (dense warm-up, recording, a hit with an online fallback) derives from this base and
+    says per step, through :meth:`observes`, which kind it is at that step.
+    """
+
+    block_size: tuple[int, int]  # (block_q, block_k) in tokens
+
+    def step_bucket(self, step: int) -> Hashable:
+        """Steps with equal buckets get equal masks; the patch converts a map once per bucket."""
+        return step
+
+    def block_map(self, layer: int, step: int, cond_or_uncond: list[int], num_heads: int, seq_len: int,
+                  device: torch.device) -> Optional[torch.Tensor]:
+        """bool ``[B, num_heads, nq, nk]`` (B as in the module docstring), or None for dense."""
+        raise NotImplementedError
+
+    def observes(self, step: int) -> bool:
+        """True when this source looks at q and k during ``step``."""
+        return False
+
+    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
+        """See one self-attention call's q and k before :meth:`block_map` is asked for it."""
+
+    def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device) -> Optional[PreparedMask]:
+        """The kernel-ready mask of one call; None runs it dense. By default the block map is
+        converted here (one host sync, once per step bucket); a bank entry answers ready-made."""
+        block_map = self.block_map(layer, step, list(cond_or_uncond), num_heads, seq_len, device)
+        if block_map is None:
+            return None
+        from ._siblings import import_sibling
+
+        block_sparse = import_sibling("kernels.block_sparse")
+        block_map = match_batch(block_map, len(cond_or_uncond), batch).to(device)
+        mask = block_sparse.block_map_to_mask(block_map, *self.block_size, seq_len)
+        return PreparedMask(mask, mask.density)
+
+
+class KnownMasks(MaskSource):
+    """Masks known before the model runs: never observes q and k."""
+
+    def observes(self, step: int) -> bool:
+        return False
+
+
+class ObservedMasks(MaskSource):
+    """Masks made from each call's q and k: observes every step."""
+
+    def observes(self, step: int) -> bool:
+        return True
+
+    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
+        raise NotImplementedError
+
+
+class DenseProvider(KnownMasks):
     """Every layer dense: the patched model computes exactly what the unpatched one does."""
 
     def __init__(self, block_size: tuple[int, int] = (128, 128)):
@@ -93,7 +135,7 @@ class DenseProvider:
         return None
 
 
-class StaticBlockMapProvider:
+class StaticBlockMapProvider(KnownMasks):
     """Fixed block maps per step bucket and layer (a bank hit, or a test's hand-made masks).
 
     :param block_maps: one mapping ``layer -> bool [Bm, H, nq, nk]`` per step bucket; a layer
@@ -151,7 +193,7 @@ class StaticBlockMapProvider:
             )
 
 
-class DenseWarmupProvider:
+class DenseWarmupProvider(MaskSource):
     """Dense for the first ``warmup_steps`` steps, the steps from ``dense_from_step`` on, and
     ``dense_layers``; ``inner`` otherwise.
 
@@ -159,7 +201,7 @@ class DenseWarmupProvider:
     users of step-distilled models keep the last step dense too (``dense_from_step``).
     """
 
-    def __init__(self, inner: MaskProvider, warmup_steps: int = 0, dense_layers: Sequence[int] = (),
+    def __init__(self, inner: MaskSource, warmup_steps: int = 0, dense_layers: Sequence[int] = (),
                  dense_from_step: Optional[int] = None):
         self.inner = inner
         self.warmup_steps = int(warmup_steps)
@@ -176,7 +218,7 @@ class DenseWarmupProvider:
         # step that the inner provider puts in the same bucket.
         if self.dense_step(step):
             return ("dense", step)
-        return ("inner", step_bucket_of(self.inner, step))
+        return ("inner", self.inner.step_bucket(step))
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device) -> Optional[torch.Tensor]:
         if self.dense_step(step) or layer in self.dense_layers:
@@ -186,61 +228,20 @@ class DenseWarmupProvider:
     def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device) -> Optional[PreparedMask]:
         if self.dense_step(step) or layer in self.dense_layers:
             return None
-        return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
+        return self.inner.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
 
     def observes(self, step: int) -> bool:
-        return not self.dense_step(step) and observes(self.inner, step)
+        return not self.dense_step(step) and self.inner.observes(step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         # Only where the inner provider will be asked: online prediction costs time.
-        observer = getattr(self.inner, "observe", None)
-        if observer is not None and not self.dense_step(step) and layer not in self.dense_layers:
-            observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
+        if not self.dense_step(step) and layer not in self.dense_layers:
+            self.inner.observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
 
 
 def bucket_index(bucket_starts: Sequence[int], step: int) -> int:
     """Index of the last bucket whose first step is at or before ``step`` (starts ascend from 0)."""
     return max(i for i, start in enumerate(bucket_starts) if start <= step)
-
-
-def step_bucket_of(provider, step: int) -> Hashable:
-    """The provider's bucket for ``step``; a provider without ``step_bucket`` buckets per step."""
-    step_bucket = getattr(provider, "step_bucket", None)
-    return step if step_bucket is None else step_bucket(step)
-
-
-def observes(provider, step: int) -> bool:
-    """True when ``provider`` looks at q and k during ``step`` (online prediction, recording).
-
-    Such masks exist only once the attention call is reached; every other provider's masks are
-    known before the model runs, which is what lets a compiled model run them without a graph
-    break. A provider without ``observes(step)`` observes whenever it has ``observe``.
-    """
-    method = getattr(provider, "observes", None)
-    if method is not None:
-        return bool(method(step))
-    return callable(getattr(provider, "observe", None))
-
-
-def serve_prepared_mask(provider, layer, step, cond_or_uncond, num_heads, seq_len, batch, device) -> Optional[PreparedMask]:
-    """The provider's mask for one call, ready for the kernel; None runs the call dense.
-
-    A provider with ``prepared_mask`` answers directly; otherwise its block map is converted here
-    (one host sync in ``block_map_to_mask``, once per step bucket; online prediction's bucket is the step).
-    """
-    prepared = getattr(provider, "prepared_mask", None)
-    if prepared is not None:
-        return prepared(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-    block_map = provider.block_map(layer, step, list(cond_or_uncond), num_heads, seq_len, device)
-    if block_map is None:
-        return None
-    from ._siblings import import_sibling
-
-    block_sparse = import_sibling("kernels.block_sparse")
-    block_map = match_batch(block_map, len(cond_or_uncond), batch).to(device)
-    block_q, block_k = provider.block_size
-    mask = block_sparse.block_map_to_mask(block_map, block_q, block_k, seq_len)
-    return PreparedMask(mask, mask.density)
 
 
 def match_batch(block_map: torch.Tensor, chunks: int, batch: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from ._siblings import import_sibling
 from .bank import Schedule
 from .entry_prefetch import EntryPrefetch
-from .mask_provider import bucket_index, observes, serve_prepared_mask, step_bucket_of
+from .mask_provider import MaskSource, ObservedMasks, bucket_index
 from .masks import MaskRecorder
 from .online_predictor import predict_block_map
 
@@ -32,7 +32,7 @@ def scaled_bucket_starts(schedule: Schedule, steps: int) -> list[int]:
     return unique
 
 
-class BankEntryProvider:
+class BankEntryProvider(MaskSource):
     """Serves a bank entry (or a population prior) prefetched by :class:`EntryPrefetch`.
 
     The kernel-ready masks of a step bucket are built once, at its first sparse call; a hit
@@ -70,21 +70,21 @@ class BankEntryProvider:
 
     def step_bucket(self, step: int):
         source = self._source()
-        return bucket_index(self._bucket_starts, step) if source is self else ("fallback", step_bucket_of(source, step))
+        return bucket_index(self._bucket_starts, step) if source is self else ("fallback", source.step_bucket(step))
 
     def observes(self, step: int) -> bool:
         source = self._source()
-        return source is not self and observes(source, step)
+        return source is not self and source.observes(step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         source = self._source()
-        if source is not self and hasattr(source, "observe"):
+        if source is not self:
             source.observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
 
     def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device):
         source = self._source()
         if source is not self:
-            return serve_prepared_mask(source, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
+            return source.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
         try:  # a bucket the worker could not decode: the rest of the run is a miss, like a failed load
             masks = self.prefetch.device_bucket(self.step_bucket(step), self.block_size, seq_len, device).masks
         except Exception as exc:
@@ -111,7 +111,7 @@ class BankEntryProvider:
         return import_sibling("kernels.block_sparse").mask_to_block_map(prepared.mask)
 
 
-class OnlinePredictionProvider:
+class OnlinePredictionProvider(ObservedMasks):
     """A miss without a usable entry: masks predicted from pooled q and k at every step."""
 
     def __init__(self, block_size: int, top_p: float, min_density: float, max_density: float):
@@ -132,7 +132,7 @@ class OnlinePredictionProvider:
         return self._predicted.pop(layer, None)
 
 
-class RecordingProvider:
+class RecordingProvider(MaskSource):
     """Wraps a provider and shows every self-attention call's q and k to a MaskRecorder.
 
     A hit passes no recorder but ``late_start=(first_step, start)``: at ``first_step`` (its first
@@ -147,7 +147,7 @@ class RecordingProvider:
         self._late_start = late_start
 
     def step_bucket(self, step: int):
-        return step_bucket_of(self.inner, step)
+        return self.inner.step_bucket(step)
 
     def _recording(self, step: int) -> bool:
         if self._late_start is not None and step >= self._late_start[0]:
@@ -160,7 +160,7 @@ class RecordingProvider:
         return self.error is None and self.recorder is not None
 
     def observes(self, step: int) -> bool:
-        return (self._recording(step) and self.recorder.bucket(step) is not None) or observes(self.inner, step)
+        return (self._recording(step) and self.recorder.bucket(step) is not None) or self.inner.observes(step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         if self._recording(step):
@@ -169,15 +169,13 @@ class RecordingProvider:
             except Exception as exc:  # recording is a by-product: it must not stop the generation
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("Chorus: recording stopped: %s", self.error)
-        observer = getattr(self.inner, "observe", None)
-        if observer is not None:
-            observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
+        self.inner.observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
         return self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
 
     def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device):
-        return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
+        return self.inner.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
 
 
 def recorded_steps(step_buckets, per_bucket: Optional[int] = None, first_step: int = 0) -> list[list[int]]:

@@ -42,7 +42,7 @@ import torch
 
 from .hooks import (AttentionCall, block_sparse, clock_outer_sample, container_function_of, is_container, mark_own,
                     unwrap_own)
-from .mask_provider import RunSource, SamplingCall
+from .mask_provider import MaskSource, RunSource, SamplingCall
 from .model_checks import (ATTENTION_BACKEND_NODE, CompetingAttentionError, UnsupportedModelError,
                            check_no_competing_sparse_attention, check_supported_model, is_attention_backend_override)
 from .run_keys import (APPLY_MODEL, DIFFUSION_MODEL, OUTER_SAMPLE, OVERRIDE_KEY, sparse_block_key, sparse_plan_key,
@@ -333,8 +333,8 @@ def install_sparse_attention(model_patcher, provider, key: str = "chorus", dense
     """Return a clone of ``model_patcher`` whose Wan self-attention runs block-sparse.
 
     :param model_patcher: a ComfyUI ModelPatcher of a Wan 2.1 I2V/T2V model; never modified.
-    :param provider: a MaskProvider (the block map per layer, step, batch chunks, for every run),
-        or a RunSource that chooses each sampling run's provider.
+    :param provider: a MaskSource (KnownMasks or ObservedMasks: the masks of every run), or a
+        RunSource that chooses each sampling run's source.
     :param key: namespace of the wrapper, attachment and transformer_options entries; installing
         again with the same key replaces the earlier install instead of stacking on it.
     :param dense_attention: what the self-attention left dense (warm-up steps, dense layers) runs
@@ -382,8 +382,10 @@ def _require_kernels() -> None:
 
 
 def _check_provider(provider) -> None:
-    if not isinstance(provider, RunSource) and not callable(getattr(provider, "block_map", None)):
-        raise TypeError(f"{type(provider).__name__} is not a MaskProvider: it has no block_map(...) method")
+    if not isinstance(provider, (MaskSource, RunSource)):
+        raise TypeError(f"{type(provider).__name__} is not a Chorus mask source: derive it from "
+                        "chorus_core.mask_provider.KnownMasks (masks decided before the model runs) or ObservedMasks "
+                        "(masks made from each call's q and k)")
     block_size = getattr(provider, "block_size", None)
     if not (isinstance(block_size, (tuple, list)) and len(block_size) == 2
             and all(isinstance(b, int) and b > 0 for b in block_size)):

@@ -18,8 +18,7 @@ import torch
 
 from ._siblings import import_sibling
 from .hooks import AttentionCall, StepClock, block_sparse, schedule_step
-from .mask_provider import (MaskProvider, PreparedMask, RunSource, SamplingCall, observes, serve_prepared_mask,
-                            step_bucket_of)
+from .mask_provider import MaskSource, PreparedMask, RunSource, SamplingCall
 from .run_stats import LayerStats, RunStats, StepCallback, StepStats
 
 # What the self-attention Chorus leaves dense runs on: "auto" = FlashAttention-4's dense forward
@@ -70,7 +69,7 @@ class SparseAttentionState:
 class SparseRun:
     """Per-run state: the current step, the masks of the current step bucket, statistics."""
 
-    def __init__(self, provider: MaskProvider, step_callbacks: list[StepCallback], dense_attention: str = "auto"):
+    def __init__(self, provider: MaskSource, step_callbacks: list[StepCallback], dense_attention: str = "auto"):
         self.provider = provider
         self.step_callbacks = step_callbacks
         self.dense_attention = dense_attention
@@ -137,13 +136,13 @@ class SparseRun:
 
     def mask_for(self, layer, step, cond_or_uncond, heads, seq_len, batch, device) -> Optional[PreparedMask]:
         """The kernel-ready mask for this call, or None for dense; prepared once per step bucket."""
-        bucket = step_bucket_of(self.provider, step)
+        bucket = self.provider.step_bucket(step)
         if bucket != self._bucket:
             self._masks.clear()
             self._bucket = bucket
         key = (layer, tuple(cond_or_uncond), batch, heads, seq_len, str(device))
         if key not in self._masks:
-            self._masks[key] = serve_prepared_mask(self.provider, layer, step, list(cond_or_uncond), heads, seq_len,
+            self._masks[key] = self.provider.prepared_mask(layer, step, list(cond_or_uncond), heads, seq_len,
                                                    batch, device)
         return self._masks[key]
 
@@ -241,7 +240,7 @@ class SparseRun:
         """
         step = self.step_of(options)
         diffusion_model = getattr(model, "diffusion_model", None)
-        if step is None or self._disabled or diffusion_model is None or observes(self.provider, step):
+        if step is None or self._disabled or diffusion_model is None or self.provider.observes(step):
             return None
         if x.device.type not in ("cuda", "cpu") or not self._kernel_usable(x.device):
             return None  # the per-call path says why, once
@@ -312,9 +311,7 @@ class SparseRun:
 
     def observe(self, layer, step, cond_or_uncond, call: "AttentionCall") -> None:
         """Show q and k to a provider that wants them (online prediction, recording) before it is asked."""
-        observer = getattr(self.provider, "observe", None)
-        if observer is not None:
-            observer(layer, step, list(cond_or_uncond), call.q, call.k, call.heads, call.skip_reshape)
+        self.provider.observe(layer, step, list(cond_or_uncond), call.q, call.k, call.heads, call.skip_reshape)
 
     def finish(self) -> None:
         """Sampling returned: close the last step and stamp the run."""

@@ -23,6 +23,7 @@ import torch
 from chorus_core import bank_writer
 from chorus_core.feature_regions import cell_grid
 from chorus_core.feature_reuse import FeatureReuseSettings, install_feature_reuse
+from chorus_core.mask_provider import KnownMasks
 from chorus_core.token_layout import TokenLayout
 
 pytestmark = pytest.mark.comfy
@@ -363,7 +364,7 @@ def test_a_run_whose_sparse_calls_are_all_reduced_names_the_kernel_backend(tiny_
 # --------------------------------------------------------------------------------------------
 
 
-class FailingAt:
+class FailingAt(KnownMasks):
     """A hit-like provider whose maps are fine until ``step``, then ``kind`` goes wrong."""
 
     def __init__(self, kind, step):

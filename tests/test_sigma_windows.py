@@ -7,19 +7,22 @@ written out from the sampler's code in ComfyUI (comfy/k_diffusion/sampling.py), 
 import pytest
 import torch
 
-from chorus_core.mask_provider import DenseProvider
+from chorus_core.mask_provider import DenseProvider, ObservedMasks
 
 pytestmark = pytest.mark.comfy
 
 STEPS = 4
 
 
-class StepLog(DenseProvider):
+class StepLog(ObservedMasks):
     """A dense mask source that logs the step of every layer-0 self-attention (one per model call)."""
 
     def __init__(self):
-        super().__init__(block_size=(32, 32))
+        self.block_size = (32, 32)
         self.steps = []
+
+    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
+        return None
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape):
         if layer == 0:

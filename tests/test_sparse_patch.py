@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from chorus_core.mask_provider import DenseProvider, DenseWarmupProvider, StaticBlockMapProvider
+from chorus_core.mask_provider import DenseProvider, DenseWarmupProvider, MaskSource, StaticBlockMapProvider
 
 pytestmark = pytest.mark.comfy
 
@@ -90,7 +90,7 @@ def with_override(patcher, override):
     return clone
 
 
-class RecordingProvider:
+class RecordingProvider(MaskSource):
     """Wraps a provider and records every block_map request."""
 
     def __init__(self, inner):
@@ -400,3 +400,26 @@ def test_step_timings_give_the_mean_of_each_kind_of_step_the_run_had():
     assert RunStats(steps=[step(0, 0.9, False)]).step_timings() == {"dense_step_s": 0.9}  # all dense
     assert RunStats(steps=[step(0, 0.3, True)]).step_timings() == {"sparse_step_s": 0.3}  # a hit sparse from step 0
     assert RunStats(steps=[]).step_timings() == {}
+
+
+def test_a_mask_source_must_say_its_kind(tiny_wan_patcher):
+    """Typed sources: an object with a block_map but no kind is refused with what to derive from;
+    a KnownMasks source never observes, an ObservedMasks source observes every step."""
+    from chorus_core.mask_provider import KnownMasks, ObservedMasks
+    from chorus_core.mask_sources import OnlinePredictionProvider
+    from chorus_core.sparse_patch import install_sparse_attention
+
+    class Untyped:
+        block_size = (BLOCK, BLOCK)
+
+        def block_map(self, *args):
+            return None
+
+    with pytest.raises(TypeError, match="derive it from chorus_core.mask_provider.KnownMasks"):
+        install_sparse_attention(tiny_wan_patcher, Untyped())
+    known = StaticBlockMapProvider.for_all_steps(random_block_maps(seed=1, batch=1), (BLOCK, BLOCK))
+    assert isinstance(known, KnownMasks) and not any(known.observes(step) for step in range(4))
+    online = OnlinePredictionProvider(BLOCK, 0.9, 0.1, 0.6)
+    assert isinstance(online, ObservedMasks) and all(online.observes(step) for step in range(4))
+    warm = DenseWarmupProvider(online, warmup_steps=1)
+    assert [warm.observes(step) for step in range(3)] == [False, True, True]  # the wrapper follows its source

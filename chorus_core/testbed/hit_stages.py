@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..mask_provider import bucket_index
+from ..mask_provider import MaskSource, bucket_index
 from ..masks import select_blocks
 from ..workload import generate_request, i2v_conditioning
 from .config import make_config, tokens_of
@@ -39,7 +39,7 @@ from .report import eval_requests
 from .sharpness import request_name
 
 
-class TeeObserver:
+class TeeObserver(MaskSource):
     """Wraps a provider; also keeps the exact block mass of every call (the run's own attention)."""
 
     def __init__(self, inner, block_size: int):
@@ -60,9 +60,7 @@ class TeeObserver:
         return self.inner.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
 
     def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device):
-        from ..mask_provider import serve_prepared_mask
-
-        return serve_prepared_mask(self.inner, layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
+        return self.inner.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
 
 
 PLANS = {  # recording variants compared (the first is what ships)

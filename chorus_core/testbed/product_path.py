@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from ..mask_provider import MaskSource, ObservedMasks
+
 from .._siblings import import_sibling
 from ..masks import forced_blocks, keep_top_counts, select_blocks
 from ..online_predictor import block_scores
@@ -114,7 +116,7 @@ def mean_ci(values: list) -> tuple:
 # --------------------------------------------------------------------------------------------
 
 
-class MassObserver:
+class MassObserver(ObservedMasks):
     """Dense attention everywhere; records each call's exact block mass ``[H, nb, nb]`` per (step, layer)."""
 
     def __init__(self, block_size: int):
@@ -135,7 +137,7 @@ class MassObserver:
         return torch.stack([torch.stack([self.mass[(s, l)] for l in range(layers)]) for s in range(steps)])
 
 
-class CountMatchedProvider:
+class CountMatchedProvider(MaskSource):
     """Per (step, layer): the ``counts`` highest-scoring blocks of each row (diagonal forced).
 
     :param counts_of: ``(step, layer) -> long [H, nq]`` (the hit's kept blocks per row)
@@ -150,6 +152,9 @@ class CountMatchedProvider:
     def step_bucket(self, step: int) -> int:
         return step
 
+    def observes(self, step: int) -> bool:
+        return self.scores_of is None  # online scores come from the call's q and k
+
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         if self.scores_of is None:
             self._online[layer] = block_scores(q, k, None if skip_reshape else heads, self.block_size[0])[0].float()
@@ -163,7 +168,7 @@ class CountMatchedProvider:
         return chosen[None]
 
 
-class CapturingProvider:
+class CapturingProvider(MaskSource):
     """Wraps a provider and keeps the maps it serves (online prediction as shipped)."""
 
     def __init__(self, inner):
@@ -171,6 +176,9 @@ class CapturingProvider:
 
     def step_bucket(self, step: int):
         return self.inner.step_bucket(step)
+
+    def observes(self, step: int) -> bool:
+        return self.inner.observes(step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         self.inner.observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)

@@ -81,6 +81,8 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from chorus_core.mask_provider import MaskSource  # noqa: E402
+
 HEAD_DIM, BLOCK, FULL_LAYERS = 128, 128, 40
 GEN_STEPS, WARMUP_STEPS = 40, 1
 CFG = 5.0
@@ -254,7 +256,7 @@ def dense_attention(kind: str, cuda: bool):
 # --------------------------------------------------------------------------------------------
 
 
-class BatchProbe:
+class BatchProbe(MaskSource):
     """Wraps a provider; notes the batch chunks (cond/uncond) and sizes the patch asks for."""
 
     def __init__(self, inner):
@@ -263,14 +265,13 @@ class BatchProbe:
         self.seen = set()
 
     def step_bucket(self, step):
-        from chorus_core.mask_provider import step_bucket_of
+        return self.inner.step_bucket(step)
 
-        return step_bucket_of(self.inner, step)
+    def observes(self, step):
+        return self.inner.observes(step)
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape):
-        observer = getattr(self.inner, "observe", None)
-        if observer is not None:
-            observer(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
+        self.inner.observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
         self.seen.add((tuple(cond_or_uncond), num_heads, seq_len))
