@@ -23,6 +23,21 @@ from .online_predictor import predict_block_map
 log = logging.getLogger("chorus")
 
 
+def entry_buckets_for_run(schedule: Schedule, steps: int, run_sigmas=None) -> list[int]:
+    """The entry's bucket serving each of this run's ``steps`` steps.
+
+    By noise level when both the entry and the run know their sigma schedules: a 4-step run
+    served from a 40-step entry, the later stage of a staged sampling (KSamplerAdvanced
+    ``start_at_step``, SplitSigmas) and a run with denoise < 1 each get the masks recorded at
+    their own sigmas. Entries recorded before sigmas were kept fall back to step indices,
+    rescaled to this run's step count.
+    """
+    if run_sigmas is not None and getattr(schedule, "sigmas", None) is not None:
+        return [schedule.bucket_for_sigma(sigma) for sigma in run_sigmas[:steps]]
+    starts = scaled_bucket_starts(schedule, steps)
+    return [bucket_index(starts, step) for step in range(steps)]
+
+
 def scaled_bucket_starts(schedule: Schedule, steps: int) -> list[int]:
     """Bucket starts of a recorded schedule, rescaled to this run's step count."""
     starts = [round(a * steps / schedule.steps) for a, _ in schedule.step_buckets]
@@ -40,17 +55,18 @@ class BankEntryProvider(MaskSource):
     unusable (corrupt, pruned meanwhile), every later call goes to ``fallback`` (a miss source).
     """
 
-    def __init__(self, prefetch: EntryPrefetch, steps: int, block_size: tuple[int, int], fallback=None):
-        self.prefetch, self.steps, self.fallback = prefetch, steps, fallback
+    def __init__(self, prefetch: EntryPrefetch, steps: int, block_size: tuple[int, int], fallback=None,
+                 run_sigmas=None):
+        self.prefetch, self.steps, self.fallback, self.run_sigmas = prefetch, steps, fallback, run_sigmas
         self.block_size = tuple(block_size)
         self.failure: Optional[str] = None  # why the entry could not serve, once known
-        self._bucket_starts: Optional[list[int]] = None
+        self.step_buckets: Optional[list[int]] = None  # the entry bucket of each step of this run
 
     def _source(self):
         """self while the entry serves, the fallback once it has failed (checked once: then cached)."""
-        if self.failure is None and self._bucket_starts is None:
+        if self.failure is None and self.step_buckets is None:
             try:  # the entry's schedule: known once the worker has loaded it
-                self._bucket_starts = scaled_bucket_starts(self.prefetch.entry().schedule, self.steps)
+                self.step_buckets = entry_buckets_for_run(self.prefetch.entry().schedule, self.steps, self.run_sigmas)
             except Exception as exc:
                 self._fail(exc)
         if self.failure is not None and self.fallback is not None:
@@ -70,7 +86,9 @@ class BankEntryProvider(MaskSource):
 
     def step_bucket(self, step: int):
         source = self._source()
-        return bucket_index(self._bucket_starts, step) if source is self else ("fallback", source.step_bucket(step))
+        if source is not self:
+            return ("fallback", source.step_bucket(step))
+        return self.step_buckets[min(step, len(self.step_buckets) - 1)]
 
     def observes(self, step: int) -> bool:
         source = self._source()

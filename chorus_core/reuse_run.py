@@ -88,6 +88,7 @@ class SamplingSettings:
     steps: int
     sampler: str
     scheduler: str
+    sigmas: tuple | None = None  # the run's sigma schedule (steps + 1 values), when known
 
 
 class ReuseRun:
@@ -106,7 +107,7 @@ class ReuseRun:
         self.block_size = match.request.layout.block_size[0] if match else block_size
         self.report = RunReport(mode="miss", steps=sampling.steps)
         self.schedule = Schedule(steps=sampling.steps, sampler=sampling.sampler, scheduler=sampling.scheduler,
-                                 shift=_model_shift(model_patcher))
+                                 shift=_model_shift(model_patcher), sigmas=sampling.sigmas)
         self.recording: RecordingProvider | None = None
         self.prefetch: EntryPrefetch | None = None
         self.entry_provider: BankEntryProvider | None = None
@@ -189,7 +190,7 @@ class ReuseRun:
         fallback = (DenseProvider((self.block_size, self.block_size)) if o.miss_mode == "dense" else
                     OnlinePredictionProvider(self.block_size, o.top_p, o.min_density, o.max_density))
         self.entry_provider = BankEntryProvider(self.prefetch, self.sampling.steps, (self.block_size, self.block_size),
-                                                fallback)
+                                                fallback, run_sigmas=self.sampling.sigmas)
         return self.entry_provider
 
     def _miss_provider(self):
@@ -363,7 +364,7 @@ class ReusePatch:
         # The guider's model, not the node's input: a LoRA or ModelSamplingSD3 placed after this
         # node is part of what samples, so of the hit check, the recorded shift and the entry's model.
         run = ReuseRun(sampling.model_patcher or self.model_patcher, None if problem else self.match, self.options,
-                       SamplingSettings(steps, _sampler_name(sampling.sampler), self.scheduler),
+                       SamplingSettings(steps, _sampler_name(sampling.sampler), self.scheduler, _sigmas(sampling.sigmas)),
                        block_size=self.block_size[0], recording_plan=self.recording_plan)
         if problem is not None:
             run.report.warnings.append(f"ran without the match, as a miss that records nothing: {problem}")
@@ -398,6 +399,11 @@ def get_reuse_patch(model_patcher) -> ReusePatch | None:
     """The ReusePatch a Chorus Sparse Attention node attached to this model (or a clone of it)."""
     patch = model_patcher.get_attachment(REUSE_KEY)
     return patch if isinstance(patch, ReusePatch) else None
+
+
+def _sigmas(sigmas) -> tuple | None:
+    """The run's sigma schedule as plain floats (recorded with an entry, and how a hit addresses it)."""
+    return None if sigmas is None else tuple(float(s) for s in sigmas.detach().float().cpu().tolist())
 
 
 def _sampler_name(sampler) -> str:

@@ -1,0 +1,113 @@
+"""A hit addresses its entry's masks by noise level, not by step index (issue 24 item 2).
+
+An entry keeps the sigma schedule it was recorded on; each step of a later run gets the bucket
+recorded at its own sigma: a 4-step run served from an 8-step entry, the second stage of a
+KSamplerAdvanced split, and a run with denoise < 1 all land on the full schedule's buckets.
+Tiny Wan2.1-I2V in process, on the CPU.
+"""
+
+import pytest
+
+from test_reuse_loop import BLOCK, match_for, request
+
+pytestmark = pytest.mark.comfy
+
+
+def schedule_sigmas(patcher, steps, scheduler="simple", denoise=1.0):
+    """The sigmas ComfyUI's KSampler hands the sampler (denoise < 1: the tail of a longer schedule)."""
+    import comfy.samplers
+
+    sampling = patcher.get_model_object("model_sampling")
+    if denoise >= 1.0:
+        return [float(s) for s in comfy.samplers.calculate_sigmas(sampling, scheduler, steps)]
+    full = comfy.samplers.calculate_sigmas(sampling, scheduler, int(steps / denoise))
+    return [float(s) for s in full[-(steps + 1):]]
+
+
+def reuse_patch(model, match):
+    from chorus_core.reuse_run import ReuseOptions, ReusePatch
+
+    return ReusePatch(model, match, ReuseOptions(dense_warmup_steps=1), block_size=BLOCK, scheduler="simple")
+
+
+def ksampler(patched, steps, denoise=1.0, start=None, end=None, latent=None):
+    """KSampler (or KSamplerAdvanced with start/end) on the default request; returns its latent dict."""
+    import nodes as comfy_nodes
+
+    positive, negative, default_latent = request()
+    latent = latent or default_latent
+    if start is None:
+        (out,) = comfy_nodes.KSampler().sample(patched, 0, steps, 5.0, "euler", "simple", positive, negative, latent,
+                                               denoise=denoise)
+        return out
+    (out,) = comfy_nodes.KSamplerAdvanced().sample(patched, "enable" if start == 0 else "disable", 0, steps, 5.0,
+                                                   "euler", "simple", positive, negative, latent, start, end,
+                                                   "enable" if end < steps else "disable")
+    return out
+
+
+@pytest.fixture()
+def recorded(tmp_path, tiny_wan_patcher):
+    """A bank holding one entry recorded by an 8-step miss, and that entry's schedule."""
+    from chorus_core import bank_writer
+    from chorus_core.bank import MaskBank
+
+    bank = MaskBank.open(tmp_path / "bank")
+    positive, _, latent = request()
+    patch = reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+    ksampler(patch.install(), 8)
+    assert patch.last_report.recording == "queued" and bank_writer.flush_all(timeout=60)
+    entry = bank.load_masks(patch.last_report.recorded_entry_id, record_hit=False)
+    yield bank, entry.schedule
+    bank.close()
+
+
+def hit_buckets(bank, patcher, **run):
+    """The entry bucket each step of a hit used, and the run's report."""
+    positive, _, latent = request()
+    patch = reuse_patch(patcher, match_for(bank, patcher, positive, latent))
+    ksampler(patch.install(), **run)
+    assert patch.last_report.mode == "hit", patch.last_report.warnings
+    return patch.last_run.entry_provider.step_buckets, patch.last_report
+
+
+def test_an_entry_keeps_the_sigma_schedule_it_was_recorded_on(recorded, tiny_wan_patcher):
+    bank, schedule = recorded
+    assert schedule.steps == 8 and schedule.scheduler == "simple"
+    assert schedule.sigmas == pytest.approx(schedule_sigmas(tiny_wan_patcher, 8), rel=1e-6)
+    assert schedule.step_buckets == [(0, 2), (2, 5), (5, 8)]
+
+
+def test_a_four_step_hit_gets_the_buckets_recorded_at_its_own_sigmas(recorded, tiny_wan_patcher):
+    from chorus_core.mask_sources import entry_buckets_for_run
+
+    bank, schedule = recorded
+    four = schedule_sigmas(tiny_wan_patcher, 4)
+    buckets, report = hit_buckets(bank, tiny_wan_patcher, steps=4)
+    assert buckets == [schedule.bucket_for_sigma(s) for s in four[:4]]
+    assert buckets == entry_buckets_for_run(schedule, 4, tuple(four))
+    assert buckets[0] == 0 and buckets[-1] == 2 and buckets == sorted(buckets)
+    assert report.dense_steps == {}  # a hit is sparse from its first step
+
+
+def test_the_second_stage_of_a_split_sampling_uses_the_full_schedules_late_buckets(recorded, tiny_wan_patcher):
+    """KSamplerAdvanced 8 steps split at step 5: the second stage runs 3 steps whose sigmas are
+    the full schedule's last three, so it gets the last bucket, not the first ones."""
+    bank, schedule = recorded
+    buckets, report = hit_buckets(bank, tiny_wan_patcher, steps=8, start=5, end=8)
+    assert report.steps == 3 and buckets == [2, 2, 2]
+
+
+def test_a_run_with_denoise_below_one_starts_at_its_own_noise_level(recorded, tiny_wan_patcher):
+    bank, schedule = recorded
+    sigmas = schedule_sigmas(tiny_wan_patcher, 4, denoise=0.5)
+    buckets, _ = hit_buckets(bank, tiny_wan_patcher, steps=4, denoise=0.5)
+    assert buckets == [schedule.bucket_for_sigma(s) for s in sigmas[:4]] and buckets[0] > 0
+
+
+def test_an_entry_without_sigmas_is_served_by_rescaled_step_index():
+    from chorus_core.bank import Schedule
+    from chorus_core.mask_sources import entry_buckets_for_run
+
+    old = Schedule(steps=8, sampler="euler", scheduler="simple")  # recorded before sigmas were kept
+    assert entry_buckets_for_run(old, 4, (1.0, 0.75, 0.5, 0.25, 0.0)) == [0, 1, 2, 2]  # starts 0, 2, 5 -> 0, 1, 2
