@@ -409,7 +409,7 @@ def test_a_priors_folder_of_links_or_a_file_is_never_followed(tmp_path):
         assert load_prior(other, FP, LAYOUT, 0.05, 0.5) is not None
 
 
-@pytest.mark.parametrize("name", ["blobs", "quarantine", "bank.sqlite", "bank.sqlite-wal",
+@pytest.mark.parametrize("name", ["blobs", "quarantine", "bank.sqlite", "bank.sqlite-wal", "bank.sqlite-shm",
                                   "bank.sqlite-journal"])
 def test_a_bank_with_a_linked_folder_or_index_file_is_refused(tmp_path, name):
     decoys = decoy_models(tmp_path / "checkpoints")
