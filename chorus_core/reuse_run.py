@@ -23,6 +23,7 @@ from .masks import MaskRecorder
 from .model_identity import fingerprint_patcher
 from .prior_store import PRIOR_ENTRIES, load_prior
 from .reuse_match import ReuseMatch, match_grid_problem
+from .step_times import earlier_dense_step, remember_dense_step
 from .sparse_patch import DENSE_ATTENTION_MODES, get_run_stats, get_sparse_state, install_sparse_attention
 
 log = logging.getLogger("chorus")
@@ -248,7 +249,7 @@ class ReuseRun:
         if stats is not None:
             self.report.layers, self.report.density = _layer_rows(stats), _mean_density(stats)
             self.report.timings["sampling_s"] = round(stats.seconds or 0.0, 3)
-            self.report.timings.update(stats.step_timings())
+            self._time_steps(stats)
             self.report.warnings.extend(stats.warnings)
             self.report.backend = stats.backend
             self.report.dense_backend = stats.dense_backend
@@ -263,6 +264,19 @@ class ReuseRun:
             self._record()
         self.report.timings["finish_ms"] = round((time.perf_counter() - started) * 1e3, 2)
         return self.report
+
+    def _time_steps(self, stats) -> None:
+        """The run's own step times; a run with no dense step of its own (a hit sparse from its
+        first step) is timed against the dense step of an earlier run of the same work."""
+        timings = stats.step_timings()
+        self.report.timings.update(timings)
+        if self.match is None or stats.batch is None:
+            return
+        key = (self.fingerprint.key(), tuple(self.match.request.layout.grid), stats.batch)
+        if "dense_step_s" in timings:
+            remember_dense_step(key, timings["dense_step_s"])
+        elif "sparse_step_s" in timings and earlier_dense_step(key) is not None:
+            self.report.timings["earlier_dense_step_s"] = earlier_dense_step(key)
 
     def _report_fallback(self, failure: str) -> None:
         fallback = "dense" if isinstance(self.entry_provider.fallback, DenseProvider) else "online prediction"

@@ -69,6 +69,7 @@ class RunStats:
     warnings: list[str] = field(default_factory=list)  # why some calls fell back to dense
     backend: Optional[str] = None  # the block-sparse kernel backend and why it was chosen
     dense_backend: Optional[str] = None  # what the dense self-attention calls ran on, and why
+    batch: Optional[int] = None  # the largest model-call batch (2: cond and uncond together)
 
     @property
     def total_steps(self) -> int:

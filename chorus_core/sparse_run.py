@@ -238,6 +238,7 @@ class SparseRun:
         None when the call is decided per attention call instead: outside a sampler, after a
         failure, or when the mask source looks at q and k (online prediction, recording).
         """
+        self.stats.batch = max(self.stats.batch or 0, int(x.shape[0]))
         step = self.step_of(options)
         diffusion_model = getattr(model, "diffusion_model", None)
         if step is None or self._disabled or diffusion_model is None or self.provider.observes(step):

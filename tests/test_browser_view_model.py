@@ -30,6 +30,7 @@ console.log(JSON.stringify({
   measured: summarise({ mode: "hit", layers, step: 4, steps: 4, timings: { dense_step_s: 0.5, sparse_step_s: 0.2 } }).saved,
   slower: summarise({ mode: "hit", layers, step: 4, steps: 4, timings: { dense_step_s: 0.2, sparse_step_s: 0.25 } }).saved,
   untimed: summarise({ mode: "hit", layers, step: 4, steps: 4 }).saved,
+  earlier: summarise({ mode: "hit", layers, step: 4, steps: 4, timings: { earlier_dense_step_s: 0.5, sparse_step_s: 0.2 } }).saved,
   capped: summarise({ mode: "miss", mask_source: "online prediction", max_density: 0.6, layers: [
     { layer: 0, sparse_share: 0.75, density: 0.6 }, { layer: 1, sparse_share: 0.75, density: 0.6 }] }).density,
   capped_one_block_below: cappedByMaxDensity({ max_density: 0.65, layers: [{ layer: 0, sparse_share: 1, density: 0.6 }] }),
@@ -79,6 +80,7 @@ def test_the_view_says_source_entry_density_and_saving_at_a_glance():
     assert out["measured"] == "sparse step 0.20 s vs dense step 0.50 s: 60% faster"
     assert out["slower"] == "sparse step 0.25 s vs dense step 0.20 s: 25% slower"
     assert out["untimed"] == "attention blocks skipped 47% (no dense step to time against)"
+    assert out["earlier"] == "sparse step 0.20 s vs an earlier run's dense step 0.50 s: 60% faster"
     assert out["capped"] == "kept density 60% (warm-up excluded), capped by max_density"
     assert out["capped_one_block_below"] is True and out["not_capped"] == [False, False]
     errors = out["errors"]

@@ -71,8 +71,10 @@ def test_the_report_times_its_sparse_steps_against_its_dense_step(three_runs):
     timings = chorus_report(three_runs["first"][0])["timings"]  # a miss: its dense warm-up step
     assert timings["dense_step_s"] > 0 and timings["sparse_step_s"] > 0, timings
     assert chorus_report(three_runs["first"][0])["dense_steps"] == {"0": "dense warm-up of a miss (dense_warmup_steps=1)"}
-    hit = chorus_report(three_runs["similar"][0])  # sparse from step 0: no dense step to time against
+    hit = chorus_report(three_runs["similar"][0])  # sparse from step 0: no dense step of its own
     assert hit["dense_steps"] == {} and "dense_step_s" not in hit["timings"] and hit["timings"]["sparse_step_s"] > 0
+    # ... so it is timed against the recording miss's dense step (same model, grid and batch, same server)
+    assert hit["timings"]["earlier_dense_step_s"] == timings["dense_step_s"]
 
 
 def test_dissimilar_request_misses(three_runs):

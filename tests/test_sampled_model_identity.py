@@ -28,7 +28,7 @@ def model_sampling_sd3(model, shift):
     return patched
 
 
-def sample(model):
+def sample(model, cfg=5.0):
     """KSampler's path (comfy.sample.sample); returns the run's report."""
     import comfy.sample
 
@@ -37,7 +37,7 @@ def sample(model):
 
     positive, negative, latent = request()
     noise = comfy.sample.prepare_noise(latent["samples"], 0)
-    comfy.sample.sample(model, noise, STEPS, 5.0, "euler", "simple", positive, negative, latent["samples"], seed=0,
+    comfy.sample.sample(model, noise, STEPS, cfg, "euler", "simple", positive, negative, latent["samples"], seed=0,
                         disable_pbar=True)
     assert bank_writer.flush_all(timeout=60)
     return get_reuse_patch(model).last_report
@@ -96,3 +96,13 @@ def test_a_hit_matched_on_the_base_model_but_sampled_with_a_lora_runs_as_a_miss_
     report = sample(with_lora(reuse_patch(tiny_wan_patcher, base_match), 3, 1.0, LORA_KEYS))
     assert report.mode == "miss" and report.entry_id is None
     assert any("differs from the one the match was made for" in w for w in report.warnings)
+
+
+def test_a_hit_with_no_dense_step_is_timed_against_an_earlier_dense_step_of_the_same_work(bank, tiny_wan_patcher):
+    positive, _, latent = request()
+    miss = sample(reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent)))
+    hit = sample(reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent)))
+    assert "dense_step_s" not in hit.timings and hit.timings["earlier_dense_step_s"] == miss.timings["dense_step_s"]
+    # cfg 1 runs half the batch: other work, so no earlier dense step to compare with
+    cfg1 = sample(reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent)), cfg=1.0)
+    assert cfg1.mode == "hit" and "dense_step_s" not in cfg1.timings and "earlier_dense_step_s" not in cfg1.timings

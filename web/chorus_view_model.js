@@ -108,15 +108,20 @@ function densityLine(report, density) {
   return cappedByMaxDensity(report) ? `${line}, capped by max_density` : line;
 }
 
-// The run times its own steps (timings.sparse_step_s against dense_step_s, the dense warm-up):
-// show that where it has both; else only the share of attention blocks skipped.
+// The run times its own steps (timings.sparse_step_s against dense_step_s, the dense warm-up);
+// a hit sparse from its first step has no dense step, and is timed against the dense step of an
+// earlier run of the same model, grid and batch in this server (earlier_dense_step_s). Else only
+// the share of attention blocks skipped.
 function savedLine(report, density) {
-  const dense = report?.timings?.dense_step_s;
+  const own = report?.timings?.dense_step_s;
+  const earlier = report?.timings?.earlier_dense_step_s;
+  const dense = own ?? earlier;
   const sparse = report?.timings?.sparse_step_s;
   if (dense > 0 && sparse != null) {
     const change = 1 - sparse / dense;
     const verdict = change >= 0 ? `${percent(change)} faster` : `${percent(-change)} slower`;
-    return `sparse step ${seconds(sparse)} vs dense step ${seconds(dense)}: ${verdict}`;
+    const which = own != null ? "dense step" : "an earlier run's dense step";
+    return `sparse step ${seconds(sparse)} vs ${which} ${seconds(dense)}: ${verdict}`;
   }
   if (density == null) return "";
   const why = (report?.step ?? 0) < (report?.steps ?? 0) ? "step times come at the end" : "no dense step to time against";
