@@ -22,7 +22,7 @@ def test_init_and_stats_json_in_a_subprocess(tmp_path):
                              capture_output=True, text=True, check=True).stdout
     stats = json.loads(out)
     assert {k: stats[k] for k in ("entries", "bytes", "schema_version", "quarantined")} == {
-        "entries": 0, "bytes": 0, "schema_version": 2, "quarantined": 0}
+        "entries": 0, "bytes": 0, "schema_version": 3, "quarantined": 0}
 
 
 def test_stats_list_show_verify_prune(tmp_path, capsys):

@@ -508,7 +508,7 @@ def test_empty_index_without_blobs_is_a_new_bank(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "bank.sqlite").write_bytes(b"")
     with MaskBank.open(tmp_path / "b") as bank:
-        assert bank.stats()["schema_version"] == 2
+        assert bank.stats()["schema_version"] == 3
 
 
 def test_match_on_a_bank_that_lost_its_table_raises_bank_error(tmp_path):

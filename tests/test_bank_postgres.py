@@ -148,7 +148,7 @@ def test_export_import_between_backends(pg, tmp_path, direction):
 
 def test_schema_versions_are_checked(pg, pg_url):
     with MaskBank.open(pg_url) as bank:
-        assert bank.stats()["schema_version"] == 1
+        assert bank.stats()["schema_version"] == 2
         bank.db.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
     with pytest.raises(BankError, match="newer than this Chorus"):
         MaskBank.open(pg_url)

@@ -196,7 +196,7 @@ def test_v1_bank_opens_after_migration(tmp_path):
     conn.commit()
     conn.close()
     bank = MaskBank.open(root)
-    assert bank.stats()["schema_version"] == 2
+    assert bank.stats()["schema_version"] == 3
     row = bank.show(OLD_ID)
     assert (row["tags"], row["status"], row["recall"]) == ([], "ok", None)
     assert bank.match(sig, FP, LAYOUT).entry_id == OLD_ID

@@ -34,7 +34,7 @@ from . import bank_url, schema, validation
 from .errors import BankError, BankInvalidArgument, BankReadOnly, BankUnavailable
 from .faults import fault
 from .matching import SignatureIndex
-from .rows import SUMMARY_COLUMNS, decode_row, entry_label
+from .rows import decode_row, entry_label, summary_columns
 from .storage import BankStorage, guarded
 
 CONNECT_TIMEOUT_S = 5
@@ -73,6 +73,7 @@ class PostgresBank(BankStorage):
         self._index = SignatureIndex()
         digest = hashlib.sha256(f"chorus-bank:{url.schema}".encode()).digest()
         self._lock_key = int.from_bytes(digest[:8], "big", signed=True)
+        self._summary = summary_columns(True)  # a read-only bank at schema v1: without sigmas
 
     @property
     def label(self) -> str:
@@ -102,6 +103,7 @@ class PostgresBank(BankStorage):
     def reopen(self) -> "PostgresBank":
         """The same bank on a new connection (e.g. for a writer thread)."""
         bank = PostgresBank(self.url, self.read_only)
+        bank._summary = self._summary
         with bank._guard("open the bank"):
             bank._connection()
         return bank
@@ -173,9 +175,13 @@ class PostgresBank(BankStorage):
         if found == schema.PG_SCHEMA_VERSION:
             return
         if self.read_only:
-            raise BankError(f"The bank at {self.label} has schema version {found}, this Chorus "
-                            f"reads {schema.PG_SCHEMA_VERSION}; open it once without read_only "
-                            "to migrate it.")
+            if found < schema.PG_READ_ONLY_OLDEST:
+                raise BankError(f"The bank at {self.label} has schema version {found}, this "
+                                f"Chorus reads {schema.PG_READ_ONLY_OLDEST} to "
+                                f"{schema.PG_SCHEMA_VERSION}; open it once without read_only "
+                                "to migrate it.")
+            self._summary = summary_columns(found >= schema.PG_SIGMAS_SINCE)
+            return
         conn = self._connection()
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", [self._lock_key])
@@ -341,7 +347,7 @@ class PostgresBank(BankStorage):
         if self.read_only:
             return self._skip_for_this_process(row, reason, warn)
         with self._write(bump=False):
-            current = self.db.query(f"SELECT rowid, {SUMMARY_COLUMNS} FROM entries WHERE rowid = ? "
+            current = self.db.query(f"SELECT rowid, {self._summary} FROM entries WHERE rowid = ? "
                                     "AND id IS NOT DISTINCT FROM ?", [row["rowid"], row.get("id")])
             if not current or current[0]["status"] != "ok":
                 return "gone"
@@ -381,7 +387,7 @@ class PostgresBank(BankStorage):
         """
         report = {"checked": 0, "ok": 0, "quarantined": [], "orphans_removed": 0,
                   "problems": [], "read_only": self.read_only}
-        rows = self.db.query(f"SELECT rowid, {SUMMARY_COLUMNS} FROM entries WHERE status = 'ok' "
+        rows = self.db.query(f"SELECT rowid, {self._summary} FROM entries WHERE status = 'ok' "
                              "ORDER BY rowid")
         self._verify_entries(rows, report)
         if not self.read_only:
@@ -443,7 +449,7 @@ class PostgresBank(BankStorage):
             raise BankInvalidArgument(f"order {order[:60]!r} must be one of created, last_hit, "
                                       "hits, density, recall, blob_bytes, optionally ASC/DESC.")
         nulls = "NULLS FIRST" if direction == "ASC" else "NULLS LAST"
-        sql, params = f"SELECT {SUMMARY_COLUMNS} FROM entries", []
+        sql, params = f"SELECT {self._summary} FROM entries", []
         if tag is not None:
             sql += (" WHERE EXISTS (SELECT 1 FROM json_array_elements_text(entries.tags::json) "
                     "AS t(value) WHERE t.value = ?)")

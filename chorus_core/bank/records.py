@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from .errors import BankIncompatible
 
 DEFAULT_BUCKET_EDGES = (0.0, 0.25, 0.6, 1.0)  # 3 buckets: attention changes most early on
+SIGMA_REL_TOLERANCE = 1e-4  # sigmas pass through float32 (ComfyUI) and JSON (the bank)
 
 
 def default_step_buckets(steps: int, edges=DEFAULT_BUCKET_EDGES) -> list[tuple[int, int]]:
@@ -62,6 +63,10 @@ class Schedule:
     :param shift: the model sampling shift
     :param step_buckets: half-open step ranges ``[(start, end), ...]``, one mask set each;
         ``None`` picks :func:`default_step_buckets`
+    :param sigmas: the recording run's sigma schedule as ComfyUI hands it to the sampler
+        (``steps + 1`` finite, non-negative, non-increasing values, the last usually 0), so
+        masks can be addressed by noise level (:meth:`bucket_for_sigma`); ``None`` when
+        unknown (entries recorded before sigmas were stored)
     """
 
     steps: int
@@ -69,6 +74,7 @@ class Schedule:
     scheduler: str = ""
     shift: float = 0.0
     step_buckets: list = field(default=None)
+    sigmas: tuple | None = None
 
     def __post_init__(self):
         buckets = self.step_buckets or default_step_buckets(self.steps)
@@ -80,6 +86,36 @@ class Schedule:
                     "pass e.g. [(0, 10), (10, 25), (25, 40)] or leave step_buckets out.")
         object.__setattr__(self, "step_buckets", buckets)
         object.__setattr__(self, "shift", float(self.shift))
+        if self.sigmas is not None:
+            object.__setattr__(self, "sigmas", _checked_sigmas(self.sigmas, self.steps, buckets))
+
+    def bucket_start_sigmas(self) -> tuple | None:
+        """The sigma at the first step of each step bucket (None when sigmas are unknown)."""
+        if self.sigmas is None:
+            return None
+        return tuple(self.sigmas[a] for a, _ in self.step_buckets)
+
+    def bucket_for_sigma(self, sigma: float) -> int:
+        """Index of the bucket serving a model call at noise level ``sigma``: the last bucket
+        whose start sigma is at or above ``sigma`` (relative tolerance
+        :data:`SIGMA_REL_TOLERANCE`, as sigmas travel through float32 and JSON); 0 when
+        ``sigma`` is above every start sigma (a run that starts noisier than the recording).
+
+        :raises ValueError: the schedule has no sigmas (address buckets by step instead), or
+            ``sigma`` is NaN
+        """
+        starts = self.bucket_start_sigmas()
+        if starts is None:
+            raise ValueError("this schedule has no sigmas (recorded before they were stored); "
+                             "address its buckets by step with bucket_for_step")
+        sigma = float(sigma)
+        if math.isnan(sigma):
+            raise ValueError("sigma is NaN; pass the sampler's current noise level")
+        found = 0
+        for i, start in enumerate(starts):
+            if start >= sigma or math.isclose(start, sigma, rel_tol=SIGMA_REL_TOLERANCE):
+                found = i
+        return found
 
     def bucket_for_step(self, step: int) -> int:
         """Index of the bucket that covers ``step`` (steps past the end use the last one)."""
@@ -91,4 +127,38 @@ class Schedule:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["step_buckets"] = [list(b) for b in self.step_buckets]
+        d["sigmas"] = None if self.sigmas is None else list(self.sigmas)
         return d
+
+
+def _checked_sigmas(sigmas, steps: int, buckets: list) -> tuple:
+    """``sigmas`` as a tuple of Python floats, or BankIncompatible saying what to pass."""
+    hint = (f"pass the {steps + 1} sigmas of the {steps}-step recording run as the sampler "
+            "received them (finite, >= 0, non-increasing, e.g. [14.6, ..., 0.03, 0.0]), or "
+            "sigmas=None when they are unknown")
+    if isinstance(sigmas, (str, bytes)):
+        raise BankIncompatible(f"Schedule sigmas must be a sequence of numbers, not text; {hint}.")
+    try:
+        values = tuple(_to_float(x) for x in sigmas)
+    except (TypeError, ValueError, OverflowError):
+        raise BankIncompatible(f"Schedule sigmas must be a sequence of numbers; {hint}.") from None
+    if len(values) != steps + 1:
+        raise BankIncompatible(f"Schedule sigmas hold {len(values)} values, a {steps}-step "
+                               f"schedule has {steps + 1}; {hint}.")
+    bad = next((i for i, x in enumerate(values) if not math.isfinite(x) or x < 0), None)
+    if bad is not None:
+        raise BankIncompatible(f"Schedule sigma {bad} is {values[bad]!r}; {hint}.")
+    rising = next((i for i in range(1, len(values)) if values[i] > values[i - 1]), None)
+    if rising is not None:
+        raise BankIncompatible(f"Schedule sigmas rise at step {rising} ({values[rising - 1]!r} "
+                               f"then {values[rising]!r}); {hint}.")
+    if buckets[0][0] < 0 or buckets[-1][1] > steps:
+        raise BankIncompatible(f"Step buckets {buckets} reach outside the {steps} steps the "
+                               "sigmas cover; pass buckets within [0, steps].")
+    return values
+
+
+def _to_float(value) -> float:
+    if isinstance(value, (str, bytes, bool)):
+        raise TypeError("not a number")
+    return float(value)

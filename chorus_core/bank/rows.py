@@ -20,9 +20,16 @@ from .signature import COMPONENTS, Signature, unit_component
 # The columns a listing shows: everything but the signature vectors (which are large).
 SUMMARY_COLUMNS = (
     "id, created, last_hit, hits, status, status_reason, tags, density, recall, "
-    "steps, sampler, scheduler, shift, step_buckets, grid_t, grid_h, grid_w, "
+    "steps, sampler, scheduler, shift, step_buckets, sigmas, grid_t, grid_h, grid_w, "
     "token_order, block_q, block_k, fingerprint, compat, codec, blob_name, blob_bytes, "
     "blob_sha256")
+# The same from a bank read (read-only) at a schema version before the sigmas column.
+SUMMARY_COLUMNS_NO_SIGMAS = SUMMARY_COLUMNS.replace(" sigmas,", " NULL AS sigmas,")
+
+
+def summary_columns(has_sigmas: bool) -> str:
+    """The listing's columns for a bank whose entries table has (or lacks) ``sigmas``."""
+    return SUMMARY_COLUMNS if has_sigmas else SUMMARY_COLUMNS_NO_SIGMAS
 
 
 def compat_key(fingerprint: ModelFingerprint, layout: LatentLayout) -> str:
@@ -40,6 +47,14 @@ def signature_columns(signature: Signature) -> dict:
                          if c in signature.components else None) for c in COMPONENTS}
 
 
+def schedule_columns(schedule: Schedule) -> dict:
+    """The schedule's columns of a row (sigmas as a JSON list, or None when unknown)."""
+    return {"steps": schedule.steps, "sampler": schedule.sampler,
+            "scheduler": schedule.scheduler, "shift": schedule.shift,
+            "step_buckets": json.dumps(schedule.step_buckets),
+            "sigmas": None if schedule.sigmas is None else json.dumps(list(schedule.sigmas))}
+
+
 def build_row(entry_id: str, fingerprint: ModelFingerprint, layout: LatentLayout,
               schedule: Schedule, signature: Signature, density, recall, tags,
               name: str, size: int, sha: str) -> dict:
@@ -52,9 +67,7 @@ def build_row(entry_id: str, fingerprint: ModelFingerprint, layout: LatentLayout
         "grid_t": layout.grid[0], "grid_h": layout.grid[1], "grid_w": layout.grid[2],
         "token_order": layout.token_order,
         "block_q": layout.block_size[0], "block_k": layout.block_size[1],
-        "steps": schedule.steps, "sampler": schedule.sampler,
-        "scheduler": schedule.scheduler, "shift": schedule.shift,
-        "step_buckets": json.dumps(schedule.step_buckets),
+        **schedule_columns(schedule),
         "density": float(density), "recall": None if recall is None else float(recall),
         "tags": json.dumps(sorted(set(tags))), "status": "ok", "status_reason": None,
         "codec": CODEC, "blob_name": name, "blob_bytes": size, "blob_sha256": sha, **sigs,
@@ -62,9 +75,11 @@ def build_row(entry_id: str, fingerprint: ModelFingerprint, layout: LatentLayout
 
 
 def decode_row(row: dict) -> dict:
-    """A row as callers see it: the JSON columns (tags, step buckets, fingerprint) parsed."""
+    """A row as callers see it: the JSON columns (tags, step buckets, sigmas, fingerprint)
+    parsed; ``sigmas`` is None for entries recorded before sigmas were stored."""
     row = dict(row)
-    for key in ("tags", "step_buckets", "fingerprint"):
+    row.setdefault("sigmas", None)  # a bank read at a schema version before the column
+    for key in ("tags", "step_buckets", "sigmas", "fingerprint"):
         if isinstance(row.get(key), str):
             with contextlib.suppress(ValueError):  # a damaged row still lists
                 row[key] = validation.load_json(row[key], key)

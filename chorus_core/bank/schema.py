@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import secrets
 
-SCHEMA_VERSION = 2
-TABLES = {1: {"entries"}, 2: {"entries", "meta"}}  # tables each version must have
+SCHEMA_VERSION = 3
+# The oldest version a read-only bank is read at: v3 only added the nullable ``sigmas``
+# column, which a reader of a v2 bank takes as NULL (it cannot migrate without writing).
+READ_ONLY_OLDEST = 2
+SIGMAS_SINCE = 3  # the first version whose entries table has the sigmas column
+TABLES = {1: {"entries"}, 2: {"entries", "meta"}, 3: {"entries", "meta"}}  # tables each version must have
 
 _V1_ENTRIES = """CREATE TABLE [entries] (
    [id] TEXT PRIMARY KEY NOT NULL, [created] FLOAT NOT NULL, [last_hit] FLOAT, [hits] INTEGER,
@@ -50,7 +54,12 @@ def _migrate_1_to_2(conn) -> None:
                      [("bank_id", secrets.token_hex(8)), ("generation", "0"), ("removals", "0")])
 
 
-MIGRATIONS = {2: _migrate_1_to_2}  # target version -> step from the version before
+def _migrate_2_to_3(conn) -> None:
+    """v3: the recording run's sigma schedule (JSON list; NULL for entries recorded before)."""
+    conn.execute("ALTER TABLE [entries] ADD COLUMN [sigmas] TEXT")
+
+
+MIGRATIONS = {2: _migrate_1_to_2, 3: _migrate_2_to_3}  # target version -> step from the version before
 
 
 def schema_version(db) -> int:
@@ -88,7 +97,9 @@ def migrate(db) -> int:
 # Statements use "{s}" for the schema name (checked as a plain identifier by bank_url.parse).
 # ``rowid`` is a sequence assigned under the bank's write lock (an advisory lock), so rows
 # become visible in rowid order: a reader that appends "rowid > last seen" misses none.
-PG_SCHEMA_VERSION = 1
+PG_SCHEMA_VERSION = 2
+PG_READ_ONLY_OLDEST = 1  # as READ_ONLY_OLDEST: v2 only added the nullable sigmas column
+PG_SIGMAS_SINCE = 2
 PG_TABLES = {"entries", "blobs", "meta"}
 
 _PG_V1 = (
@@ -113,7 +124,9 @@ _PG_V1 = (
     "CREATE INDEX ON {s}.entries (last_hit)",
 )
 
-PG_MIGRATIONS = {1: _PG_V1}  # target version -> statements from the version before
+_PG_V2 = ("ALTER TABLE {s}.entries ADD COLUMN sigmas TEXT",)  # the recording's sigmas (JSON)
+
+PG_MIGRATIONS = {1: _PG_V1, 2: _PG_V2}  # target version -> statements from the version before
 
 
 def pg_migrate(conn, schema: str, found: int) -> None:

@@ -35,7 +35,7 @@ from .blob_files import BlobFolder
 from .errors import BankError, BankInvalidArgument
 from .faults import fault
 from .matching import SignatureIndex
-from .rows import SUMMARY_COLUMNS, decode_row, entry_label
+from .rows import decode_row, entry_label, summary_columns
 from .sqlite_index import (DB_NAME, Database, check_db_file, check_known, connect, database_error,
                            insert_row, make_dirs, os_error, read_only_uri, refuse_links)
 from .storage import BankStorage, guarded
@@ -56,6 +56,7 @@ class SQLiteBank(BankStorage):
         self._files = BlobFolder(root)
         self._real_root = os.path.realpath(root)
         self._index = SignatureIndex()
+        self._summary = summary_columns(True)  # a read-only bank at schema v2: without sigmas
 
     # ---- opening -------------------------------------------------------------------------
     @classmethod
@@ -116,10 +117,12 @@ class SQLiteBank(BankStorage):
         else:
             check_known(self.root, found, tables)
         if self.read_only:
-            if found != schema.SCHEMA_VERSION:
+            if found < schema.READ_ONLY_OLDEST:
                 raise BankError(
                     f"The bank at {self.root} has schema version {found}, this Chorus reads "
-                    f"{schema.SCHEMA_VERSION}; open it once without read_only to migrate it.")
+                    f"{schema.READ_ONLY_OLDEST} to {schema.SCHEMA_VERSION}; open it once "
+                    "without read_only to migrate it.")
+            self._summary = summary_columns(found >= schema.SIGMAS_SINCE)
             return
         try:
             self.conn.execute("PRAGMA journal_mode = WAL")
@@ -298,7 +301,7 @@ class SQLiteBank(BankStorage):
             return self._skip_for_this_process(row, reason, warn)
         with self._write(bump=False):
             # rowid and id: a deleted row's rowid can be reused by a newer entry
-            current = next(self.db.query(f"SELECT rowid, {SUMMARY_COLUMNS} FROM entries WHERE rowid = ? "
+            current = next(self.db.query(f"SELECT rowid, {self._summary} FROM entries WHERE rowid = ? "
                                          "AND id IS ?", [row["rowid"], row.get("id")]), None)
             if current is None or current["status"] != "ok":
                 return "gone"
@@ -339,7 +342,7 @@ class SQLiteBank(BankStorage):
             report["problems"].append(
                 f"the index fails SQLite's quick_check ({'; '.join(check)[:300]}); orphan blobs "
                 "were not removed. Restore bank.sqlite from a backup.")
-        rows = list(self.db.query(f"SELECT rowid, {SUMMARY_COLUMNS} FROM entries WHERE status = 'ok'"))
+        rows = list(self.db.query(f"SELECT rowid, {self._summary} FROM entries WHERE status = 'ok'"))
         self._verify_entries(rows, report)
         if not self.read_only and not report["problems"]:
             report["orphans_removed"] = self._remove_orphans(report["problems"])
@@ -419,7 +422,7 @@ class SQLiteBank(BankStorage):
         if not _ORDER.fullmatch(order):
             raise BankInvalidArgument(f"order {order[:60]!r} must be one of created, last_hit, "
                                       "hits, density, recall, blob_bytes, optionally ASC/DESC.")
-        sql = f"SELECT {SUMMARY_COLUMNS} FROM entries"
+        sql = f"SELECT {self._summary} FROM entries"
         params = []
         if tag is not None:
             sql += " WHERE EXISTS (SELECT 1 FROM json_each(entries.tags) WHERE value = ?)"

@@ -34,7 +34,7 @@ from . import validation
 from .encoding import CODECS, decode_block_map
 from .errors import BankError, BankInvalidArgument
 from .faults import fault
-from .rows import compat_key
+from .rows import compat_key, schedule_columns
 
 FORMAT = "chorus-bank-export-v1"
 ROWS_NAME = "entries.json"
@@ -44,13 +44,14 @@ CHUNK = 1 << 20  # bytes per read while a blob's digest is streamed
 EXPORT_COLUMNS = (
     "id", "created", "fingerprint", "grid_t", "grid_h", "grid_w", "token_order",
     "block_q", "block_k", "steps", "sampler", "scheduler", "shift", "step_buckets",
-    "density", "recall", "tags", "codec", "blob_sha256", "blob_bytes",
+    "sigmas", "density", "recall", "tags", "codec", "blob_sha256", "blob_bytes",
     *validation.SIGNATURE_COLUMNS,
 )
 
 
 def _row_to_json(row: dict) -> dict:
-    return {k: (base64.b64encode(row[k]).decode() if isinstance(row[k], bytes) else row[k])
+    # .get: a bank read at an older schema version has no sigmas column (exported as null)
+    return {k: (base64.b64encode(row[k]).decode() if isinstance(row.get(k), bytes) else row.get(k))
             for k in EXPORT_COLUMNS}
 
 
@@ -262,8 +263,7 @@ def rebuild_row(raw) -> tuple[dict, validation.EntrySpec]:
         "grid_t": layout.grid[0], "grid_h": layout.grid[1], "grid_w": layout.grid[2],
         "token_order": layout.token_order,
         "block_q": layout.block_size[0], "block_k": layout.block_size[1],
-        "steps": schedule.steps, "sampler": schedule.sampler, "scheduler": schedule.scheduler,
-        "shift": schedule.shift, "step_buckets": json.dumps(schedule.step_buckets),
+        **schedule_columns(schedule),
         "density": validation.finite(raw.get("density"), "density", 0.0, 1.0),
         "recall": validation.finite(raw.get("recall"), "recall", 0.0, 1.0, optional=True),
         "tags": validation.tags_json(raw.get("tags")), "status": "ok", "status_reason": None,

@@ -34,6 +34,9 @@ MAX_LAYERS = 256
 MAX_HEADS = 256
 MAX_LAYER_ELEMENTS = 2 ** 28  # one decoded [H, nq, nk] bool map: at most 256 MiB
 MAX_HEADER_BYTES = 16 * 2 ** 20
+MAX_STEPS = 10_000
+MAX_SIGMAS = MAX_STEPS + 1
+MAX_SIGMAS_TEXT = 32 * MAX_SIGMAS  # a float's repr and ", " take at most 26 characters
 _TENSOR_NAME = re.compile(r"b(\d+)\.l(\d+)\.([cdexpq])")
 
 
@@ -351,16 +354,39 @@ def entry_spec(row: dict) -> EntrySpec:
         if not (isinstance(buckets, list) and 0 < len(buckets) <= MAX_BUCKETS
                 and all(_int_list(b, 2) for b in buckets)):
             raise ValueError
-        schedule = Schedule(steps=_positive_int(row, "steps", 10_000), sampler=_text(row, "sampler"),
-                            scheduler=_text(row, "scheduler"),
-                            shift=finite(row.get("shift"), "shift"), step_buckets=buckets)
+        steps = _positive_int(row, "steps", MAX_STEPS)
+        sampler, scheduler = _text(row, "sampler"), _text(row, "scheduler")
+        shift = finite(row.get("shift"), "shift")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"step buckets unreadable ({exc or 'not a list of [start, end]'})") from None
-    except Exception as exc:  # BankIncompatible from Schedule: not contiguous
+    sigmas = parse_sigmas(row.get("sigmas"))
+    try:
+        schedule = Schedule(steps=steps, sampler=sampler, scheduler=scheduler, shift=shift,
+                            step_buckets=buckets, sigmas=sigmas)
+    except Exception as exc:  # BankIncompatible: buckets not contiguous, sigmas unfit
         raise ValueError(str(exc)) from None
     shape = expected_shape(schedule, fp, layout)
     check_shape_bounds(shape)
     return EntrySpec(fp, layout, schedule, shape)
+
+
+def parse_sigmas(text) -> list | None:
+    """A row's ``sigmas`` column (JSON text of a list of numbers, or None) as a list of
+    finite floats; their count and order are the Schedule's to check against its steps.
+
+    :raises ValueError: naming ``sigmas``: not text, too long, not JSON, not a list of numbers
+    """
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise ValueError("sigmas must be JSON text of a list of numbers (or null)")
+    if len(text) > MAX_SIGMAS_TEXT:
+        raise ValueError(f"sigmas text is {len(text)} characters long, more than the "
+                         f"{MAX_SIGMAS} values a schedule of {MAX_STEPS} steps can hold")
+    values = load_json(text, "sigmas")
+    if not isinstance(values, list) or not 0 < len(values) <= MAX_SIGMAS:
+        raise ValueError(f"sigmas must be a list of 1 to {MAX_SIGMAS} numbers")
+    return [finite(v, f"sigmas[{i}]", 0.0) for i, v in enumerate(values)]
 
 
 SIGNATURE_NORM_TOLERANCE = 1e-3  # float32 rounding of a unit vector is ~1e-7
