@@ -113,6 +113,28 @@ def wan21_i2v_chorus_compiled(resolution: str = "720p") -> dict:
     return prompt
 
 
+DISTILL_LORA = "lightx2v_I2V_14B_480p_cfg_step_distill_rank64_bf16.safetensors"  # LightX2V's 4-step LoRA
+
+
+def wan21_i2v_chorus_step_distilled(resolution: str = "480p") -> dict:
+    """Step-distilled Wan 2.1 I2V: a distillation LoRA, 4 steps at cfg 1, Chorus Sparse Attention in front
+    of a plain KSampler. Similarity Match gets the same LoRA'd model the sampler runs (the entry's model)."""
+    prompt = wan21_i2v_chorus(resolution)
+    sampler = prompt.pop("12")["inputs"]
+    prompt["26"] = {"class_type": "LoraLoaderModelOnly", "inputs": {
+        "model": ["1", 0], "lora_name": DISTILL_LORA, "strength_model": 1.0}}
+    prompt["27"] = {"class_type": "ModelSamplingSD3", "inputs": {"model": ["26", 0], "shift": 8.0}}
+    prompt["11"]["inputs"]["model"] = ["27", 0]
+    reuse = {k: sampler[k] for k in ("match", "dense_warmup_steps", "dense_layers", "miss_mode", "top_p",
+                                     "min_density", "max_density", "record_on_miss", "tag", "dense_attention")}
+    prompt["20"] = {"class_type": "ChorusSparseAttention", "inputs": {
+        "model": ["27", 0], **reuse, "hit_warmup_steps": 0, "dense_last_steps": 0}}
+    prompt["12"] = {"class_type": "KSampler", "inputs": {
+        "model": ["20", 0], "seed": sampler["seed"], "steps": 4, "cfg": 1.0, "sampler_name": "euler",
+        "scheduler": "simple", "positive": ["9", 0], "negative": ["9", 1], "latent_image": ["9", 2], "denoise": 1.0}}
+    return prompt
+
+
 TESTBED_MODEL = "chorus_testbed_wan21_i2v.safetensors"  # tests/testbed/, 16 MB, in the repository
 
 
@@ -143,6 +165,7 @@ WORKFLOWS = {f"chorus_wan21_i2v_{r}": (lambda r=r: wan21_i2v_chorus(r)) for r in
 WORKFLOWS["chorus_wan21_i2v_720p_torch_compile"] = wan21_i2v_chorus_compiled
 WORKFLOWS["chorus_wan21_i2v_480p_guidance_feature_reuse"] = lambda: wan21_i2v_chorus_extras("480p")
 WORKFLOWS["chorus_wan21_i2v_480p_sampler_custom_advanced"] = wan21_i2v_chorus_model_patch
+WORKFLOWS["chorus_wan21_i2v_480p_step_distilled"] = wan21_i2v_chorus_step_distilled
 WORKFLOWS["chorus_testbed_check_install"] = testbed_check_install
 
 _WAN_FILES = ("Needs the Wan 2.1 files of ComfyUI's own templates: {model} (diffusion_models), "
@@ -167,6 +190,12 @@ TEMPLATES = {
     "chorus_wan21_i2v_480p_sampler_custom_advanced": ("Chorus: Wan 2.1 I2V 480p, any sampler", (
         "Chorus Sparse Attention patches the MODEL, so SamplerCustomAdvanced (or any sampler) runs with the bank's "
         "masks. " + _WAN_FILES.format(model=MODEL_FILES["480p"]))),
+    "chorus_wan21_i2v_480p_step_distilled": ("Chorus: step-distilled Wan 2.1 I2V, 4 steps at cfg 1", (
+        "A distillation LoRA (LightX2V's " + DISTILL_LORA + " in loras; any step-distill LoRA works) and "
+        "ModelSamplingSD3, then Chorus Sparse Attention before a plain KSampler at 4 steps and cfg 1. A hit runs "
+        "sparse from the first step (hit_warmup_steps 0); a miss keeps one dense step to record from. Similarity "
+        "Match gets the same LoRA'd model the sampler runs: an entry belongs to the model that recorded it. "
+        + _WAN_FILES.format(model=MODEL_FILES["480p"]))),
     "chorus_testbed_check_install": ("Chorus: check an install on the testbed model", (
         "Runs in seconds on a CPU, with no download: copy tests/testbed/" + TESTBED_MODEL + " from this pack into "
         "models/diffusion_models, then queue twice. The first run is a miss that records (the view on the sampler "
