@@ -1,0 +1,188 @@
+"""Does a bank entry recorded on one sigma schedule serve a run on another? (issue 24 item 2)
+
+    .venv/bin/python tests/benchmarks/bench_schedule_transfer.py [--preset cpu2k] [--targets 2] [--long 20]
+
+On the committed testbed model (``tests/testbed/``; ``--checkpoint`` for another), at the preset's
+size (cpu2k: 2,048 tokens, block 64, a 2-core CPU is enough). For each target request, its similar
+source request is recorded as shipped (a Chorus Sparse Attention miss: online prediction, every
+step recorded) once at ``--long`` steps and once at ``--short`` steps (euler, simple, cfg 1, the
+product-path harness's sampling). The target then runs at both step counts:
+
+- ``dense``: the reference (PSNR etc. are against it, same steps and seed);
+- ``hit_same_schedule``: a hit on the entry recorded at its own step count;
+- ``hit_by_sigma``: a hit on the entry of the other step count, each step served the bucket
+  recorded at its sigma (what ships);
+- ``hit_by_step_index``: the same entry addressed by step index rescaled to the run (entries
+  without sigmas, and every entry before this change);
+- ``online_miss``: online prediction with the miss's dense warm-up (what a miss runs).
+
+Writes ``schedule_transfer_cpu.json`` and ``.md`` into ``--out`` (default tests/benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+TESTBED = REPO_ROOT / "tests" / "testbed" / "chorus_testbed_wan21_i2v.safetensors"
+MODES = ("hit_same_schedule", "hit_by_sigma", "hit_by_step_index", "online_miss")
+
+
+def log(msg: str) -> None:
+    print(f"[bench_schedule_transfer] {msg}", flush=True)
+
+
+@contextlib.contextmanager
+def step_index_addressing():
+    """Serve entries as before sigmas were kept: by step index rescaled to the run."""
+    from chorus_core import mask_sources
+
+    shipped = mask_sources.entry_buckets_for_run
+    mask_sources.entry_buckets_for_run = lambda schedule, steps, run_sigmas=None: shipped(schedule, steps, None)
+    try:
+        yield
+    finally:
+        mask_sources.entry_buckets_for_run = shipped
+
+
+def run_target(pps: dict, banks: dict, target, seed: int) -> list[dict]:
+    """Every mode of one target at every step count; rows with PSNR etc. against dense."""
+    from chorus_core.mask_provider import DenseProvider
+    from chorus_core.reuse_run import ReuseOptions
+    from chorus_core.testbed.product_path import final_quality
+    from chorus_core.testbed.sharpness import request_name
+    from chorus_core.workload import generate_request, i2v_conditioning
+
+    conds = i2v_conditioning(generate_request(target))
+    rows = []
+    for steps, pp in pps.items():
+        other = next(s for s in pps if s != steps)
+        dense = pp.with_provider(DenseProvider((pp.bs, pp.bs)), conds, seed, warmup=0)
+        runs = {}
+        for mode in MODES:
+            entry_steps = steps if mode == "hit_same_schedule" else other
+            if mode == "online_miss":
+                runs[mode] = pp.reuse_run(None, conds, seed, ReuseOptions(record_on_miss=False))
+                continue
+            match = pp.match(banks[entry_steps], conds, pp.threshold)
+            with step_index_addressing() if mode == "hit_by_step_index" else contextlib.nullcontext():
+                runs[mode] = pp.reuse_run(match, conds, seed)
+        for mode, (final, report) in runs.items():
+            rows.append({"request": request_name(target), "seed": seed, "N": pp.seq_len, "run_steps": steps,
+                         "entry_steps": None if mode == "online_miss" else (steps if mode == "hit_same_schedule" else other),
+                         "mode": mode, "report_mode": report.mode, "density": report.density,
+                         "dense_steps": len(report.dense_steps), **final_quality(dense, final)})
+            log(f"{rows[-1]['request']} {steps} steps {mode}: {rows[-1]['psnr_db']:.2f} dB ({report.mode})")
+    return rows
+
+
+def measure(patcher, config, workdir: Path, steps_pair: tuple, targets: int, seeds: int) -> list[dict]:
+    from chorus_core.bank import MaskBank
+    from chorus_core.testbed.config import tokens_of
+    from chorus_core.testbed.product_path import ProductPath
+    from chorus_core.testbed.report import eval_requests, spread_picks
+    from chorus_core.workload import generate_request, i2v_conditioning
+
+    pps = {}
+    for steps in steps_pair:
+        pps[steps] = ProductPath(patcher, replace(config, sample_steps=steps), workdir, log=log)
+        pps[steps].seq_len = tokens_of(config.long_size)
+    tgts, similar, _, _ = eval_requests(config, config.long_size)
+    rows = []
+    for seed in range(seeds):
+        for ti in spread_picks(len(tgts), min(targets, len(tgts))):
+            banks = {s: MaskBank.open(workdir / f"bank-{ti}-{seed}-{s}") for s in steps_pair}
+            for steps, pp in pps.items():
+                pp.record(banks[steps], i2v_conditioning(generate_request(similar[ti])), seed)
+            rows += run_target(pps, banks, tgts[ti], seed)
+            for bank in banks.values():
+                bank.close()
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    from chorus_core.testbed.product_path import mean_ci
+
+    lines = ["| run steps | mode | entry steps | hits | PSNR dB | SSIM | rel RMS | density | n |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for steps in sorted({r["run_steps"] for r in rows}):
+        for mode in MODES:
+            sel = [r for r in rows if r["run_steps"] == steps and r["mode"] == mode]
+            if not sel:
+                continue
+            cells = []
+            for key, fmt in (("psnr_db", "{:.2f}"), ("ssim", "{:.4f}"), ("rel_rms", "{:.4f}"), ("density", "{:.3f}")):
+                mean, half = mean_ci([r[key] for r in sel])
+                cells.append("-" if mean is None else f"{fmt.format(mean)} ± {fmt.format(half)}")
+            hits = sum(r["report_mode"] == "hit" for r in sel)
+            lines.append(f"| {steps} | {mode} | {sel[0]['entry_steps'] or '-'} | {hits}/{len(sel)} | "
+                         + " | ".join(cells) + f" | {len(sel)} |")
+    return lines
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+    return f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} CPU"
+
+
+def git_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", default=str(TESTBED))
+    parser.add_argument("--preset", default="cpu2k")
+    parser.add_argument("--long", type=int, default=20)
+    parser.add_argument("--short", type=int, default=4)
+    parser.add_argument("--targets", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    from chorus_core.comfyui_locator import locate_comfyui, prepare_in_process
+
+    prepare_in_process(locate_comfyui(allow_clone=False), cpu=True)
+    import comfy.sd
+
+    from chorus_core.testbed.config import make_config, size_name
+
+    config = make_config(args.preset)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="chorus-schedule-transfer-") as tmp:
+        patcher = comfy.sd.load_diffusion_model(args.checkpoint)
+        rows = measure(patcher, config, Path(tmp), (args.long, args.short), args.targets, args.seeds)
+    command = "python tests/benchmarks/bench_schedule_transfer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    doc = {"benchmark": "bench_schedule_transfer", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "machine": machine(), "command": command.strip(), "git_commit": git_commit(),
+           "shape": size_name(config.long_size), "block": config.block_size, "seconds": round(time.time() - started, 1),
+           "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "schedule_transfer_cpu.json").write_text(json.dumps(doc, indent=1))
+    md = [f"# A bank entry served to a run on another sigma schedule ({doc['shape']}, block {doc['block']})", "",
+          f"- machine: {doc['machine']}", f"- command: `{doc['command']}`", f"- git commit: {doc['git_commit']}",
+          f"- date: {doc['date']}, {doc['seconds']} s", "",
+          "Final latents against the dense run of the same steps and seed (mean ± 95 % CI).", "", *table(rows)]
+    (args.out / "schedule_transfer_cpu.md").write_text("\n".join(md) + "\n")
+    print("\n".join(table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
