@@ -85,8 +85,13 @@ def test_dissimilar_request_misses(three_runs):
 
 
 def test_bank_routes_report_the_recorded_entries(comfy_server, three_runs):
+    import time
+
     assert "e2e_three_runs" in comfy_server.get_json("/chorus/api/banks")["banks"]
-    stats = comfy_server.get_json("/chorus/api/banks/e2e_three_runs/stats")
+    deadline = time.monotonic() + 60  # the last miss's entry is written in the background after its prompt ends
+    while (stats := comfy_server.get_json("/chorus/api/banks/e2e_three_runs/stats"))["entries"] < 2 \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert stats["entries"] == 2
     recent = comfy_server.get_json("/chorus/api/banks/e2e_three_runs/recent?limit=5")["entries"]
     assert len(recent) == 2
