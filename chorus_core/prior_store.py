@@ -24,6 +24,7 @@ import stat
 import threading
 import uuid
 import warnings
+from dataclasses import replace
 
 import numpy as np
 from safetensors.numpy import load as st_load
@@ -138,7 +139,9 @@ def build_prior(bank, fingerprint, layout, min_density, max_density):
             density = min(max(density, min_density), max_density)
             maps[bucket, layer] = population_prior(members, density).numpy()
     tensors, meta = encode_masks(maps)
-    meta.update(prior_of=json.dumps(ids), schedule=json.dumps(entries[0].schedule.to_dict()),
+    # Members may come from runs of other step counts: the prior is addressed by step, not sigma.
+    schedule = replace(entries[0].schedule, sigmas=None)
+    meta.update(prior_of=json.dumps(ids), schedule=json.dumps(schedule.to_dict()),
                 layout=json.dumps(entries[0].layout.to_dict()))
     return tensors, meta
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from . import bank_writer
-from .bank import Schedule, compat_key
+from .bank import BankIncompatible, Schedule, compat_key
 from .bank.encoding import PackedBlockMaps
 from .entry_prefetch import EntryPrefetch
 from .mask_provider import DenseProvider, DenseWarmupProvider, SamplingCall
@@ -93,7 +93,7 @@ class SamplingSettings:
 
 
 class ReuseRun:
-    """One generation: choose the mask source, patch a clone of the model, report, record on a miss.
+    """One sampling run of a :class:`ReusePatch`: choose the mask source, report, record on a miss.
 
     :param model_patcher: the model that samples (the guider's, with every LoRA and sampling patch
         applied after the Chorus node): a hit needs its identity to be the match's, and a recording
@@ -107,13 +107,25 @@ class ReuseRun:
         self.recording_plan = recording_plan
         self.block_size = match.request.layout.block_size[0] if match else block_size
         self.report = RunReport(mode="miss", steps=sampling.steps)
-        self.schedule = Schedule(steps=sampling.steps, sampler=sampling.sampler, scheduler=sampling.scheduler,
-                                 shift=_model_shift(model_patcher), sigmas=sampling.sigmas)
+        self.schedule = self._recorded_schedule(sampling, _model_shift(model_patcher))
         self.recording: RecordingProvider | None = None
         self.prefetch: EntryPrefetch | None = None
         self.entry_provider: BankEntryProvider | None = None
         self.patched = None
         self._fingerprint = None
+        self.model_differs = False
+
+    def _recorded_schedule(self, sampling: SamplingSettings, shift: float) -> Schedule:
+        """The schedule this run records and is served by; sigmas a bank entry cannot address by
+        (rising ones from FlipSigmas, a single sigma from a split at the last step) are left out:
+        the run then goes by step index, with a warning."""
+        common = dict(steps=sampling.steps, sampler=sampling.sampler, scheduler=sampling.scheduler, shift=shift)
+        try:
+            return Schedule(**common, sigmas=sampling.sigmas)
+        except BankIncompatible as exc:
+            self.report.warnings.append(f"this run's sigmas cannot address bank entries ({exc}); it is served and "
+                                        "recorded by step index")
+            return Schedule(**common)
 
     @property
     def fingerprint(self):
@@ -124,6 +136,7 @@ class ReuseRun:
 
     def choose_provider(self):
         """This run's mask source: the hit's entry or a miss source, behind the dense warm-up, recorded on a miss."""
+        self._check_sampling_model()
         provider = self._hit_provider() or self._miss_provider()
         warmup, dense_from = self.dense_step_plan()
         provider = DenseWarmupProvider(provider, warmup, self.options.dense_layers, dense_from)
@@ -171,12 +184,7 @@ class ReuseRun:
             self.report.warnings.append(self.match.warning)
         self.report.similarity, self.report.components = result.similarity, dict(result.components)
         self.report.timings["match_ms"] = round(self.match.match_ms, 2)
-        if not result.hit:
-            return None
-        if self.fingerprint != self.match.request.fingerprint:
-            self.report.warnings.append("the sampler's model differs from the one the match was made for (a LoRA or "
-                                        "other weight patch added or removed between them); running as a miss, "
-                                        "recorded under the model that sampled")
+        if not result.hit or self.model_differs:
             return None
         bank, entry_id = self.match.bank, result.entry_id
         self.report.mode, self.report.entry_id = "hit", entry_id
@@ -191,7 +199,7 @@ class ReuseRun:
         fallback = (DenseProvider((self.block_size, self.block_size)) if o.miss_mode == "dense" else
                     OnlinePredictionProvider(self.block_size, o.top_p, o.min_density, o.max_density))
         self.entry_provider = BankEntryProvider(self.prefetch, self.sampling.steps, (self.block_size, self.block_size),
-                                                fallback, run_sigmas=self.sampling.sigmas)
+                                                fallback, run_sigmas=self.schedule.sigmas)
         return self.entry_provider
 
     def _miss_provider(self):
@@ -222,8 +230,20 @@ class ReuseRun:
         return self._prefetched(lambda: _own_connection(
             bank, lambda own: load_prior(own, fingerprint, request.layout, o.min_density, o.max_density)))
 
+    def _check_sampling_model(self) -> None:
+        """A match made with another model than the one that samples can neither serve nor file this
+        run: its entries are another model's masks, and a recording filed under the sampling model
+        would never be found by that match (every run would miss and add one more entry)."""
+        self.model_differs = self.match is not None and self.fingerprint != self.match.request.fingerprint
+        if self.model_differs:
+            self.report.warnings.append(
+                "the sampler's model differs from the one Similarity Match was given (a LoRA or other weight patch "
+                "added or removed between them), so this run is a miss and records nothing: wire the same model "
+                "(with its LoRAs) into Similarity Match and the sampler")
+
     def _can_record(self) -> bool:
-        return bool(self.match and self.options.record_on_miss and not self.match.bank.read_only)
+        return bool(self.match and self.options.record_on_miss and not self.match.bank.read_only
+                    and not self.model_differs)
 
     def _make_recorder(self, first_step: int = 0) -> MaskRecorder:
         o = self.options
@@ -272,7 +292,11 @@ class ReuseRun:
         self.report.timings.update(timings)
         if self.match is None or stats.batch is None:
             return
-        key = (self.fingerprint.key(), tuple(self.match.request.layout.grid), stats.batch)
+        try:
+            key = (self.fingerprint.key(), tuple(self.match.request.layout.grid), stats.batch)
+        except Exception as exc:  # timing is a by-product: the finished generation stands
+            self.report.warnings.append(f"step times not compared with an earlier run: {exc}")
+            return
         if "dense_step_s" in timings:
             remember_dense_step(key, timings["dense_step_s"])
         elif "sparse_step_s" in timings and earlier_dense_step(key) is not None:
@@ -348,18 +372,21 @@ class ReusePatch:
     """
 
     def __init__(self, model_patcher, match: ReuseMatch | None, options: ReuseOptions, block_size: int = 128,
-                 events=None, scheduler: str = "sigmas", recording_plan: RecordingPlan = RecordingPlan()):
+                 events=None, scheduler: str = "sigmas", recording_plan: RecordingPlan = RecordingPlan(),
+                 sampler: str | None = None):
         self.model_patcher, self.match, self.options, self.events = model_patcher, match, options, events
         self.block_size = (match.request.layout.block_size[0] if match else block_size,) * 2
-        self.scheduler, self.recording_plan = scheduler, recording_plan
+        self.scheduler, self.sampler, self.recording_plan = scheduler, sampler, recording_plan
         self.patched = None
         self.current: ReuseRun | None = None
         self.last_run: ReuseRun | None = None
         self.last_report: RunReport | None = None
 
-    def install(self):
-        """A clone of the model with the hooks; the input model is unchanged."""
-        if get_reuse_patch(self.model_patcher) is not None:
+    def install(self, refuse_patched: bool = False):
+        """A clone of the model with the hooks; the input model is unchanged. A model that already
+        went through Chorus Sparse Attention gets this patch in place of that one, unless
+        ``refuse_patched`` (the Sparse Wan Sampler: two reuse nodes on one path is a wiring mistake)."""
+        if refuse_patched and get_reuse_patch(self.model_patcher) is not None:
             raise ValueError("This model already went through Chorus Sparse Attention, which runs the reuse itself: "
                              "sample it with KSampler (or any sampler), or leave that node out and keep the "
                              "Chorus Sparse Wan Sampler.")
@@ -378,7 +405,8 @@ class ReusePatch:
         # The guider's model, not the node's input: a LoRA or ModelSamplingSD3 placed after this
         # node is part of what samples, so of the hit check, the recorded shift and the entry's model.
         run = ReuseRun(sampling.model_patcher or self.model_patcher, None if problem else self.match, self.options,
-                       SamplingSettings(steps, _sampler_name(sampling.sampler), self.scheduler, _sigmas(sampling.sigmas)),
+                       SamplingSettings(steps, self.sampler or _sampler_name(sampling.sampler), self.scheduler,
+                                        _sigmas(sampling.sigmas)),
                        block_size=self.block_size[0], recording_plan=self.recording_plan)
         if problem is not None:
             run.report.warnings.append(f"ran without the match, as a miss that records nothing: {problem}")
@@ -395,8 +423,11 @@ class ReusePatch:
         if run is None:
             return
         if not succeeded:
+            # A failed run records nothing: its worker (pinned host memory) is joined and its
+            # recorder's accumulators (GB on a GPU at 720p) dropped, though last_run stays readable.
             if run.prefetch is not None:
-                run.prefetch.join()  # a failed run records nothing; its worker (pinned memory) is still joined
+                run.prefetch.join()
+            run.recording = None
             return
         self.last_report = run.finish()
         if self.events is not None:
@@ -407,6 +438,12 @@ class ReusePatch:
     def _on_step(self, step_stats, run_stats) -> None:
         if self.current is not None and self.events is not None:
             self.events.step(self.current.progress(step_stats, run_stats))
+
+
+def nothing_sampled(steps: int) -> RunReport:
+    """The report of a sampling that ran no step (denoise 0: ComfyUI returns the latent as it is)."""
+    return RunReport(mode="miss", steps=0, mask_source="none",
+                     warnings=[f"nothing was sampled (0 of {steps} steps: denoise 0), so nothing was reused or recorded"])
 
 
 def get_reuse_patch(model_patcher) -> ReusePatch | None:

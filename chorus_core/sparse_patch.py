@@ -282,18 +282,19 @@ def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
         options = guider.model_options.setdefault("transformer_options", {})
         check_no_competing_sparse_attention(getattr(guider, "model_patcher", None), options)
         _chain_above_later_backend(options, holder.key)
-        run = holder.start_run(_sampling_call(guider, args, kwargs))
-        run.clock, args, kwargs = clock_outer_sample(args, kwargs)
-        options[run_key] = run
-        succeeded = False
-        try:
+        run, succeeded = None, False
+        try:  # whatever the run source started (a prefetch worker) is released, however this ends
+            run = holder.start_run(_sampling_call(guider, args, kwargs))
+            run.clock, args, kwargs = clock_outer_sample(args, kwargs)
+            options[run_key] = run
             result = executor(*args, **kwargs)
             run.finish()
             succeeded = True
             return result
         finally:
             options.pop(run_key, None)
-            run.release()
+            if run is not None:
+                run.release()
             holder.end_run(succeeded)
 
     return chorus_outer_sample

@@ -29,7 +29,7 @@ class ChorusSparseWanSampler(io.ComfyNode):
                 io.Latent.Input("latent_image", tooltip="The video latent from WanImageToVideo."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
                              tooltip="Noise seed, as for KSampler."),
-                io.Int.Input("steps", default=40, min=1, max=10000, tooltip="Denoising steps; a bank entry's masks are rescaled to this count."),
+                io.Int.Input("steps", default=40, min=1, max=10000, tooltip="Denoising steps; a hit takes each step's masks from the bank entry's bucket recorded at the same noise level."),
                 io.Float.Input("cfg", default=5.0, min=0.0, max=100.0, step=0.1, round=0.01, tooltip="Classifier-free guidance scale, as for KSampler."),
                 io.Combo.Input("sampler_name", options=comfy.samplers.KSampler.SAMPLERS, default="uni_pc",
                                tooltip="Sampler, as for KSampler."),
@@ -56,7 +56,7 @@ class ChorusSparseWanSampler(io.ComfyNode):
                 match=None, dense_attention="auto", hit_warmup_steps=0, dense_last_steps=0) -> io.NodeOutput:
         import nodes as comfy_nodes
 
-        from ..chorus_core.reuse_run import ReusePatch
+        from ..chorus_core.reuse_run import ReusePatch, nothing_sampled
         from ..chorus_core.reuse_match import match_grid_problem
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
@@ -66,10 +66,10 @@ class ChorusSparseWanSampler(io.ComfyNode):
             raise ValueError(f"Chorus Sparse Wan Sampler: {problem}")
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patch = ReusePatch(model, match, options, events=NodeEvents(node_id, max_density, send_report=False),
-                           scheduler=scheduler)
-        (latent,) = comfy_nodes.common_ksampler(patch.install(), seed, steps, cfg, sampler_name, scheduler, positive,
-                                                negative, latent_image, denoise=denoise)
-        report = patch.last_report
+                           scheduler=scheduler, sampler=sampler_name)
+        (latent,) = comfy_nodes.common_ksampler(patch.install(refuse_patched=True), seed, steps, cfg, sampler_name,
+                                                scheduler, positive, negative, latent_image, denoise=denoise)
+        report = patch.last_report or nothing_sampled(steps)  # denoise 0: ComfyUI samples nothing
         return io.NodeOutput(latent, ui={"chorus_report": [report.to_json()]})
 
 

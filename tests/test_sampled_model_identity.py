@@ -52,39 +52,39 @@ def bank(tmp_path):
     bank.close()
 
 
-def test_a_lora_and_model_sampling_after_the_node_are_the_model_that_records(bank, tiny_wan_patcher):
+def test_model_sampling_after_the_node_is_the_shift_an_entry_records(bank, tiny_wan_patcher):
     from chorus_core.model_identity import fingerprint_patcher
 
     positive, _, latent = request()
-    base_match = match_for(bank, tiny_wan_patcher, positive, latent)
-    sampled = model_sampling_sd3(with_lora(reuse_patch(tiny_wan_patcher, base_match), 3, 1.0, LORA_KEYS), 3.0)
+    match = match_for(bank, tiny_wan_patcher, positive, latent)
+    sampled = model_sampling_sd3(reuse_patch(tiny_wan_patcher, match), 3.0)
     report = sample(sampled)
 
-    assert (report.mode, report.recording) == ("miss", "queued")
-    layout, base = base_match.request.layout, base_match.request.fingerprint
-    lora = fingerprint_patcher(sampled)
-    assert lora != base
-    assert bank.compatible_entries(lora, layout) == [report.recorded_entry_id]
-    assert bank.compatible_entries(base, layout) == []  # not filed under the model the match was made with
+    assert (report.mode, report.recording, report.warnings) == ("miss", "queued", [])
+    assert fingerprint_patcher(sampled) == match.request.fingerprint  # a sampling patch is no weight patch
+    assert bank.compatible_entries(match.request.fingerprint, match.request.layout) == [report.recorded_entry_id]
     assert bank.show(report.recorded_entry_id)["shift"] == 3.0  # ModelSamplingSD3's, not the base model's 5.0
 
 
-def test_base_model_matched_lora_sampled_misses_and_later_base_requests_never_get_the_loras_masks(
+def test_base_model_matched_lora_sampled_records_nothing_and_later_base_requests_never_get_lora_masks(
         bank, tiny_wan_patcher):
     positive, _, latent = request()
-    lora_model = with_lora(tiny_wan_patcher, 3, 1.0, LORA_KEYS)
     base_match = match_for(bank, tiny_wan_patcher, positive, latent)
     first = sample(with_lora(reuse_patch(tiny_wan_patcher, base_match), 3, 1.0, LORA_KEYS))
-    assert (first.mode, first.recording) == ("miss", "queued")
+    assert (first.mode, first.recording, first.recorded_entry_id) == ("miss", None, None)
+    assert any("records nothing: wire the same model" in w for w in first.warnings)
+    assert bank.stats()["entries"] == 0  # filed under neither model: the match could never find it again
 
-    # a base-model request: the LoRA's entry is not compatible, so nothing to hit
+    # a base-model request: nothing recorded by the LoRA'd run to hit
     base_again = match_for(bank, tiny_wan_patcher, positive, latent)
     assert base_again.result.candidates == 0 and not base_again.result.hit
-    # the same request with the LoRA'd model matched and sampled hits the LoRA's entry
-    lora_match = match_for(bank, lora_model, positive, latent)
-    assert lora_match.result.entry_id == first.recorded_entry_id
-    second = sample(reuse_patch(lora_model, lora_match))
-    assert (second.mode, second.entry_id, second.warnings) == ("hit", first.recorded_entry_id, [])
+    # the LoRA'd model into both nodes (LoRA before Chorus): a miss that records, then a hit of it
+    lora_model = with_lora(tiny_wan_patcher, 3, 1.0, LORA_KEYS)
+    recorded = sample(reuse_patch(lora_model, match_for(bank, lora_model, positive, latent)))
+    assert (recorded.mode, recorded.recording) == ("miss", "queued")
+    hit = sample(reuse_patch(lora_model, match_for(bank, lora_model, positive, latent)))
+    assert (hit.mode, hit.entry_id, hit.warnings) == ("hit", recorded.recorded_entry_id, [])
+    assert match_for(bank, tiny_wan_patcher, positive, latent).result.candidates == 0  # still not the base's
 
 
 def test_a_hit_matched_on_the_base_model_but_sampled_with_a_lora_runs_as_a_miss_and_says_so(bank, tiny_wan_patcher):
@@ -95,7 +95,8 @@ def test_a_hit_matched_on_the_base_model_but_sampled_with_a_lora_runs_as_a_miss_
     assert base_match.result.hit
     report = sample(with_lora(reuse_patch(tiny_wan_patcher, base_match), 3, 1.0, LORA_KEYS))
     assert report.mode == "miss" and report.entry_id is None
-    assert any("differs from the one the match was made for" in w for w in report.warnings)
+    assert any("differs from the one Similarity Match was given" in w for w in report.warnings)
+    assert report.recording is None
 
 
 def test_a_hit_with_no_dense_step_is_timed_against_an_earlier_dense_step_of_the_same_work(bank, tiny_wan_patcher):

@@ -111,3 +111,26 @@ def test_an_entry_without_sigmas_is_served_by_rescaled_step_index():
 
     old = Schedule(steps=8, sampler="euler", scheduler="simple")  # recorded before sigmas were kept
     assert entry_buckets_for_run(old, 4, (1.0, 0.75, 0.5, 0.25, 0.0)) == [0, 1, 2, 2]  # starts 0, 2, 5 -> 0, 1, 2
+
+
+@pytest.mark.parametrize("sigmas", [[0.2, 0.5, 0.9], [0.7]], ids=["rising (FlipSigmas)", "one sigma (a split's end)"])
+def test_sigmas_an_entry_cannot_address_by_still_sample(tiny_wan_patcher, sigmas):
+    """A schedule the bank cannot address by (unsampling, the end of a split) samples as before, by
+    step index, and says so; it never fails the prompt."""
+    import comfy.sample
+    import comfy.samplers
+    import torch
+
+    from chorus_core.reuse_run import get_reuse_patch
+
+    positive, negative, latent = request()
+    patched = reuse_patch(tiny_wan_patcher, None).install()
+    guider = comfy.samplers.CFGGuider(patched)
+    guider.set_conds(positive, negative)
+    guider.set_cfg(5.0)
+    noise = comfy.sample.prepare_noise(latent["samples"], 0)
+    out = guider.sample(noise, latent["samples"], comfy.samplers.sampler_object("euler"), torch.tensor(sigmas),
+                        seed=0, disable_pbar=True)
+    report = get_reuse_patch(patched).last_report
+    assert torch.isfinite(out).all() and report.steps == max(1, len(sigmas) - 1)
+    assert any("cannot address bank entries" in w for w in report.warnings)

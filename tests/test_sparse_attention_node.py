@@ -141,3 +141,23 @@ def test_two_experts_in_two_ksampler_advanced_stages_get_their_own_entries(pack,
     assert high_miss.recorded_entry_id != low_miss.recorded_entry_id  # one entry per expert
     assert (high_hit.mode, high_hit.entry_id) == ("hit", high_miss.recorded_entry_id)
     assert (low_hit.mode, low_hit.entry_id) == ("hit", low_miss.recorded_entry_id)
+
+
+def test_denoise_zero_samples_nothing_and_says_so(pack, tiny_wan_patcher):
+    positive, negative, latent, _, _ = request_outputs(pack[2])
+    output = pack[1].ChorusSparseWanSampler.execute(tiny_wan_patcher, positive, negative, latent, 0, STEPS, 5.0,
+                                                    "euler", "simple", 0.0, 1, "", "online", 0.9, 0.1, 0.6, True, "")
+    (report,) = output.ui["chorus_report"]
+    assert (report["mode"], report["steps"], report["recorded_entry_id"]) == ("miss", 0, None)
+    assert report["warnings"] == [f"nothing was sampled (0 of {STEPS} steps: denoise 0), so nothing was reused or "
+                                  "recorded"]
+    assert torch.equal(output.args[0]["samples"], latent["samples"])
+
+
+def test_a_second_chorus_sparse_attention_replaces_the_first(pack, tiny_wan_patcher):
+    outputs = request_outputs(pack[2])
+    twice = sparse_attention_node(pack, sparse_attention_node(pack, tiny_wan_patcher, None, tag="first"), None,
+                                  tag="second")
+    ksampler(twice, outputs, seed=0)
+    patch = reuse_patch_of(pack, twice)
+    assert patch.options.tags == ("second",) and patch.last_report.mode == "miss"

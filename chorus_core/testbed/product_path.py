@@ -112,7 +112,7 @@ def mean_ci(values: list) -> tuple:
 
 
 # --------------------------------------------------------------------------------------------
-# Providers (the sparse patch's provider protocol; maps are kept for the recall measure)
+# Mask sources (chorus_core.mask_provider's kinds; maps are kept for the recall measure)
 # --------------------------------------------------------------------------------------------
 
 

@@ -229,9 +229,12 @@ def generate(ctx, mode: str, bank=None, attention: str = "comfyui") -> dict:
              finite=bool(torch.isfinite(out).all()), host_ram_bytes=rss.peak - rss.start,
              host_rss_start_bytes=rss.start, ru_maxrss_delta_bytes=rss.maxrss_delta,
              peak_bytes=(torch.cuda.max_memory_allocated() - base) if cuda else None)
-    if run is not None:
+    if patch is not None:
         stats = get_run_stats(sampled)
-        m.update(match_s=t_matched - t_start, prepare_s=t_prepared - t_matched, finish_s=t_end - t_sampled,
+        # The run's own prepare (choosing the source) and finish (report, recording) happen inside
+        # the sampling call now (the patch's OUTER_SAMPLE wrapper): the report times them.
+        prepare_s = (t_prepared - t_matched) + report.timings.get("prepare_ms", 0.0) / 1e3
+        m.update(match_s=t_matched - t_start, prepare_s=prepare_s, finish_s=report.timings.get("finish_ms", 0.0) / 1e3,
                  flush_s=(t_flushed - t_end) if flush is not None else None, report=report.to_json(),
                  sparse_calls=stats.sparse_calls if stats else 0, dense_calls=stats.dense_calls if stats else 0,
                  layers=len(ctx["model"].diffusion_model.blocks))
@@ -495,7 +498,8 @@ def caveats(doc: dict) -> list[str]:
            "the hit is served from the entry the recording miss just wrote; the prior is made from that one entry "
            "(the bank holds nothing else); with up to 8 compatible entries, making it reads more of them",
            "match_ms is build_match_request (signature, model fingerprint, layout) + match_request, as the Similarity "
-           "Match node runs them; finish_ms is ReuseRun.finish() alone; queue_block_s adds the sampler's own tail "
+           "Match node runs them; prepare_ms and finish_ms are the run report's (ReusePatch.begin_run choosing the source, "
+           "ReuseRun.finish() alone, both inside the sampling call), plus the patch's install; queue_block_s adds the sampler's own tail "
            "after its last step (sampler_tail_ms, inside which Chorus' OUTER_SAMPLE wrapper closes the run)",
            "extra_vram_gb is measured at the blocks run; the part that grows with layers (masks, accumulators) "
            "would be larger at 40",

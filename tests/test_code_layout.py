@@ -1,0 +1,126 @@
+"""The runtime code (nodes/, chorus_core/ outside its testbed, kernels/) keeps the shape the README
+describes: no import circle, no private name imported from another module, no module over 600
+lines, and nothing in it imports the research tooling in chorus_core/testbed."""
+
+import ast
+from pathlib import Path
+
+from conftest import REPO_ROOT
+
+PACKAGES = ("nodes", "chorus_core", "kernels")
+MAX_LINES = 600
+
+
+def runtime_modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every runtime module."""
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            if "testbed" in parts or "__pycache__" in parts:
+                continue
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def raw_imports(module: str, path: Path, tree: ast.AST) -> list[tuple[str, str]]:
+    """(dotted target, imported name) of every import in ``tree``, relative ones resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    pairs = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[:len(base) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+            pairs += [(target, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            pairs += [(alias.name, "") for alias in node.names]
+    return pairs
+
+
+def imported(module: str, path: Path, tree: ast.AST, known: dict) -> list[tuple[str, str]]:
+    """(runtime module, imported name) for every import of a runtime module in ``tree``."""
+    pairs = []
+    for target, name in raw_imports(module, path, tree):
+        full = f"{target}.{name}"
+        pairs.append((owner(full if full in known else target, known), name))
+    return [(t, name) for t, name in pairs if t]
+
+
+def owner(target: str, known: dict) -> str:
+    while target and target not in known:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def graph() -> tuple[dict, list, dict]:
+    known = runtime_modules()
+    edges, private, sizes = {}, [], {}
+    for module, path in known.items():
+        source = path.read_text()
+        sizes[module] = source.count("\n")
+        for target, name in imported(module, path, ast.parse(source), known):
+            if target == module or module.startswith(target + ".") and known[target].name == "__init__.py":
+                continue  # a package's own __init__ is not another module
+            edges.setdefault(module, set()).add(target)
+            if name.startswith("_") and not name.startswith("__"):
+                private.append(f"{module}: {name} from {target}")
+    return edges, private, sizes
+
+
+def circles(edges: dict) -> list[list[str]]:
+    """Every strongly connected group of more than one module (an import circle)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_runtime_has_no_import_circle_and_no_private_import_across_modules():
+    edges, private, _ = graph()
+    assert circles(edges) == []
+    assert private == []
+
+
+def test_no_runtime_module_is_over_600_lines():
+    _, _, sizes = graph()
+    assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_the_runtime_never_imports_the_testbed():
+    found = [f"{module}: {target}" for module, path in runtime_modules().items()
+             for target, name in raw_imports(module, path, ast.parse(path.read_text()))
+             if "testbed" in f"{target}.{name}".split(".")]
+    assert found == []
+
+
+def test_the_checker_finds_a_circle_and_a_private_import():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    tree = ast.parse("from .b import _hidden\nfrom . import c\nfrom .testbed import probe\n")
+    known = {"p": Path("p/__init__.py"), "p.a": Path("p/a.py"), "p.b": Path("p/b.py"), "p.c": Path("p/c.py")}
+    assert imported("p.a", Path("p/a.py"), tree, known) == [("p.b", "_hidden"), ("p.c", "c"), ("p", "probe")]
+    assert ("p.testbed", "probe") in raw_imports("p.a", Path("p/a.py"), tree)
