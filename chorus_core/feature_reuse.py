@@ -60,6 +60,7 @@ from .feature_regions import cell_grid, region_map_image, select_regions, token_
 from .mask_provider import match_batch
 from .hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, mark_own, sigma_window,
                     steps_in_sigma_window, unwrap_own)
+from .mask_sources import RecordingProvider
 from .run_keys import (OUTER_SAMPLE, OVERRIDE_KEY, feature_reuse_call_key, feature_reuse_run_key, sparse_block_key,
                        sparse_run_key)
 from .token_layout import TokenLayout
@@ -322,8 +323,9 @@ def _mask_source(provider):
 
 
 def _without_recorders(provider):
-    """The provider below any recording wrappers on top of the stack."""
-    while getattr(provider, "recorder", None) is not None and getattr(provider, "inner", None) is not None:
+    """The provider below any recording wrappers on top of the stack (also one whose recorder has not
+    started yet: a hit's, armed in case its entry fails, must not start on a reduced call)."""
+    while isinstance(provider, RecordingProvider):
         provider = provider.inner
     return provider
 
@@ -339,7 +341,8 @@ def _recording_now(sparse_run, options) -> bool:
 
 
 def _recorder_of(provider):
-    return next((p.recorder for p in _wrapped(provider) if getattr(p, "recorder", None) is not None), None)
+    return next((p.recorder for p in _wrapped(provider) if isinstance(p, RecordingProvider) and p.recorder is not None),
+                None)
 
 
 # --------------------------------------------------------------------------------------------
