@@ -32,7 +32,7 @@ def entry_buckets_for_run(schedule: Schedule, steps: int, run_sigmas=None) -> li
     their own sigmas. Entries recorded before sigmas were kept fall back to step indices,
     rescaled to this run's step count.
     """
-    if run_sigmas is not None and getattr(schedule, "sigmas", None) is not None:
+    if run_sigmas is not None and schedule.sigmas is not None:
         return [schedule.bucket_for_sigma(sigma) for sigma in run_sigmas[:steps]]
     starts = scaled_bucket_starts(schedule, steps)
     return [bucket_index(starts, step) for step in range(steps)]

@@ -412,7 +412,8 @@ class ReusePatch:
             run.report.warnings.append(f"ran without the match, as a miss that records nothing: {problem}")
             log.warning("Chorus Sparse Attention: %s", run.report.warnings[-1])
         run.patched = self.patched  # its statistics live on the holder attached there
-        provider, self.current, self.last_run = run.choose_provider(), run, run
+        self.current = self.last_run = run  # set first: end_run releases it if choosing fails halfway
+        provider = run.choose_provider()
         run.report.timings["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 2)
         if self.events is not None:
             self.events.run_start(run.report)
