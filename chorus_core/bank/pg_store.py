@@ -35,7 +35,7 @@ from .errors import BankError, BankInvalidArgument, BankReadOnly, BankUnavailabl
 from .faults import fault
 from .matching import SignatureIndex
 from .rows import decode_row, entry_label, summary_columns
-from .storage import BankStorage, guarded
+from .storage import BankStorage, guarded, warn_quarantined
 
 CONNECT_TIMEOUT_S = 5
 LOCK_TIMEOUT_S = 60
@@ -358,9 +358,7 @@ class PostgresBank(BankStorage):
             self._bump("removals")
             fault("quarantine-moved")
         if warn:
-            warnings.warn(f"Chorus mask bank: quarantining entry {label}: {reason}. "
-                          "Requests that matched it run as an online-prediction miss (dense with "
-                          "miss_mode \"dense\") and record a fresh entry when record_on_miss is on.", stacklevel=4)
+            warn_quarantined(label, reason)
         return True
 
     def _mark_quarantined(self, row: dict, reason: str) -> None:

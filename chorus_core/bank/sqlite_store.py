@@ -38,7 +38,7 @@ from .matching import SignatureIndex
 from .rows import decode_row, entry_label, summary_columns
 from .sqlite_index import (DB_NAME, Database, check_db_file, check_known, connect, database_error,
                            insert_row, make_dirs, os_error, read_only_uri, refuse_links)
-from .storage import BankStorage, guarded
+from .storage import BankStorage, guarded, warn_quarantined
 
 STALE_TEMP_S = 3600.0  # temp/orphan blobs younger than this may belong to a live writer
 _ORDER = re.compile(r"(created|last_hit|hits|density|recall|blob_bytes)( (ASC|DESC))?", re.I)
@@ -321,9 +321,7 @@ class SQLiteBank(BankStorage):
                 self._files.move_aside(src, current)
             fault("quarantine-moved")
         if warn:
-            warnings.warn(f"Chorus mask bank: quarantining entry {label}: {reason}. "
-                          "Requests that matched it run as an online-prediction miss (dense with "
-                          "miss_mode \"dense\") and record a fresh entry when record_on_miss is on.", stacklevel=4)
+            warn_quarantined(label, reason)
         return True
 
     @guarded

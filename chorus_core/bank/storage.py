@@ -435,6 +435,14 @@ class BankStorage:
         return {"added": added, "skipped": skipped}
 
 
+def warn_quarantined(label: str, reason: str) -> None:
+    """The one warning both backends give when they quarantine an entry (pointing at the caller
+    of the bank method that found it)."""
+    warnings.warn(f"Chorus mask bank: quarantining entry {label}: {reason}. "
+                  "Requests that matched it run as an online-prediction miss (dense with "
+                  "miss_mode \"dense\") and record a fresh entry when record_on_miss is on.", stacklevel=5)
+
+
 def _as_bool_array(masks):
     if isinstance(masks, PackedBlockMaps):  # a recording: unpacked layer by layer by the encoder
         return masks
