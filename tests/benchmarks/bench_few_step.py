@@ -1,0 +1,500 @@
+"""Whole generations in the step-distilled regime (4-8 steps, cfg 1), measured at all 40 blocks.
+
+Run on a CUDA machine from the repo root (ComfyUI importable, e.g. ``COMFYUI_PATH`` set, and
+``flash-attn-4`` importable for the FA4 rows):
+
+    python tests/benchmarks/bench_few_step.py --out DIR --shape 720p --steps 4,8 [--cfg 1] [--budget-s 540]
+
+or on the CPU at a tiny width and grid, to test the script end to end: ``--tiny``.
+
+What runs: ComfyUI's ``WAN21_I2V`` ``WanModel`` at Wan2.1-I2V-14B width (dim 5120, 40 heads x
+128, ffn 13824), all 40 blocks, bf16, random weights (``bench_end_to_end.build_model``), and its
+I2V conditioning; ``comfy.sample.sample`` with euler and the simple scheduler at ``--cfg``
+(at cfg 1 ComfyUI runs the cond alone: batch 1, as step-distilled workflows do). Every Chorus
+request goes the way the nodes take it: Similarity Match (``build_match_request`` +
+``match_request`` against a real SQLite bank in a temporary folder), then ``ReusePatch.install()``
+and the sampling call (the Sparse Wan Sampler). A generation is timed whole, from the match to
+the sampler's return after a CUDA sync; nothing is projected or scaled.
+
+Modes, in the order they run:
+- ``dense_comfyui`` (eager): ComfyUI as shipped (its SDPA priority list), ``vs_comfyui_default``'s baseline;
+- ``dense_fa4`` (eager, then compiled): Chorus with every call dense, so every self-attention runs
+  FlashAttention-4's dense forward;
+- ``miss_recording`` (eager): an empty bank, so a miss that records the entry the hits are served
+  from (online prediction, density clamped to ``--density``; the entry is written in the background
+  and waited for). Recorded once, at the first ``--steps`` value: the other step counts are served
+  from it by sigma;
+- ``hit`` with ``dense_steps`` 0 (the default: a hit's entry holds every step's masks) and 1;
+- ``online`` (a miss: threshold 1.01, nothing recorded) with ``dense_steps`` 1 (a miss's default
+  warm-up) and 0.
+The Chorus modes run compiled (``--compiled``): ComfyUI's own TorchCompileModel path,
+``set_torch_compile_wrapper(backend="inductor")`` on the patched model. The first generation of
+each compiled mode is a warm-up of ``--warmup-steps`` steps (a dense step and a sparse one); its
+time is reported as ``compile_s`` (it holds the compile and those steps). After it, every timed
+Chorus generation makes a new match and a new install, as a new prompt does, so a recompile that a
+new request causes is inside its ``generation_s`` (column ``graphs``: graphs compiled during it).
+
+``vs_best_dense`` = the fastest dense generation of the same shape, steps and cfg / this row's;
+``vs_online_miss`` = the online miss with one dense step, same compile mode (else compiled) / this row's;
+``vs_comfyui_default`` = ``dense_comfyui`` / this row's.
+
+Writes ``few_step_<machine>_<shape>.json`` and ``.md`` into ``--out`` after every generation
+(``few_step_tiny`` with ``--tiny``; keys: ../shared/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import bench_end_to_end as e2e  # noqa: E402  (model, request, machine name; puts the repo root on sys.path)
+import bench_reuse_loop as loop  # noqa: E402  (the background writer's flush, the commit)
+
+import torch  # noqa: E402
+
+SAMPLER, SCHEDULER = "euler", "simple"
+HIT_THRESHOLD, NO_MATCH_THRESHOLD = 0.9, 1.01  # cosine similarity never exceeds 1
+FLUSH_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Mode:
+    key: str  # dense_comfyui, dense_fa4, miss_recording, hit, online
+    compiled: bool
+    dense_steps: int = 0
+
+    @property
+    def label(self) -> str:
+        tag = "compiled" if self.compiled else "eager"
+        dense = "" if self.key.startswith("dense") else f"_dense{self.dense_steps}"
+        return f"{self.key}{dense}_{tag}"
+
+
+def mode_plan(compiled_chorus: bool, eager_hit: bool) -> list[Mode]:
+    """Baselines first, then the entry's recording, then the rows the targets name."""
+    plan = [Mode("dense_comfyui", False), Mode("dense_fa4", False), Mode("dense_fa4", True),
+            Mode("miss_recording", False, dense_steps=1)]
+    chorus = [Mode("hit", compiled_chorus, 0), Mode("hit", compiled_chorus, 1),
+              Mode("online", compiled_chorus, 1), Mode("online", compiled_chorus, 0)]
+    if eager_hit and compiled_chorus:
+        chorus.append(Mode("hit", False, 0))
+    return plan + chorus
+
+
+# --------------------------------------------------------------------------------------------
+# One generation
+# --------------------------------------------------------------------------------------------
+
+
+def chorus_options(mode: Mode, density: float):
+    from chorus_core.reuse_run import ReuseOptions
+
+    return ReuseOptions(dense_warmup_steps=mode.dense_steps, hit_warmup_steps=mode.dense_steps,
+                        min_density=density, max_density=density, miss_mode="online",
+                        record_on_miss=mode.key == "miss_recording")
+
+
+def compiled_clone(patcher):
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    patcher = patcher.clone()
+    set_torch_compile_wrapper(model=patcher, backend="inductor")
+    return patcher
+
+
+def dense_model(ctx, mode: Mode):
+    """The patched model of a dense mode, built once per mode (a user's graph keeps it cached)."""
+    cached = ctx["dense_models"].get(mode.label)
+    if cached is not None:
+        return cached
+    from chorus_core.mask_provider import DenseProvider
+    from chorus_core.sparse_patch import install_sparse_attention
+
+    patcher = ctx["patcher"]
+    if mode.key == "dense_fa4":
+        patcher = install_sparse_attention(patcher, DenseProvider(block_size=(e2e.BLOCK, e2e.BLOCK)))
+    if mode.compiled:
+        patcher = compiled_clone(patcher)
+    ctx["dense_models"][mode.label] = patcher
+    return patcher
+
+
+def chorus_model(ctx, mode: Mode):
+    """Similarity Match, then the Sparse Wan Sampler's install: what a new prompt runs."""
+    from chorus_core.reuse_match import build_match_request, match_request
+    from chorus_core.reuse_run import ReusePatch
+
+    positive, _, latent, clip = ctx["req"]
+    threshold = NO_MATCH_THRESHOLD if mode.key == "online" else HIT_THRESHOLD
+    request = build_match_request(ctx["patcher"], clip, positive, {"samples": latent}, None, threshold, {}, e2e.BLOCK)
+    patch = ReusePatch(ctx["patcher"], match_request(ctx["bank"], request), chorus_options(mode, ctx["density"]),
+                       scheduler=SCHEDULER, sampler=SAMPLER)
+    sampled = patch.install()
+    return (compiled_clone(sampled) if mode.compiled else sampled), patch
+
+
+def graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+def generate(ctx, mode: Mode, steps: int) -> dict:
+    import comfy.sample
+
+    cuda = ctx["cuda"]
+    positive, negative, latent, _ = ctx["req"]
+    noise = comfy.sample.prepare_noise(latent, 0)
+    stamps, patch = [], None
+
+    def callback(step, x0, x, total):
+        e2e.sync(cuda)
+        stamps.append(time.perf_counter())
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    e2e.sync(cuda)
+    graphs_before = graphs_compiled()
+    start = time.perf_counter()
+    if mode.key.startswith("dense"):
+        sampled = dense_model(ctx, mode)
+    else:
+        sampled, patch = chorus_model(ctx, mode)
+    out = comfy.sample.sample(sampled, noise, steps, ctx["cfg"], SAMPLER, SCHEDULER, positive, negative, latent,
+                              callback=callback, disable_pbar=True, seed=0)
+    e2e.sync(cuda)
+    end = time.perf_counter()
+    if len(stamps) != steps:
+        raise RuntimeError(f"{mode.label}: the sampler called back {len(stamps)} times for {steps} steps")
+    step_ms = [round((b - a) * 1e3, 1) for a, b in zip([start] + stamps[:-1], stamps)]
+    m = dict(generation_s=round(end - start, 3), step_ms=step_ms, graphs=graphs_compiled() - graphs_before,
+             finite=bool(torch.isfinite(out).all()))
+    if patch is not None:
+        m.update(report_fields(patch.last_report))
+    return m
+
+
+def report_fields(report) -> dict:
+    rep = report.to_json()
+    kept = [layer["density"] for layer in rep["layers"] if layer.get("density") is not None]
+    return dict(run_mode=rep["mode"], mask_source=rep["mask_source"], entry_id=rep["entry_id"],
+                recorded_entry_id=rep["recorded_entry_id"], dense_step_reasons=rep["dense_steps"],
+                measured_density=round(statistics.mean(kept), 4) if kept else None,
+                backend=(rep["backend"] or "").split(" ")[0] or None,
+                dense_backend=(rep["dense_backend"] or "").split(" ")[0] or None, warnings=rep["warnings"],
+                timings=rep["timings"])
+
+
+def check_path(mode: Mode, m: dict, steps: int) -> None:
+    """Raise when a Chorus generation did not take the path its row is named for."""
+    if mode.key.startswith("dense"):
+        return
+    expect = "hit" if mode.key == "hit" else "miss"
+    if m["run_mode"] != expect:
+        raise RuntimeError(f"{mode.label}: the run was a {m['run_mode']} ({m['mask_source']}; {m['warnings']})")
+    dense = len(m["dense_step_reasons"])
+    if dense != min(mode.dense_steps, steps):
+        raise RuntimeError(f"{mode.label}: {dense} dense steps ({m['dense_step_reasons']}), "
+                           f"expected {mode.dense_steps}")
+
+
+def record_entry(ctx, steps: int) -> dict:
+    """The miss that records the hits' entry; waits for the background writer."""
+    mode = Mode("miss_recording", False, dense_steps=1)
+    m = generate(ctx, mode, steps)
+    flush = loop.bank_writer_flush()
+    if flush is not None and flush(FLUSH_TIMEOUT_S) is False:
+        raise RuntimeError(f"the bank writer had not finished after {FLUSH_TIMEOUT_S:.0f} s")
+    entries = ctx["bank"].entries()
+    if len(entries) != 1:
+        raise RuntimeError(f"the recording left {len(entries)} entries in the bank ({m.get('warnings')})")
+    return m
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------
+
+
+def derive_rows(doc: dict) -> list[dict]:
+    rows = []
+    meas = doc["details"]["measurements"]
+    for key, m in meas.items():
+        label, steps = key.rsplit("@", 1)
+        rows.append(dict(shape=doc["details"]["shape"], steps=int(steps), cfg=doc["details"]["cfg"],
+                         blocks=doc["details"]["blocks"], mode=m["mode"], case=label, compiled=m["compiled"],
+                         density=1.0 if m["mode"] == "dense" else doc["details"]["density"],
+                         measured_density=m.get("measured_density"), dense_steps=m["dense_steps"],
+                         backend=m.get("backend"), dense_backend=m.get("dense_backend"),
+                         generation_s=m["generation_s"], compile_s=m.get("compile_s"), graphs=m.get("graphs"),
+                         step_ms=m["step_ms"], run=m.get("run", 0), first_step_s=round(m["step_ms"][0] / 1e3, 2),
+                         last_step_s=round(m["step_ms"][-1] / 1e3, 2)))
+    for row in rows:
+        same = [r for r in rows if r["steps"] == row["steps"]]
+        best = min((r["generation_s"] for r in same if r["mode"] == "dense"), default=None)
+        base = next((r["generation_s"] for r in same if r["case"] == "dense_comfyui_eager"), None)
+        online = online_miss_for(same, row["compiled"])
+        row["vs_best_dense"] = round(best / row["generation_s"], 3) if best else None
+        row["vs_comfyui_default"] = round(base / row["generation_s"], 3) if base else None
+        row["vs_online_miss"] = round(online / row["generation_s"], 3) if online else None
+    return rows
+
+
+def online_miss_for(rows: list[dict], compiled: bool):
+    """The online miss with one dense step: same compile mode if measured, else the other one."""
+    by_mode = {r["compiled"]: r["generation_s"] for r in rows if r["case"].startswith("online_dense1")}
+    return by_mode.get(compiled, by_mode.get(not compiled))
+
+
+def targets(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        if r["shape"] != "720p" or r["steps"] != 4 or r["case"] != "hit_dense0_compiled":
+            continue
+        best_ok = r["vs_best_dense"] is not None and r["vs_best_dense"] >= 2.4
+        online_ok = r["vs_online_miss"] is not None and r["vs_online_miss"] >= 1.35
+        out.append(f"720p 4 steps cfg {r['cfg']}, hit with no dense step, compiled: {r['vs_best_dense']}x the "
+                   f"fastest dense run (target >= 2.4x: {'MET' if best_ok else 'NOT MET'}), {r['vs_online_miss']}x "
+                   f"an online miss with one dense step (target >= 1.35x: {'MET' if online_ok else 'NOT MET'})")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+COLUMNS = ["run", "shape", "steps", "cfg", "blocks", "case", "mode", "compiled", "density", "measured_density",
+           "dense_steps", "backend", "generation_s", "first_step_s", "last_step_s", "compile_s", "graphs", "vs_best_dense", "vs_online_miss",
+           "vs_comfyui_default"]
+
+
+def write_results(out_dir: Path, name: str, doc: dict) -> None:
+    doc["rows"] = derive_rows(doc)
+    doc["targets"] = targets(doc["rows"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    lines = [f"# Few-step whole generations ({doc['machine']})", "",
+             f"- date: {doc['date']}", f"- machine: {doc['machine']}", f"- command: `{doc['command']}`",
+             f"- git commit: {doc['git_commit']}",
+             *[f"- run {r['run']}: {r['date']}, `{r['command']}`" for r in doc["details"].get("runs", [])],
+             f"- torch {doc['details']['torch']}, ComfyUI {doc['details']['comfyui']}, flash-attn-4 "
+             f"{doc['details']['flash_attn']}", "", doc["method"], "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in doc["rows"]:
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in COLUMNS) + " |")
+    lines += ["", "Targets:", ""] + [f"- {t}" for t in doc["targets"] or ["(no 720p 4-step hit row)"]]
+    lines += ["", "Caveats:", ""] + [f"- {c}" for c in caveats(doc)]
+    lines += ["", "Per-step times (ms) of every generation are in the JSON (`rows[].step_ms`)."]
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def caveats(doc: dict) -> list[str]:
+    d = doc["details"]
+    return (["speed only: random weights, so the recorded masks carry no structure; their density is clamped to "
+             f"{d['density']} (min_density = max_density)",
+             f"the hits of every step count are served from one entry recorded at {d['recorded_steps']} steps "
+             "(addressed by sigma)",
+             "compile_s is the warm-up generation of a compiled mode (compile + its steps), not in generation_s",
+             "dense ComfyUI compiled is not run: it was slower than dense FA4 compiled at 720p cfg 5 "
+             "(fast_path_h200_720p.md: 22.6 s vs 20.4 s per 40-block step)",
+             "VAE, text and CLIP-vision encoders: outside the sampler, equal in every mode"]
+            + d["skipped"] + [f"error: {e}" for e in d["errors"]])
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(BENCH_DIR / "results"))
+    p.add_argument("--tiny", action="store_true", help="dim 256, 2 blocks, a tiny latent, on the CPU")
+    p.add_argument("--shape", default="720p")
+    p.add_argument("--steps", default="4,8", help="step counts, each a whole timed generation per mode")
+    p.add_argument("--cfg", type=float, default=1.0)
+    p.add_argument("--density", type=float, default=0.15)
+    p.add_argument("--warmup-steps", default="2,3",
+                   help="steps of the first compiled mode's warm-up generations (two step counts, so the compiled "
+                        "model is already general over the schedule's length); later modes warm up on the first")
+    p.add_argument("--eager-hit", action="store_true", help="also time the hit eager")
+    p.add_argument("--only", default=None, help="comma-separated mode labels to run (e.g. online_dense1_eager)")
+    p.add_argument("--no-compile", action="store_true", help="run the Chorus modes eager")
+    p.add_argument("--budget-s", type=float, default=540.0, help="start no generation after this many seconds")
+    p.add_argument("--extra-site", default=None, help="folder of carried pure-Python packages (appended to sys.path)")
+    p.add_argument("--git-commit", default=None)
+    p.add_argument("--command", default=None, help="the command line to record (default: argv)")
+    p.add_argument("--note", action="append", default=[], help="a caveat to add to a merged document")
+    p.add_argument("--merge", default=None, metavar="JSON,JSON,...",
+                   help="combine results files of one shape (runs of this script in separate processes on one "
+                        "machine, e.g. one device call each) into --out; the first file's measurement of a mode wins, "
+                        "later ones are kept as repeats")
+    return p.parse_args(argv)
+
+
+def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> None:
+    """One results document from several runs; every measurement says which run it came from."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    merged = docs[0]
+    merged["details"]["runs"] = [dict(run=i, date=d["date"], command=d["command"], git_commit=d["git_commit"])
+                                 for i, d in enumerate(docs)]
+    merged["details"]["repeats"] = {}
+    meas = {}
+    for i, d in enumerate(docs):
+        if d["details"]["shape"] != merged["details"]["shape"]:
+            raise SystemExit(f"{paths[i]} is {d['details']['shape']}, not {merged['details']['shape']}")
+        for key, m in d["details"]["measurements"].items():
+            m = dict(m, run=i)
+            if key in meas:
+                merged["details"]["repeats"].setdefault(key, []).append(m)
+            else:
+                meas[key] = m
+        merged["details"]["errors"] += [e for e in d["details"]["errors"] if i]
+    merged["details"]["measurements"] = meas
+    merged["details"]["skipped"] += notes
+    merged["command"] = command
+    merged["date"] = max(d["date"] for d in docs)
+    machine = "h200" if "H200" in merged["machine"] else "gpu"
+    write_results(out_dir, f"few_step_{machine}_{merged['details']['shape']}", merged)
+
+
+def new_doc(args, cuda: bool, blocks: int, shape: str) -> dict:
+    try:
+        import flash_attn
+
+        fa_version = getattr(flash_attn, "__version__", "installed")
+    except Exception:  # noqa: BLE001  (any import failure: the FA4 rows fall back, the report says so)
+        fa_version = None
+    import comfyui_version
+
+    return {"benchmark": "bench_few_step",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": e2e.machine_name(cuda), "command": args.command or " ".join(["python"] + sys.argv),
+            "git_commit": loop.git_commit(args.git_commit), "rows": [], "targets": [],
+            "method": __doc__[__doc__.index("What runs:"):__doc__.index("Writes ``few")].strip(),
+            "details": {"torch": torch.__version__, "comfyui": getattr(comfyui_version, "__version__", None),
+                        "flash_attn": fa_version, "shape": shape, "blocks": blocks, "cfg": args.cfg,
+                        "density": args.density, "recorded_steps": None, "measurements": {}, "skipped": [],
+                        "errors": []}}
+
+
+def results_mode(mode: Mode) -> str:
+    """RESULTS.md's ``mode``: dense, hit or miss (an online run is a miss; ``case`` tells which)."""
+    if mode.key.startswith("dense"):
+        return "dense"
+    return "hit" if mode.key == "hit" else "miss"
+
+
+def warm_up(ctx, mode: Mode) -> float:
+    """Warm-up generations of a compiled mode; seconds they took (compiles included).
+
+    Compiling with one sigma schedule length and then sampling another recompiles (the schedule
+    becomes a dynamic shape on its second length), so the first compiled mode warms up on two
+    lengths and later modes, sharing its compiled code, on one."""
+    lengths = ctx["warmup_steps"] if not ctx["warmed"] else ctx["warmup_steps"][:1]
+    ctx["warmed"] = True
+    total = 0.0
+    for steps in lengths:
+        warm = generate(ctx, mode, steps)
+        total += warm["generation_s"]
+        e2e.log(f"{mode.label}: warm-up of {steps} steps {warm['generation_s']:.1f} s, steps {warm['step_ms']}, "
+                f"graphs {warm['graphs']}")
+    return round(total, 3)
+
+
+def run_mode(ctx, doc, mode: Mode, step_counts: list[int], save) -> None:
+    meas = doc["details"]["measurements"]
+    compile_s = None
+    if mode.compiled:
+        compile_s = warm_up(ctx, mode)
+    for steps in step_counts:
+        if time.perf_counter() - e2e.T0 > ctx["budget_s"]:
+            doc["details"]["skipped"].append(f"{mode.label} at {steps} steps: skipped, time budget")
+            continue
+        m = generate(ctx, mode, steps)
+        check_path(mode, m, steps)
+        m.update(mode=results_mode(mode), compiled=mode.compiled,
+                 dense_steps=steps if mode.key.startswith("dense") else mode.dense_steps, compile_s=compile_s)
+        meas[f"{mode.label}@{steps}"] = m
+        e2e.log(f"{mode.label} @ {steps}: {m['generation_s']:.2f} s, steps {m['step_ms']}, graphs {m['graphs']}, "
+                f"density {m.get('measured_density')}, backend {m.get('backend')}/{m.get('dense_backend')}, "
+                f"timings {m.get('timings')}")
+        save()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.merge:
+        return merge([Path(p) for p in args.merge.split(",")], Path(args.out), " ".join(["python"] + sys.argv), args.note)
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = "cuda" if cuda else "cpu"
+    e2e.setup_comfy(cuda, args.extra_site)
+    if args.tiny:
+        dim, ffn, blocks, shape, latent_thw, dtype = 256, 512, 2, "tiny", e2e.TINY_SHAPES["tiny"], torch.float32
+    else:
+        dim, ffn, blocks, shape, dtype = 5120, 13824, e2e.FULL_LAYERS, args.shape, torch.bfloat16
+        latent_thw = e2e.SHAPES[shape]
+    step_counts = [int(s) for s in args.steps.split(",")]
+    machine = "tiny" if args.tiny else ("h200" if "H200" in e2e.machine_name(cuda) else "gpu")
+    name = "few_step_tiny" if args.tiny else f"few_step_{machine}_{shape}"
+    doc = new_doc(args, cuda, blocks, shape)
+    doc["details"]["recorded_steps"] = step_counts[0]
+    out_dir = Path(args.out)
+    model, patcher = e2e.build_model(dim, ffn, blocks, device, dtype)
+    e2e.log(f"model built: {blocks} blocks, dim {dim}, on {device}")
+    from chorus_core.bank import open_bank
+
+    with tempfile.TemporaryDirectory(prefix="chorus-few-step-") as tmp:
+        bank = open_bank(tmp)
+        ctx = dict(cuda=cuda, patcher=patcher, req=e2e.make_request(latent_thw), cfg=args.cfg, bank=bank,
+                   density=args.density, warmed=False,
+                   warmup_steps=[int(s) for s in args.warmup_steps.split(",")], budget_s=args.budget_s, dense_models={})
+        try:
+            run_all(ctx, doc, args, step_counts, lambda: write_results(out_dir, name, doc))
+        finally:
+            bank.close()
+    write_results(out_dir, name, doc)
+    for r in doc["rows"]:
+        e2e.log(" ".join(f"{c}={r.get(c)}" for c in COLUMNS))
+    for t in doc["targets"]:
+        e2e.log(t)
+
+
+def run_all(ctx, doc, args, step_counts: list[int], save) -> None:
+    plan = mode_plan(compiled_chorus=not args.no_compile, eager_hit=args.eager_hit)
+    plan += [Mode("online", False, 1), Mode("online", False, 0)]
+    for mode in [m for m in plan if args.only is None or m.label in args.only.split(",")]:
+        if time.perf_counter() - e2e.T0 > args.budget_s:
+            doc["details"]["skipped"].append(f"{mode.label}: skipped, time budget")
+            continue
+        try:
+            if mode.key == "miss_recording":
+                m = record_entry(ctx, step_counts[0])
+                m.update(mode="miss", compiled=False, dense_steps=1, compile_s=None)
+                doc["details"]["measurements"][f"{mode.label}@{step_counts[0]}"] = m
+                e2e.log(f"recorded: {m['generation_s']:.2f} s, steps {m['step_ms']}")
+                save()
+            else:
+                run_mode(ctx, doc, mode, step_counts, save)
+        except Exception as exc:  # noqa: BLE001  (one mode's failure is a result; the others still run)
+            doc["details"]["errors"].append(f"{mode.label}: {type(exc).__name__}: {exc}")
+            e2e.log(f"FAILED {mode.label}: {traceback.format_exc()}")
+        if ctx["cuda"]:
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
