@@ -1,11 +1,15 @@
 """A bank entry's masks, loaded off the critical path and served in the kernel's format.
 
 A hit must cost nothing per request on the prompt's thread. :class:`EntryPrefetch` loads,
-verifies and decodes the matched entry in a worker thread that starts before sampling (the dense
-warm-up step hides it), turning each step bucket into live-block lists on the host. At the first
-sparse call of a bucket every layer of it goes to the GPU (asynchronous copies from pinned memory);
-every later call of that bucket reuses the same tensors, with no host sync, no validation and no
-allocation.
+verifies and inflates the matched entry in a worker thread that starts before sampling, layer by
+layer: each layer set stays packed bits on the host (an eighth of a bool map, no unpacking) with
+its row counts. At the first sparse call of a step bucket, each of its layers goes to the GPU
+(asynchronous copies from pinned memory) and becomes live-block lists there, with whole-tensor
+ops and no host sync; every later call of that bucket reuses the same tensors.
+
+Why on the device: at 720p x 40 layers the host-side unpacking and live lists took 3-4.5 s per
+bucket on an H200's host, so a hit that runs sparse from its first step waited 3.8 s for it
+(tests/benchmarks/results/few_step_h200_720p.md); the same work is milliseconds on the GPU.
 """
 
 from __future__ import annotations
@@ -20,65 +24,64 @@ import torch
 
 from ._siblings import import_sibling
 from .mask_provider import PreparedMask
+from .masks import unpack_bits
+
+_POPCOUNT = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.uint8)
 
 
-def live_lists(block_map: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """bool ``[H, nq, nk]`` -> ascending key-block ids ``[H, nq, max_live]`` (0-padded) and counts int32 ``[H, nq]``.
-
-    Ids are int16 (half the host memory and upload; Wan's 720p has 591 key blocks), int32 past 32,767.
-
-    :raises ValueError: when a query block keeps no key block (the kernel needs one per row)
-    """
-    heads, nq, nk = block_map.shape
-    counts = block_map.sum(-1, dtype=np.int32)
-    if counts.size and counts.min() <= 0:
-        h, r = np.argwhere(counts <= 0)[0]
-        raise ValueError(f"mask has a query block with no key block (head {h}, query block {r}); "
-                         "the entry cannot serve attention")
-    flat = np.flatnonzero(block_map)  # row-major, so ids ascend within each row
-    rows, cols = np.divmod(flat, nk)
-    per_row = counts.ravel()
-    first_slot = np.cumsum(per_row) - per_row
-    slots = np.arange(flat.size) - np.repeat(first_slot, per_row)
-    dtype = np.int16 if nk <= np.iinfo(np.int16).max else np.int32
-    ids = np.zeros((heads * nq, max(1, int(per_row.max(initial=1)))), dtype=dtype)
-    ids[rows, slots] = cols
-    return ids.reshape(heads, nq, -1), counts
+def row_counts(packed: np.ndarray) -> np.ndarray:
+    """Set bits per row of packed bits: int32 ``[..., rows]`` (numpy 2's popcount ufunc, else a table)."""
+    bits = np.bitwise_count(packed) if hasattr(np, "bitwise_count") else _POPCOUNT[packed]
+    return bits.sum(-1, dtype=np.int32)
 
 
 @dataclass
-class HostBucket:
-    """One step bucket of an entry, every layer, as host arrays ready for upload."""
+class HostLayer:
+    """One layer set of a step bucket as packed bits on the host, ready for upload."""
 
-    live_blocks: list  # per layer: int16/int32 [H, nq, max_live of that layer] (pinned when the run is on a GPU)
-    live_counts: list  # per layer: int32 [H, nq]
-    densities: list[float]  # per layer: share of blocks kept
+    packed: torch.Tensor  # uint8 [H, nq, ceil(nk / 8)], padding cleared (pinned when the run is on a GPU)
+    counts: torch.Tensor  # int32 [H, nq]: key blocks kept per query block
+    most: int  # the largest count: the live lists' width, known here so the device needs no sync
+    density: float  # share of blocks kept
 
     @classmethod
-    def from_maps(cls, maps: list[np.ndarray], pin: bool) -> "HostBucket":
-        lists = [live_lists(m) for m in maps]  # padded per layer: one dense layer must not widen all
-        ids = [torch.from_numpy(layer_ids) for layer_ids, _ in lists]
-        counts = [torch.from_numpy(c) for _, c in lists]
+    def from_packed(cls, packed: np.ndarray, nk: int, pin: bool) -> "HostLayer":
+        """:raises ValueError: when a query block keeps no key block (the kernel needs one per row)"""
+        counts = row_counts(packed)
+        if counts.size and counts.min() <= 0:
+            h, r = np.argwhere(counts <= 0)[0]
+            raise ValueError(f"mask has a query block with no key block (head {h}, query block {r}); "
+                             "the entry cannot serve attention")
+        packed_t, counts_t = torch.from_numpy(packed), torch.from_numpy(counts)
         if pin:
-            ids, counts = [t.pin_memory() for t in ids], [t.pin_memory() for t in counts]
-        nk = maps[0].shape[-1]
-        return cls(ids, counts, [float(c.sum()) / (c.size * nk) for _, c in lists])
+            packed_t, counts_t = packed_t.pin_memory(), counts_t.pin_memory()
+        return cls(packed_t, counts_t, int(counts.max(initial=1)), float(counts.sum()) / max(1, counts.size * nk))
+
+    def to_device(self, nk: int, block_size: tuple[int, int], seq_len: int, device) -> PreparedMask:
+        """The layer's kernel-ready mask on ``device``: upload, unpack and live lists, all queued."""
+        block_sparse = import_sibling("kernels.block_sparse")
+        live = unpack_bits(self.packed.to(device, non_blocking=True), nk)
+        counts = self.counts.to(device, non_blocking=True)
+        mask = block_sparse.live_lists_to_mask(live[None], counts[None], self.most, block_size[0], block_size[1],
+                                               seq_len)
+        # Valid by construction (every row counted non-empty on the host, ids ascending from the sort).
+        return PreparedMask(mask.assume_valid(), self.density)
 
 
 @dataclass
 class DeviceBucket:
-    """One step bucket on the run's device: one BlockSparseMask per layer, built once."""
+    """One step bucket on the run's device: each layer's PreparedMask, built at its first call."""
 
     index: int
-    masks: list  # PreparedMask per layer
+    masks: dict = field(default_factory=dict)  # layer -> PreparedMask
 
 
 @dataclass
 class PrefetchTimings:
     load_ms: float = 0.0  # row, blob read, digest check, safetensors parse (worker)
-    decode_ms: float = 0.0  # every bucket decoded and turned into live-block lists (worker)
+    decode_ms: float = 0.0  # every bucket inflated and counted (worker)
     wait_ms: float = 0.0  # what the sampling thread waited for the worker (the critical-path cost)
-    upload_ms: float = 0.0  # host-side time to queue bucket uploads (the copies themselves are async)
+    upload_ms: float = 0.0  # host-side time to queue uploads and live-list ops (the GPU work is async)
     buckets: list = field(default_factory=list)  # per bucket: decode ms
 
 
@@ -95,7 +98,7 @@ class EntryPrefetch:
         self._open_entry, self._pin = open_entry, pin
         self._cond = threading.Condition()
         self._entry = None
-        self._host: dict[int, HostBucket] = {}
+        self._host: dict[tuple[int, int], HostLayer] = {}  # (bucket, layer) -> host layer
         self._error: Optional[BaseException] = None
         self._done = False
         self._device: Optional[DeviceBucket] = None
@@ -111,25 +114,25 @@ class EntryPrefetch:
             with self._open_entry() as entry:
                 self.timings.load_ms = (time.perf_counter() - started) * 1e3
                 self._publish(entry=entry)
-                layers = entry.shape[1]
+                layers, nk = entry.shape[1], entry.shape[-1]
                 for bucket in range(len(entry.step_buckets)):
                     begun = time.perf_counter()
-                    maps = [entry.block_map(bucket, layer).numpy() for layer in range(layers)]
-                    host = HostBucket.from_maps(maps, self._pin)
+                    for layer in range(layers):  # published one by one: the first layers serve soonest
+                        host = HostLayer.from_packed(entry.packed_block_map(bucket, layer), nk, self._pin)
+                        self._publish(layer=((bucket, layer), host))
                     self.timings.buckets.append(round((time.perf_counter() - begun) * 1e3, 2))
-                    self._publish(bucket=(bucket, host))
             self.timings.decode_ms = sum(self.timings.buckets)
         except BaseException as exc:  # handed to the sampling thread, which runs as a miss
             self._publish(error=exc)
         finally:
             self._publish(done=True)
 
-    def _publish(self, entry=None, bucket=None, error=None, done=False) -> None:
+    def _publish(self, entry=None, layer=None, error=None, done=False) -> None:
         with self._cond:
             if entry is not None:
                 self._entry = entry
-            if bucket is not None:
-                self._host[bucket[0]] = bucket[1]
+            if layer is not None:
+                self._host[layer[0]] = layer[1]
             if error is not None:
                 self._error = error
             self._done = self._done or done
@@ -144,7 +147,7 @@ class EntryPrefetch:
                 if self._error is not None:
                     raise RuntimeError(f"the bank entry could not be loaded: {self._error}") from self._error
                 if self._done:
-                    raise RuntimeError("the bank entry has fewer step buckets than asked for")
+                    raise RuntimeError("the bank entry has fewer step buckets or layers than asked for")
                 self._cond.wait()
         self.timings.wait_ms += (time.perf_counter() - started) * 1e3
 
@@ -153,24 +156,20 @@ class EntryPrefetch:
         self._wait_for(lambda: self._entry is not None)
         return self._entry
 
-    def device_bucket(self, bucket: int, block_size: tuple[int, int], seq_len: int, device) -> DeviceBucket:
-        """Bucket ``bucket`` on ``device``; uploaded once, the previous bucket's tensors dropped."""
-        if self._device is not None and self._device.index == bucket:
-            return self._device
-        self._wait_for(lambda: bucket in self._host)
-        started = time.perf_counter()
-        host = self._host[bucket]
-        self._device = None  # free the previous bucket before allocating this one
-        BlockSparseMask = import_sibling("kernels.block_sparse").BlockSparseMask
-        masks = []
-        for ids, counts, density in zip(host.live_blocks, host.live_counts, host.densities):
-            # Valid by construction (live_lists checked every row on the host): no check on the GPU.
-            mask = BlockSparseMask(ids.to(device, non_blocking=True).to(torch.int32)[None],
-                                   counts.to(device, non_blocking=True)[None], block_size[0], block_size[1], seq_len)
-            masks.append(PreparedMask(mask.assume_valid(), density))
-        self._device = DeviceBucket(bucket, masks)
-        self.timings.upload_ms += (time.perf_counter() - started) * 1e3
-        return self._device
+    def layer_mask(self, bucket: int, layer: int, block_size: tuple[int, int], seq_len: int, device) -> PreparedMask:
+        """Layer ``layer`` of bucket ``bucket`` on ``device``, built once; a new bucket drops the
+        previous bucket's tensors first."""
+        if self._device is None or self._device.index != bucket:
+            self._device = DeviceBucket(bucket)  # frees the previous bucket before allocating this one
+        prepared = self._device.masks.get(layer)
+        if prepared is None:
+            self._wait_for(lambda: (bucket, layer) in self._host)
+            started = time.perf_counter()
+            nk = self._entry.shape[-1]
+            prepared = self._host[(bucket, layer)].to_device(nk, block_size, seq_len, device)
+            self._device.masks[layer] = prepared
+            self.timings.upload_ms += (time.perf_counter() - started) * 1e3
+        return prepared
 
     def join(self, timeout: float = 60.0) -> None:
         """Wait for the worker (after sampling it has long finished) and free what it holds.

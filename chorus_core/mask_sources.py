@@ -103,14 +103,13 @@ class BankEntryProvider(MaskSource):
         source = self._source()
         if source is not self:
             return source.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-        try:  # a bucket the worker could not decode: the rest of the run is a miss, like a failed load
-            masks = self.prefetch.device_bucket(self.step_bucket(step), self.block_size, seq_len, device).masks
+        if layer >= self.prefetch.entry().shape[1]:
+            return None
+        try:  # a layer the worker could not decode: the rest of the run is a miss, like a failed load
+            prepared = self.prefetch.layer_mask(self.step_bucket(step), layer, self.block_size, seq_len, device)
         except Exception as exc:
             self._fail(exc)
             return self.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-        if layer >= len(masks):
-            return None
-        prepared = masks[layer]
         if prepared.mask.heads != num_heads or prepared.mask.n_q_blocks != prepared.mask.live_counts.shape[2]:
             raise ValueError(f"bank entry masks have {prepared.mask.heads} heads and "
                              f"{prepared.mask.live_counts.shape[2]} query blocks; this run needs {num_heads} heads "

@@ -31,6 +31,7 @@ from .ops import define_block_sparse_op
 __all__ = [
     "BlockSparseMask",
     "block_map_to_mask",
+    "live_lists_to_mask",
     "mask_to_block_map",
     "block_map_to_element_mask",
     "block_sparse_attention",
@@ -193,14 +194,22 @@ def block_map_to_mask(block_map: torch.Tensor, block_q: int, block_k: int, seq_l
     counts = live.sum(-1, dtype=torch.int32)
     fewest, most, kept = (torch.stack([counts.min(), counts.max(), counts.sum(dtype=torch.int32)]).tolist()
                           if counts.numel() else (0, 0, 0))
-    max_live = max(1, most)
+    mask = live_lists_to_mask(live, counts, most, block_q, block_k, seq_len)
+    mask.__dict__["density"] = kept / max(1, counts.numel() * nk)  # pre-fills the cached property
+    return mask.assume_valid() if fewest > 0 else mask
+
+
+def live_lists_to_mask(live: torch.Tensor, counts: torch.Tensor, most: int, block_q: int, block_k: int,
+                       seq_len: int) -> BlockSparseMask:
+    """bool ``[B, H, nq, nk]`` with its row counts (int32 ``[B, H, nq]``) and their known maximum
+    -> ``BlockSparseMask``, with no host sync: whole-tensor ops queued on the map's device. Not
+    validated: the caller knows whether a row can be empty."""
+    max_live = max(1, int(most))
     # A stable sort of "not live" puts the live ids first, in ascending order.
     order = torch.sort((~live).to(torch.uint8), dim=-1, stable=True).indices[..., :max_live]
     valid = torch.arange(max_live, device=live.device) < counts[..., None]
     ids = order.masked_fill(~valid, 0).to(torch.int32).contiguous()
-    mask = BlockSparseMask(ids, counts.contiguous(), int(block_q), int(block_k), int(seq_len))
-    mask.__dict__["density"] = kept / max(1, counts.numel() * nk)  # pre-fills the cached property
-    return mask.assume_valid() if fewest > 0 else mask
+    return BlockSparseMask(ids, counts.contiguous(), int(block_q), int(block_k), int(seq_len))
 
 
 def mask_to_block_map(mask: BlockSparseMask) -> torch.Tensor:

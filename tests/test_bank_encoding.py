@@ -100,3 +100,36 @@ def test_packed_recordings_encode_to_the_same_bytes_as_their_bool_maps():
     assert direct.keys() == encode_masks(masks)[0].keys()
     assert all(np.array_equal(direct[k], v) for k, v in encode_masks(masks)[0].items())
     assert (decode_all(direct, meta, masks.shape) == masks).all()
+
+
+@both_codecs
+@pytest.mark.parametrize("coarsen", [1, 2])
+def test_packed_decode_is_the_packed_bool_decode(codec, coarsen):
+    """What a hit uploads (packed bits, inflated without unpacking for the shipped codec) is the
+    bool decode, packed: every bucket (base and XOR delta) and layer, a width that is not a whole byte."""
+    from chorus_core.bank.encoding import decode_packed_block_map
+
+    rng = np.random.default_rng(5)
+    masks = rng.random((3, 2, 3, 21, 43)) < 0.2
+    tensors, meta = encode_masks(masks, codec=codec, coarsen=coarsen)
+    for s in range(3):
+        for layer in range(2):
+            packed = decode_packed_block_map(tensors, meta, s, layer)
+            expected = np.packbits(decode_block_map(tensors, meta, s, layer), axis=-1)
+            assert packed.dtype == np.uint8 and packed.flags.writeable
+            assert np.array_equal(packed, expected)
+
+
+def test_set_padding_bits_in_a_stored_entry_are_cleared():
+    """A hostile entry's padding bits would name key blocks past the last one: they never reach the kernel."""
+    import zlib
+
+    from chorus_core.bank.encoding import decode_packed_block_map
+
+    masks = np.zeros((1, 1, 1, 2, 11), bool)
+    masks[..., 0] = True
+    tensors, meta = encode_masks(masks)
+    raw = np.packbits(masks[0, 0], axis=-1)
+    raw[..., -1] |= 0b00011111  # the 5 bits past column 10
+    tensors["b0.l0.p"] = np.frombuffer(zlib.compress(raw.tobytes()), np.uint8)
+    assert np.array_equal(decode_packed_block_map(tensors, meta, 0, 0), np.packbits(masks[0, 0], axis=-1))

@@ -93,11 +93,13 @@ def test_a_hit_is_decoded_by_the_worker_before_the_first_sparse_step(bank_with_e
         with lock:
             events.append((*event, threading.current_thread().name))
 
-    real_from_maps = reuse_run.EntryPrefetch.__init__.__globals__["HostBucket"].from_maps
+    from chorus_core.entry_prefetch import HostLayer
 
-    def logged_from_maps(maps, pin):
-        log("decoded bucket")
-        return real_from_maps(maps, pin)
+    real_from_packed = HostLayer.from_packed
+
+    def logged_from_packed(packed, nk, pin):
+        log("decoded layer")
+        return real_from_packed(packed, nk, pin)
 
     real_prepared = reuse_run.BankEntryProvider.prepared_mask
 
@@ -105,23 +107,23 @@ def test_a_hit_is_decoded_by_the_worker_before_the_first_sparse_step(bank_with_e
         log("sparse call", self.step_bucket(step))
         return real_prepared(self, layer, step, *args)
 
-    monkeypatch.setattr(reuse_run.EntryPrefetch.__init__.__globals__["HostBucket"], "from_maps",
-                        staticmethod(logged_from_maps))
+    monkeypatch.setattr(HostLayer, "from_packed", staticmethod(logged_from_packed))
     monkeypatch.setattr(reuse_run.BankEntryProvider, "prepared_mask", logged_prepared)
     positive, _, latent = request()
     _, report, run = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
 
     assert report.mode == "hit"
-    decodes = [i for i, e in enumerate(events) if e[0] == "decoded bucket"]
-    assert len(decodes) == 3 and {events[i][-1] for i in decodes} == {"chorus-entry-prefetch"}
+    layers = len(tiny_wan_patcher.model.diffusion_model.blocks)
+    decodes = [i for i, e in enumerate(events) if e[0] == "decoded layer"]
+    assert len(decodes) == 3 * layers and {events[i][-1] for i in decodes} == {"chorus-entry-prefetch"}
     first_sparse = {}
     for i, e in enumerate(events):
         if e[0] == "sparse call":
             first_sparse.setdefault(e[1], i)
             assert e[-1] == "MainThread"
-    # bucket b's decode is logged before the first sparse call that uses bucket b
+    # bucket b's layers are decoded before the first sparse call that uses bucket b
     assert sorted(first_sparse) == [0, 1, 2]  # a hit runs sparse from step 0 (hit_warmup_steps=0)
-    assert all(decodes[b] < first_sparse[b] for b in first_sparse)
+    assert all(decodes[(b + 1) * layers - 1] < first_sparse[b] for b in first_sparse)
     assert len(report.timings["prefetch_buckets"]) == 3 and "prefetch_wait_ms" in report.timings
 
 
@@ -423,18 +425,20 @@ def test_prior_mode_serves_the_stored_prior_through_the_prefetch(bank_with_entry
 # --------------------------------------------------------------------------------------------
 
 
-def test_live_lists_match_the_kernels_converter():
-    from chorus_core.entry_prefetch import live_lists
+def test_a_host_layer_uploads_to_the_kernels_own_mask_of_the_same_map():
+    """Packed bits + host row counts -> live lists on the device: the mask block_map_to_mask makes."""
+    from chorus_core.entry_prefetch import HostLayer
     from kernels.block_sparse import block_map_to_mask
 
     maps = entry_masks(1, 3, 7, buckets=1)[0, 0]  # [H, nq, nk]
-    ids, counts = live_lists(maps.numpy())
+    host = HostLayer.from_packed(np.packbits(maps.numpy(), axis=-1), 7, pin=False)
     expected = block_map_to_mask(maps[None], 16, 16, 7 * 16)
-    assert np.array_equal(counts, expected.live_counts[0].numpy())
-    width = expected.live_blocks.shape[-1]
-    assert np.array_equal(ids[..., :width], expected.live_blocks[0].numpy())
+    got = host.to_device(7, (16, 16), 7 * 16, "cpu").mask
+    assert torch.equal(got.live_counts, expected.live_counts)
+    assert torch.equal(got.live_blocks, expected.live_blocks)
+    assert host.density == pytest.approx(float(maps.float().mean()))
     with pytest.raises(ValueError, match="no key block"):
-        live_lists(np.zeros((1, 2, 2), dtype=bool))
+        HostLayer.from_packed(np.zeros((1, 2, 1), dtype=np.uint8), 2, pin=False)
 
 
 def test_packed_bits_round_trip_and_match_numpy():

@@ -237,7 +237,13 @@ def _encode_packed_layer(packed: list[np.ndarray], layer: int, level: int) -> di
 
 
 def _inflate_bits(blob: np.ndarray, shape) -> np.ndarray:
-    """Packed bits of a bool ``shape`` array; exactly that many bytes or ValueError (a bomb stops at the limit)."""
+    """Bool ``shape`` array from its deflated packed bits (see :func:`_inflate_packed`)."""
+    return np.unpackbits(_inflate_packed(blob, shape), axis=-1, count=shape[-1]).view(bool)
+
+
+def _inflate_packed(blob: np.ndarray, shape) -> np.ndarray:
+    """Packed bits (uint8 ``[H, nq, ceil(nk / 8)]``) of a bool ``shape`` array; exactly that many
+    bytes or ValueError (a bomb stops at the limit). Padding bits are as stored: see :func:`clear_padding`."""
     heads, rows, cols = shape
     size = heads * rows * -(-cols // 8)
     inflater = zlib.decompressobj()
@@ -248,8 +254,15 @@ def _inflate_bits(blob: np.ndarray, shape) -> np.ndarray:
     if len(raw) != size or not inflater.eof:
         raise ValueError(f"mask data inflates to {'more than' if len(raw) > size else len(raw)} bytes, "
                          f"its shape needs {size}")
-    packed = np.frombuffer(raw, dtype=np.uint8).reshape(heads, rows, -1)
-    return np.unpackbits(packed, axis=-1, count=cols).view(bool)
+    return np.frombuffer(raw, dtype=np.uint8).reshape(heads, rows, -1)
+
+
+def clear_padding(packed: np.ndarray, nk: int) -> np.ndarray:
+    """``packed`` (writable) with the bits past ``nk`` in each row's last byte cleared: a stored
+    entry's padding is not trusted, and a set padding bit would name a key block that does not exist."""
+    if nk % 8:
+        packed[..., -1] &= np.uint8((0xFF << (8 - nk % 8)) & 0xFF)
+    return packed
 
 
 def decode_block_map(tensors: dict, meta: dict, bucket: int, layer: int) -> np.ndarray:
@@ -291,6 +304,24 @@ def decode_block_map(tensors: dict, meta: dict, bucket: int, layer: int) -> np.n
     else:
         maps = _join(parts(bucket), shape)
     return _upsample(maps, factor, nq, nk)
+
+
+def decode_packed_block_map(tensors: dict, meta: dict, bucket: int, layer: int) -> np.ndarray:
+    """One layer set as packed bits, uint8 ``[H, nq, ceil(nk / 8)]`` (``np.packbits`` order, padding
+    cleared): what a hit uploads. The shipped codec at full resolution inflates straight to it,
+    with no unpacking on the host; other entries are decoded and packed."""
+    s_count, layers, heads, nq, nk = _ints(meta, "shape", 5)
+    lossless_packbits = meta.get("codec") == PACKBITS and _ints(meta, "coarsen", 1)[0] == 1
+    if not lossless_packbits or not (0 <= bucket < s_count and 0 <= layer < layers):
+        return np.packbits(decode_block_map(tensors, meta, bucket, layer), axis=-1)  # checks and errors there
+    shape = (heads, nq, nk)
+    if _ints(meta, "stored_blocks", 2) != (nq, nk):
+        raise ValueError(f"mask metadata is inconsistent: stored blocks {meta.get('stored_blocks')} "
+                         f"at coarsen 1 for {nq}x{nk} blocks")
+    packed = _inflate_packed(_part(tensors, f"b0.l{layer}.p"), shape)
+    if bucket > 0:
+        packed = packed ^ _inflate_packed(_part(tensors, f"b{bucket}.l{layer}.q"), shape)
+    return clear_padding(packed.copy() if bucket == 0 else packed, nk)
 
 
 def _ints(meta: dict, key: str, count: int) -> tuple[int, ...]:

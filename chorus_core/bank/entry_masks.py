@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import validation
-from .encoding import decode_block_map
+from .encoding import decode_block_map, decode_packed_block_map
 from .records import LatentLayout, Schedule
 
 
@@ -36,20 +36,33 @@ class EntryMasks:
         :raises IndexError: bucket or layer out of range
         :raises BankEntryCorrupt: the stored map cannot be decoded or is invalid
         """
+        return self._decoded(bucket_index, layer, decode_block_map, validation.check_block_map)
+
+    def _decoded(self, bucket_index: int, layer: int, decode, check) -> np.ndarray:
         s_count, layers = self.shape[:2]
         if not (0 <= bucket_index < s_count and 0 <= layer < layers):
             raise IndexError(f"bucket {bucket_index} / layer {layer} out of range for an entry "
                              f"with {s_count} buckets and {layers} layers.")
         if self._on_corrupt is None:  # not a bank entry (e.g. a cached prior): decode as is
-            return decode_block_map(self._tensors, self._meta, bucket_index, layer)
+            return decode(self._tensors, self._meta, bucket_index, layer)
         try:
-            maps = decode_block_map(self._tensors, self._meta, bucket_index, layer)
-            validation.check_block_map(maps, self.shape[2:])
+            maps = decode(self._tensors, self._meta, bucket_index, layer)
+            check(maps, self.shape[2:])
             return maps
         except Exception as exc:  # ValueError (bounded decode, checks), zlib.error, IndexError
             reason = f"bucket {bucket_index} layer {layer} unusable: {type(exc).__name__}: {exc}"
         self._on_corrupt(reason)  # quarantines (or skips, read-only) and raises BankEntryCorrupt
         raise AssertionError("on_corrupt must raise")
+
+    def packed_block_map(self, bucket_index: int, layer: int) -> np.ndarray:
+        """Packed bits uint8 ``[H, nq, ceil(nk / 8)]`` of one step bucket and layer, checked (no
+        empty row; padding cleared): what a hit uploads, about 10x cheaper than :meth:`block_map_numpy`
+        plus live lists on the host.
+
+        :raises IndexError: bucket or layer out of range
+        :raises BankEntryCorrupt: the stored map cannot be decoded or is invalid
+        """
+        return self._decoded(bucket_index, layer, decode_packed_block_map, validation.check_packed_block_map)
 
     def block_map(self, bucket_index: int, layer: int):
         """Bool torch tensor ``[H, nq, nk]`` for one step bucket and layer (about 15 ms CPU).

@@ -133,6 +133,20 @@ def check_block_map(maps: np.ndarray, shape) -> None:
                          f"(first: head {head}, query block {row})")
 
 
+def check_packed_block_map(packed: np.ndarray, shape) -> None:
+    """A decoded layer set as packed bits (padding cleared): ``[H, nq, ceil(nk / 8)]`` uint8 for the
+    declared bool ``shape`` ``[H, nq, nk]``, and every query row keeps a block (a row of zero bytes keeps none)."""
+    heads, nq, nk = shape
+    if tuple(packed.shape) != (heads, nq, -(-nk // 8)) or packed.dtype != np.uint8:
+        raise ValueError(f"decoded packed block map is {packed.dtype} {tuple(packed.shape)}, "
+                         f"the entry declares bool {tuple(shape)}")
+    empty = ~packed.any(axis=-1)
+    if empty.any():
+        head, row = (int(x) for x in np.argwhere(empty)[0])
+        raise ValueError(f"block map has {int(empty.sum())} empty query rows "
+                         f"(first: head {head}, query block {row})")
+
+
 def check_masks(masks) -> None:
     """Masks handed to ``add_entry``: bool ``[S, L, H, nq, nk]`` (or PackedBlockMaps) with no empty query row."""
     # Packing pads with zero bits, so a row of packed bytes is all zero exactly when the row keeps nothing.
