@@ -1,0 +1,30 @@
+"""The few-step benchmark runs end to end at a tiny size on the CPU, each row on the path it names."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO_ROOT
+
+
+def test_the_few_step_benchmark_times_every_mode_on_its_own_path(tmp_path, comfyui_path):
+    script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "2",
+                           "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((tmp_path / "few_step_tiny.json").read_text())
+    assert doc["details"]["errors"] == [] and doc["git_commit"]
+    rows = {r["case"]: r for r in doc["rows"]}
+    assert set(rows) == {"dense_comfyui_eager", "dense_fa4_eager", "miss_recording_dense1_eager", "hit_dense0_eager",
+                         "hit_dense1_eager", "online_dense1_eager", "online_dense0_eager"}
+    for case, row in rows.items():
+        assert row["steps"] == 2 and row["cfg"] == 1.0 and row["generation_s"] > 0, case
+        assert len(row["step_ms_all"]) == 2 and row["batch"] == 1
+    assert rows["hit_dense0_eager"]["mode"] == "hit" and rows["hit_dense0_eager"]["dense_steps"] == 0
+    assert rows["online_dense1_eager"]["mode"] == "miss" and rows["online_dense1_eager"]["vs_online_miss"] == 1.0
+    assert rows["dense_comfyui_eager"]["vs_comfyui_default"] == 1.0
+    best = min(r["generation_s"] for r in rows.values() if r["mode"] == "dense")
+    assert rows["hit_dense0_eager"]["vs_best_dense"] == round(best / rows["hit_dense0_eager"]["generation_s"], 3)
+    assert "| hit_dense0_eager |" in (tmp_path / "few_step_tiny.md").read_text()
