@@ -103,9 +103,9 @@ class BankEntryProvider(MaskSource):
         source = self._source()
         if source is not self:
             return source.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-        if layer >= self.prefetch.entry().shape[1]:
-            return None
         try:  # a layer the worker could not decode: the rest of the run is a miss, like a failed load
+            if layer >= self.prefetch.entry().shape[1]:
+                return None
             prepared = self.prefetch.layer_mask(self.step_bucket(step), layer, self.block_size, seq_len, device)
         except Exception as exc:
             self._fail(exc)

@@ -259,6 +259,16 @@ def probe_shift1_config() -> TestbedConfig:
     return replace(sharp16k_config(), shift=1.0)
 
 
+def probe_shift05_config() -> TestbedConfig:
+    """Flow shift 0.5: most training steps at low noise (probe d: shift 1 led sharp16k at equal steps)."""
+    return replace(sharp16k_config(), shift=0.5)
+
+
+def probe_shift1_multi_config() -> TestbedConfig:
+    """Shift 1 with the multi workload (far look-ups, occlusion): the two levers that led or tied sharp16k."""
+    return replace(sharp16k_config(), shift=1.0, texture="multi")
+
+
 def tiny_probe_heads_config() -> TestbedConfig:
     """A CPU-test probe candidate: tiny_sharp with 4 heads of 32 and the multi workload."""
     return replace(tiny_sharp_config(), head_dim=32, texture="multi")
@@ -271,7 +281,8 @@ PROBE_CANDIDATES = {"sharp16k": sharp16k_config, "probe_heads8x48": probe_heads8
                     "probe_curriculum": probe_curriculum_config, "probe_combo": probe_combo_config,
                     "probe_qk_lr10": probe_qk_lr10_config, "probe_qk_lr30": probe_qk_lr30_config,
                     "probe_qk_init2": probe_qk_init2_config, "probe_qk_heads6x128": probe_qk_heads6x128_config,
-                    "probe_shift1": probe_shift1_config,
+                    "probe_shift1": probe_shift1_config, "probe_shift05": probe_shift05_config,
+                    "probe_shift1_multi": probe_shift1_multi_config,
                     "tiny_sharp": tiny_sharp_config, "tiny_probe_heads": tiny_probe_heads_config}
 
 PRESETS = {"full": TestbedConfig, "smoke": smoke_config, "cpu2k": cpu2k_config, "sharp16k": sharp16k_config,

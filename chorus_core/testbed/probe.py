@@ -55,6 +55,8 @@ WHAT_IT_TESTS = {
     "probe_qk_init2": "q/k norm gains starting at 1.5 (logits x 2.25), 10x the learning rate",
     "probe_qk_heads6x128": "6 heads x 128, 3 layers, q/k norm gains at 10x the learning rate",
     "probe_shift1": "trained at flow shift 1 (half the steps at low noise) instead of 5",
+    "probe_shift05": "trained at flow shift 0.5 (most steps at low noise)",
+    "probe_shift1_multi": "flow shift 1 and the multi workload",
     "tiny_sharp": "CPU-test size of sharp16k",
     "tiny_probe_heads": "CPU-test size, 4 heads x 32, multi workload",
 }
