@@ -15,7 +15,8 @@ How it hooks in (never by copying ``forward_orig``, never by module-level monkey
   TorchCompileModel compiles), steps the run and, when the masks of this model call are known
   before it runs (a bank hit, the prior, static maps; not online prediction or recording, which
   look at q and k), puts every layer's mask in a ``CallPlan``: the override then reads only
-  tensors and constants, so a compiled model keeps one graph;
+  tensors and constants, so a compiled model keeps one graph; any other call's masks are made
+  eager (``SparseRun.attend``: a compiled model never traces that bookkeeping);
 * a keyed ``OUTER_SAMPLE`` wrapper creates the per-run state (step tracking, mask cache,
   statistics) and drops it in ``finally``; it also refuses a model that core's "Model Sparse
   Attention" node patches too, and re-chains above a "Model Attention Backend" applied later.

@@ -151,11 +151,22 @@ class SparseRun:
     def attend(self, layer: int, transformer_options: dict, call: "AttentionCall",
                fast_dense: bool = True) -> Optional[torch.Tensor]:
         """Block-sparse self-attention, the fast dense kernel where the mask source leaves the call
-        dense (``fast_dense``), or None: ComfyUI's function runs it.
+        dense (``fast_dense``), or None: ComfyUI's function runs it. For calls without a CallPlan:
+        observing sources (online prediction, recording), or a compiled call rerun after a failure.
 
         Any failure on the sparse path (mask source, conversion, validation, kernel compile or
         launch) makes the rest of the run dense with one warning: it costs speed, never the generation.
         """
+        if self._disabled:  # traced: a compiled model call rerun dense after a failure stays one graph
+            self.record(layer, None)
+            return None
+        return self._attend_eager(layer, transformer_options, call, fast_dense)
+
+    # Eager inside a compiled model too: traced, dynamo would specialise this host-side mask
+    # bookkeeping on the layer, one recompile per layer, and hit its recompile limit (8) on Wan's 40.
+    @torch.compiler.disable
+    def _attend_eager(self, layer: int, transformer_options: dict, call: "AttentionCall",
+                      fast_dense: bool) -> Optional[torch.Tensor]:
         step = self.step_of(transformer_options)
         if step is None or self._disabled or not self._kernel_usable(call.q.device):
             self.record(layer, None)
@@ -351,7 +362,7 @@ class CallPlan:
     @classmethod
     def build(cls, seq_len: int, prepared: list, sparse: Callable, dense: Optional[Callable]) -> "CallPlan":
         masks = tuple(None if p is None else p.mask for p in prepared)
-        for mask in masks:  # outside any compiled region (the per-call path must not mark: it runs traced)
+        for mask in masks:  # outside any compiled region (the per-call path does not mark: it runs eager)
             if mask is not None:  # the live-list width changes per bucket: one graph for all widths
                 torch._dynamo.maybe_mark_dynamic(mask.live_blocks, 3)
         return cls(seq_len, masks, tuple(None if p is None else p.density for p in prepared), sparse, dense)

@@ -255,3 +255,75 @@ def test_online_prediction_stays_eager_inside_the_compiled_model_and_equals_eage
     assert sum(dynamo["graph_break"].values()) > 0
     assert layer_stats(patched) == layer_stats(eager)
     assert get_run_stats(patched).sparse_calls == LAYERS * (STEPS - 1)
+
+
+DEEP_LAYERS = 10  # more than dynamo's recompile limit (8), as Wan's 40 blocks are
+
+
+@pytest.fixture(scope="module")
+def deep_wan_file(tmp_path_factory, comfy_runtime):
+    from chorus_core.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
+
+    path = tmp_path_factory.mktemp("models") / "chorus_tiny_wan21_i2v_deep.safetensors"
+    return save_tiny_wan_i2v(path, TinyWanConfig(num_layers=DEEP_LAYERS))
+
+
+def online_source(layers):
+    from chorus_core.mask_sources import OnlinePredictionProvider
+
+    return DenseWarmupProvider(OnlinePredictionProvider(BLOCK, top_p=0.9, min_density=0.3, max_density=0.6), 1)
+
+
+def recording_source(layers):
+    """A miss that records: the recorder looks at every call's q and k (the bank's entry)."""
+    from chorus_core.mask_sources import RecordingProvider
+    from chorus_core.masks import MaskRecorder
+
+    recorder = MaskRecorder(layers, [[0, 1], [2, 3]], BLOCK, top_p=0.9, max_density=0.6)
+    return RecordingProvider(DenseProvider((BLOCK, BLOCK)), recorder)
+
+
+def compiled_observed_run(patcher, source) -> tuple:
+    """(output, patched model, graphs compiled) of a run of ``source`` under TorchCompileModel's
+    own settings (fullgraph off); a frame that hits dynamo's recompile limit raises."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from torch._dynamo.utils import counters
+
+    from chorus_core.sparse_patch import install_sparse_attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    patched = install_sparse_attention(patcher, source).clone()
+    set_torch_compile_wrapper(model=patched, backend="inductor")
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        out = sample(patched)
+    return out, patched, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("make_source", [online_source, recording_source], ids=["online", "recording"])
+def test_observed_sources_compile_the_same_graphs_whatever_the_depth(tiny_wan_patcher, deep_wan_file, dynamo,
+                                                                     make_source):
+    """Their per-call path runs eager (torch.compiler.disable): traced, dynamo specialised the
+    mask bookkeeping on each layer, one recompile per layer, and hit its limit at 8 layers."""
+    import comfy.sd
+
+    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+
+    deep = comfy.sd.load_diffusion_model(str(deep_wan_file))
+    eager_source = make_source(DEEP_LAYERS)
+    eager = install_sparse_attention(deep, eager_source)
+    expected = sample(eager)
+    _, _, shallow_graphs = compiled_observed_run(tiny_wan_patcher, make_source(LAYERS))
+    source = make_source(DEEP_LAYERS)
+    out, patched, deep_graphs = compiled_observed_run(deep, source)
+
+    # a frame past the recompile limit raises in the run (fail_on_recompile_limit_hit): the sparse
+    # path turns that into a warning and a dense rest of the run, the recorder into its error
+    assert get_run_stats(patched).warnings == [] and getattr(source, "error", None) is None
+    assert deep_graphs == shallow_graphs  # none per layer
+    torch.testing.assert_close(out, expected, **CLOSE)
+    assert layer_stats(patched) == layer_stats(eager)
+    recorder = getattr(source, "recorder", None)
+    if recorder is not None:
+        expected_maps, maps = eager_source.recorder.finish().block_maps, recorder.finish().block_maps
+        assert maps.shape[1] == DEEP_LAYERS and (maps == expected_maps).float().mean() > 0.99
