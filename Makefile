@@ -20,7 +20,7 @@ setup: $(STAMP) $(FRONTEND_NEW_STAMP)
 # and torch is a multi-GB download. The locator needs only the standard library.
 $(STAMP): requirements.txt tests/requirements.txt Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m chorus_core.comfyui_locator --write-requirements $(VENV)/comfyui-requirements.txt
+	$(VPY) -m chorus_core.comfy.comfyui_locator --write-requirements $(VENV)/comfyui-requirements.txt
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -r $(VENV)/comfyui-requirements.txt -r requirements.txt -r tests/requirements.txt
 	touch $(STAMP)

@@ -176,7 +176,7 @@ class ChorusMaskBankLoader(io.ComfyNode):
     def fingerprint_inputs(cls, bank, new_bank_name, read_only):
         from ..chorus_core.bank import BankError, MaskBank
         from ..chorus_core.bank.bank_url import is_bank_url, redact
-        from ..chorus_core.bank_writer import default_writer
+        from ..chorus_core.reuse.bank_writer import default_writer
 
         try:
             path = bank_path(_bank_name(bank, new_bank_name))
@@ -250,7 +250,7 @@ class ChorusSimilarityMatch(io.ComfyNode):
     @classmethod
     def execute(cls, mask_bank, model, positive, latent, threshold, clip_weight, text_weight,
                 layout_weight, block_size, clip_vision_output=None, start_latent=None) -> io.NodeOutput:
-        from ..chorus_core.reuse_match import build_match_request, match_request
+        from ..chorus_core.reuse.reuse_match import build_match_request, match_request
 
         weights = {"clip": clip_weight, "text": text_weight, "layout": layout_weight}
         request = build_match_request(model, clip_vision_output, positive, latent, start_latent, threshold,

@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from . import CATEGORY
 from .input_checks import fraction_window_problem
 
-CELLS = ["1x2x2", "2x2x2", "1x4x4"]  # chorus_core.feature_regions.CELL_CHOICES (kept here: the schema is pure data)
+CELLS = ["1x2x2", "2x2x2", "1x4x4"]  # chorus_core.guidance.feature_regions.CELL_CHOICES (kept here: the schema is pure data)
 
 
 class ChorusFeatureReuse(io.ComfyNode):
@@ -53,9 +53,9 @@ class ChorusFeatureReuse(io.ComfyNode):
     @classmethod
     def execute(cls, model, positive, latent, strength, cell, start_percent, end_percent, rim, blend,
                 start_latent=None) -> io.NodeOutput:
-        from ..chorus_core.feature_regions import CELL_CHOICES
-        from ..chorus_core.feature_reuse import FeatureReuseSettings, apply_feature_reuse
-        from ..chorus_core.reuse_match import start_latent_from
+        from ..chorus_core.guidance.feature_regions import CELL_CHOICES
+        from ..chorus_core.guidance.feature_reuse import FeatureReuseSettings, apply_feature_reuse
+        from ..chorus_core.reuse.reuse_match import start_latent_from
 
         settings = FeatureReuseSettings(cell=CELL_CHOICES[cell], start_percent=start_percent,
                                         end_percent=end_percent, rim=rim, blend=blend)

@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from . import CATEGORY
 from .input_checks import fraction_window_problem
 
-METHOD_OPTIONS = ["cfg_boost", "cross_attention"]  # chorus_core.guidance.METHODS (checked in tests)
+METHOD_OPTIONS = ["cfg_boost", "cross_attention"]  # chorus_core.guidance.guidance.METHODS (checked in tests)
 DEFAULT_METHOD, DEFAULT_STRENGTH = "cross_attention", 0.1  # tests/benchmarks/results/guidance_testbed.md
 
 
@@ -52,7 +52,7 @@ class ChorusGuidanceEnhance(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, method, strength, start, end) -> io.NodeOutput:
-        from ..chorus_core.guidance import GuidanceSettings, install_guidance
+        from ..chorus_core.guidance.guidance import GuidanceSettings, install_guidance
 
         return io.NodeOutput(install_guidance(model, GuidanceSettings(method, strength, start, end)))
 

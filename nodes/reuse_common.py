@@ -93,7 +93,7 @@ def reuse_option_inputs() -> list:
 def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
                   dense_attention="auto", hit_warmup_steps=0, dense_last_steps=0):
     """ReuseOptions from the inputs of reuse_option_inputs()."""
-    from ..chorus_core.reuse_run import ReuseOptions
+    from ..chorus_core.reuse.reuse_run import ReuseOptions
 
     return ReuseOptions(dense_warmup_steps=dense_warmup_steps, dense_layers=parse_dense_layers(dense_layers),
                         miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,

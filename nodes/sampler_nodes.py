@@ -56,8 +56,8 @@ class ChorusSparseWanSampler(io.ComfyNode):
                 match=None, dense_attention="auto", hit_warmup_steps=0, dense_last_steps=0) -> io.NodeOutput:
         import nodes as comfy_nodes
 
-        from ..chorus_core.reuse_run import ReusePatch, nothing_sampled
-        from ..chorus_core.reuse_match import match_grid_problem
+        from ..chorus_core.reuse.reuse_run import ReusePatch, nothing_sampled
+        from ..chorus_core.reuse.reuse_match import match_grid_problem
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
                                 record_on_miss, tag, dense_attention, hit_warmup_steps, dense_last_steps)

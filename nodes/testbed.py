@@ -1,7 +1,7 @@
 """Chorus Testbed Request: a procedural I2V request, so a graph runs without 30 GB of weights.
 
 Produces what WanImageToVideo + CLIPVisionEncode + CLIPTextEncode would, from the seeded
-workload generator in ``chorus_core.workload``. Use it to check an install, to try the
+workload generator in ``chorus_core.testbed.workload``. Use it to check an install, to try the
 Chorus nodes on the built-in tiny model, and in tests.
 """
 
@@ -15,7 +15,7 @@ from . import CATEGORY
 class ChorusTestbedRequest(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        from ..chorus_core.workload import TEMPLATES
+        from ..chorus_core.testbed.workload import TEMPLATES
 
         return io.Schema(
             node_id="ChorusTestbedRequest",
@@ -43,7 +43,7 @@ class ChorusTestbedRequest(io.ComfyNode):
 
     @classmethod
     def execute(cls, template, subject, layout, latent_frames, latent_height, latent_width) -> io.NodeOutput:
-        from ..chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+        from ..chorus_core.testbed.workload import I2VRequest, generate_request, i2v_conditioning
 
         request = I2VRequest(template=template, subject=subject, layout=layout, frames=latent_frames,
                              height=latent_height, width=latent_width)

@@ -21,7 +21,7 @@ for path in (REPO_ROOT, REPO_ROOT / "tests"):
 
 import pytest  # noqa: E402
 
-from chorus_core.comfyui_locator import locate_comfyui, prepare_in_process  # noqa: E402
+from chorus_core.comfy.comfyui_locator import locate_comfyui, prepare_in_process  # noqa: E402
 
 ARTIFACTS = REPO_ROOT / "tests" / "artifacts"
 
@@ -43,7 +43,7 @@ def comfy_runtime(comfyui_path):
 
 @pytest.fixture(scope="session")
 def tiny_wan_file(tmp_path_factory, comfy_runtime) -> Path:
-    from chorus_core.tiny_wan import save_tiny_wan_i2v
+    from chorus_core.testbed.tiny_wan import save_tiny_wan_i2v
 
     return save_tiny_wan_i2v(tmp_path_factory.mktemp("models") / "chorus_tiny_wan21_i2v.safetensors")
 
@@ -65,7 +65,7 @@ def artifacts_dir() -> Path:
 @pytest.fixture(scope="session")
 def comfy_server(tmp_path_factory, comfyui_path):
     """A real ComfyUI ``main.py --cpu`` with the pack and the tiny model; stopped by PID at the end."""
-    from chorus_core.comfyui_process import ComfyServer, prepare_base_directory
+    from chorus_core.comfy.comfyui_process import ComfyServer, prepare_base_directory
     from workflows import TINY_MODEL_NAME
 
     base = prepare_base_directory(tmp_path_factory.mktemp("comfy_base"))
@@ -84,7 +84,7 @@ def _save_tiny_model_in_subprocess(comfyui_path, target):
     """Build the checkpoint in a child process so the test process never imports ComfyUI here."""
     import subprocess
 
-    code = ("import sys; from chorus_core.comfyui_locator import prepare_in_process; "
-            f"prepare_in_process({str(comfyui_path)!r}); from chorus_core.tiny_wan import save_tiny_wan_i2v; "
+    code = ("import sys; from chorus_core.comfy.comfyui_locator import prepare_in_process; "
+            f"prepare_in_process({str(comfyui_path)!r}); from chorus_core.testbed.tiny_wan import save_tiny_wan_i2v; "
             f"save_tiny_wan_i2v({str(target)!r})")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)

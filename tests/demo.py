@@ -20,8 +20,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 
-from chorus_core.comfyui_locator import ComfyUINotFound, locate_comfyui  # noqa: E402
-from chorus_core.comfyui_process import ComfyServer, prepare_base_directory  # noqa: E402
+from chorus_core.comfy.comfyui_locator import ComfyUINotFound, locate_comfyui  # noqa: E402
+from chorus_core.comfy.comfyui_process import ComfyServer, prepare_base_directory  # noqa: E402
 from workflows import TESTBED_MODEL_NAME, chorus_i2v_prompt  # noqa: E402
 
 REQUESTS = [

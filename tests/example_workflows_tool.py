@@ -424,7 +424,7 @@ def main() -> int:
     import tempfile
 
     sys.path.insert(0, str(REPO_ROOT))
-    from chorus_core.comfyui_process import ComfyServer, prepare_base_directory
+    from chorus_core.comfy.comfyui_process import ComfyServer, prepare_base_directory
 
     new_root = Path(sys.prefix) / "frontend-1.58.1" / "comfyui_frontend_package" / "static"
     # the newest first: thumbnails come from the pinned one, once every size is known

@@ -2,7 +2,7 @@
 
 import torch
 
-from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+from chorus_core.testbed.workload import I2VRequest, generate_request, i2v_conditioning
 
 
 def sample_request(patcher, seed=0, steps=4, cfg=5.0, request=I2VRequest(), sampler="euler",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 def main(linked_root: str, comfyui: str, workdir: str) -> None:
     sys.path[:0] = [linked_root, str(Path(linked_root) / "tests")]
-    from chorus_core.comfyui_locator import prepare_in_process
+    from chorus_core.comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(comfyui, cpu=True)
     import comfy.ldm.modules.attention as attention
@@ -21,8 +21,8 @@ def main(linked_root: str, comfyui: str, workdir: str) -> None:
     import comfy.sd
 
     import kernels.block_sparse as block_sparse
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
-    from chorus_core.tiny_wan import save_tiny_wan_i2v
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.testbed.tiny_wan import save_tiny_wan_i2v
     from test_compile_patch import compiled, hit_provider, sample
 
     wan.optimized_attention = attention.attention_pytorch  # as test_compile_patch does: no graph break

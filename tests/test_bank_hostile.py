@@ -374,7 +374,7 @@ def contents(folder: Path) -> dict:
 def test_a_linked_priors_folder_never_reaches_the_models_behind_it(tmp_path):
     """A received bank whose priors/ links to ../checkpoints: prior-mode use stores its prior in
     memory and says why; prune, export and verify leave the checkpoints as they were."""
-    from chorus_core.prior_store import load_prior
+    from chorus_core.reuse.prior_store import load_prior
     decoys = decoy_models(tmp_path / "checkpoints")
     bank, ids = new_bank(tmp_path, n=2)
     (bank.root / "priors").symlink_to("../checkpoints")
@@ -391,7 +391,7 @@ def test_a_linked_priors_folder_never_reaches_the_models_behind_it(tmp_path):
 
 
 def test_a_priors_folder_of_links_or_a_file_is_never_followed(tmp_path):
-    from chorus_core.prior_store import load_prior, prior_key
+    from chorus_core.reuse.prior_store import load_prior, prior_key
     decoys = decoy_models(tmp_path / "checkpoints")
     bank, ids = new_bank(tmp_path, n=1)
     (bank.root / "priors").mkdir()

@@ -87,7 +87,7 @@ def test_a_postgres_bank_that_never_answers_does_not_stall_the_ui(comfyui_path, 
     import urllib.error
     import urllib.request
 
-    from chorus_core.comfyui_process import ComfyServer, prepare_base_directory
+    from chorus_core.comfy.comfyui_process import ComfyServer, prepare_base_directory
 
     answer = {}
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts TCP, never speaks PostgreSQL

@@ -48,7 +48,7 @@ def servers(comfy_server, tmp_path_factory):
 
 
 def _start_new_frontend_server(comfy_server, tmp_path_factory):
-    from chorus_core.comfyui_process import ComfyServer, prepare_base_directory
+    from chorus_core.comfy.comfyui_process import ComfyServer, prepare_base_directory
 
     if not (NEW_FRONTEND_ROOT / "index.html").is_file():
         pytest.fail(f"frontend {NEW_FRONTEND} is not installed at {NEW_FRONTEND_ROOT}: run `make setup`")

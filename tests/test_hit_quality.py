@@ -33,14 +33,14 @@ def harness(comfy_runtime, tmp_path_factory):
 @pytest.fixture(scope="module")
 def request_conds(harness):
     from chorus_core.testbed.report import eval_requests
-    from chorus_core.workload import generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import generate_request, i2v_conditioning
 
     _, similar, _, _ = eval_requests(harness.config, harness.config.long_size)
     return i2v_conditioning(generate_request(similar[0]))
 
 
 def record(harness, bank, conds):
-    from chorus_core.mask_sources import RecordingPlan
+    from chorus_core.attention.mask_sources import RecordingPlan
     from chorus_core.testbed.hit_stages import recording_run
 
     return recording_run(harness, bank, conds, seed=0, plan=RecordingPlan())
@@ -77,7 +77,7 @@ def test_the_bank_gives_back_the_recorded_selection_bit_for_bit(harness, request
 def test_a_hit_on_its_own_entry_serves_exactly_those_masks(harness, request_conds, tmp_path):
     """The hit takes the planned path (masks known ahead), the static provider the per-call one."""
     from chorus_core.bank import MaskBank
-    from chorus_core.mask_sources import scaled_bucket_starts
+    from chorus_core.attention.mask_sources import scaled_bucket_starts
     from chorus_core.testbed.hit_stages import as_step_maps, decoded_entry
 
     with MaskBank.open(tmp_path / "bank") as bank:

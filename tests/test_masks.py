@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from chorus_core.masks import MaskRecorder, check_block_map, first_frame_blocks, select_blocks
-from chorus_core.online_predictor import block_scores, pool_blocks, predict_block_map
-from chorus_core.population_prior import keep_frequency, population_prior
+from chorus_core.attention.masks import MaskRecorder, check_block_map, first_frame_blocks, select_blocks
+from chorus_core.attention.online_predictor import block_scores, pool_blocks, predict_block_map
+from chorus_core.reuse.population_prior import keep_frequency, population_prior
 from chorus_core.quality import mass_recall
 from kernels.block_mass import block_mass_reference
 

@@ -49,7 +49,7 @@ def generate(pack, patcher, bank_name, template="pan", subject=0, layout=0, seed
 
 def flush_writes(sampler_nodes):
     package = sampler_nodes.__name__.rpartition(".nodes.")[0]
-    assert sys.modules[f"{package}.chorus_core.bank_writer"].flush_all(timeout=60)
+    assert sys.modules[f"{package}.chorus_core.reuse.bank_writer"].flush_all(timeout=60)
 
 
 def test_bank_loader_refuses_path_like_names(pack):
@@ -142,7 +142,7 @@ def test_a_bank_that_cannot_store_the_recording_keeps_the_generation(pack, tiny_
     report = output.ui["chorus_report"][0]
     assert report["mode"] == "miss" and report["recording"] == "queued"  # written in the background
     flush_writes(sampler_nodes)
-    writer = sys.modules[f"{sampler_nodes.__name__.rpartition('.nodes.')[0]}.chorus_core.bank_writer"]
+    writer = sys.modules[f"{sampler_nodes.__name__.rpartition('.nodes.')[0]}.chorus_core.reuse.bank_writer"]
     outcome = writer.default_writer().outcome(report["recorded_entry_id"])
     assert outcome.done.is_set() and outcome.error, "the failed write is known to the writer"
     assert bank.stats()["entries"] == 0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from chorus_core.masks import select_blocks
+from chorus_core.attention.masks import select_blocks
 from chorus_core.quality import attention_recall, psnr, sparse_output_error, ssim
 
 

@@ -25,14 +25,14 @@ STEPS = 4  # default buckets at 4 steps: [0, 1), [1, 2), [2, 4)
 
 
 def request(subject=0, template="pan"):
-    from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import I2VRequest, generate_request, i2v_conditioning
 
     return i2v_conditioning(generate_request(I2VRequest(template=template, subject=subject)))
 
 
 def match_for(bank, patcher, positive, latent, threshold=0.9):
     from chorus_core.bank.signature import resolve_weights
-    from chorus_core.reuse_match import build_match_request, match_request
+    from chorus_core.reuse.reuse_match import build_match_request, match_request
 
     clip = positive[0][1]["clip_vision_output"]
     req = build_match_request(patcher, clip, positive, latent, None, threshold, resolve_weights(None), BLOCK)
@@ -65,7 +65,7 @@ def bank_with_entry(tmp_path, tiny_wan_patcher):
 def run_generation(patcher, match, options=None, steps=STEPS):
     import comfy.sample
 
-    from chorus_core.reuse_run import ReuseOptions, ReusePatch
+    from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
 
     positive, negative, latent = request()
     patch = ReusePatch(patcher, match, options or ReuseOptions(dense_warmup_steps=1), block_size=BLOCK,
@@ -84,7 +84,7 @@ def run_generation(patcher, match, options=None, steps=STEPS):
 
 def test_a_hit_is_decoded_by_the_worker_before_the_first_sparse_step(bank_with_entry, tiny_wan_patcher,
                                                                      monkeypatch):
-    from chorus_core import reuse_run
+    from chorus_core.reuse import reuse_run
 
     bank, _ = bank_with_entry
     events, lock = [], threading.Lock()
@@ -93,7 +93,7 @@ def test_a_hit_is_decoded_by_the_worker_before_the_first_sparse_step(bank_with_e
         with lock:
             events.append((*event, threading.current_thread().name))
 
-    from chorus_core.entry_prefetch import HostLayer
+    from chorus_core.reuse.entry_prefetch import HostLayer
 
     real_from_packed = HostLayer.from_packed
 
@@ -131,8 +131,8 @@ def test_a_prefetched_hit_computes_what_the_same_masks_give_as_block_maps(bank_w
     """The worker's live-block lists are the entry's masks: same latents as a plain block-map provider."""
     import comfy.sample
 
-    from chorus_core.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     bank, masks = bank_with_entry
     positive, negative, latent = request()
@@ -176,7 +176,7 @@ class HostSyncCounter:
 def test_a_hit_makes_no_host_sync_inside_its_model_calls(bank_with_entry, tiny_wan_patcher, monkeypatch):
     """A hit's masks are planned before each model call (APPLY_MODEL wrapper): inside the
     diffusion model (block patches, attention override, kernels) Chorus reads nothing back."""
-    from chorus_core import sparse_patch
+    from chorus_core.attention import sparse_patch
 
     bank, _ = bank_with_entry
     counter = HostSyncCounter(monkeypatch)
@@ -231,9 +231,9 @@ def test_an_entry_that_cannot_serve_turns_the_run_into_an_online_miss(bank_with_
 def test_a_hit_on_a_damaged_entry_records_the_request_again(tmp_path, tiny_wan_patcher, hit_warmup_steps,
                                                             recorded_buckets):
     """The run that finds its entry damaged goes on as a miss and records it: the next one hits."""
-    from chorus_core import bank_writer
+    from chorus_core.reuse import bank_writer
     from chorus_core.bank import MaskBank
-    from chorus_core.reuse_run import ReuseOptions
+    from chorus_core.reuse.reuse_run import ReuseOptions
 
     options = ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=hit_warmup_steps)
 
@@ -262,7 +262,7 @@ def test_a_hit_on_a_damaged_entry_records_the_request_again(tmp_path, tiny_wan_p
 def test_a_recording_miss_returns_before_its_entry_is_written(tmp_path, tiny_wan_patcher, monkeypatch):
     """A deliberately stuck disk: finish() returns, the next (dissimilar) request matches at once,
     a similar request waits for the write and then hits it."""
-    from chorus_core import bank_writer
+    from chorus_core.reuse import bank_writer
     from chorus_core.bank import MaskBank
     from chorus_core.bank import sqlite_store
 
@@ -305,7 +305,7 @@ def test_a_finished_write_releases_its_masks(tmp_path, tiny_wan_patcher):
     import gc
     import weakref
 
-    from chorus_core import bank_writer
+    from chorus_core.reuse import bank_writer
     from chorus_core.bank import MaskBank
     from chorus_core.bank.encoding import PackedBlockMaps
 
@@ -333,7 +333,7 @@ _KILLED_WRITER = r"""
 import sys
 sys.path[:0] = [{repo!r}, {tests!r}]
 from bank_fixtures import FP, LAYOUT, SCHEDULE, toy_masks, toy_signature
-from chorus_core import bank_writer
+from chorus_core.reuse import bank_writer
 from chorus_core.bank import MaskBank
 def write():
     with MaskBank.open({bank!r}) as bank:
@@ -366,10 +366,10 @@ def test_a_writer_killed_mid_write_leaves_no_partial_entry(tmp_path):
 
 
 def test_the_prior_is_stored_once_and_rebuilt_after_add_and_prune(bank_with_entry, tiny_wan_patcher, monkeypatch):
-    from chorus_core import prior_store
+    from chorus_core.reuse import prior_store
     from chorus_core.bank import Schedule
-    from chorus_core.population_prior import population_prior
-    from chorus_core.prior_store import PRIORS_DIR, load_prior
+    from chorus_core.reuse.population_prior import population_prior
+    from chorus_core.reuse.prior_store import PRIORS_DIR, load_prior
 
     bank, masks = bank_with_entry
     positive, _, latent = request()
@@ -407,7 +407,7 @@ def test_the_prior_is_stored_once_and_rebuilt_after_add_and_prune(bank_with_entr
 
 
 def test_prior_mode_serves_the_stored_prior_through_the_prefetch(bank_with_entry, tiny_wan_patcher):
-    from chorus_core.reuse_run import ReuseOptions
+    from chorus_core.reuse.reuse_run import ReuseOptions
 
     bank, _ = bank_with_entry
     positive, _, latent = request(subject=3, template="orbit")
@@ -427,7 +427,7 @@ def test_prior_mode_serves_the_stored_prior_through_the_prefetch(bank_with_entry
 
 def test_a_host_layer_uploads_to_the_kernels_own_mask_of_the_same_map():
     """Packed bits + host row counts -> live lists on the device: the mask block_map_to_mask makes."""
-    from chorus_core.entry_prefetch import HostLayer
+    from chorus_core.reuse.entry_prefetch import HostLayer
     from kernels.block_sparse import block_map_to_mask
 
     maps = entry_masks(1, 3, 7, buckets=1)[0, 0]  # [H, nq, nk]
@@ -442,7 +442,7 @@ def test_a_host_layer_uploads_to_the_kernels_own_mask_of_the_same_map():
 
 
 def test_packed_bits_round_trip_and_match_numpy():
-    from chorus_core.masks import pack_bits, unpack_bits
+    from chorus_core.attention.masks import pack_bits, unpack_bits
 
     maps = torch.rand(2, 3, 5, 13) < 0.4
     packed = pack_bits(maps)
@@ -452,7 +452,7 @@ def test_packed_bits_round_trip_and_match_numpy():
 
 
 def test_the_recorder_keeps_only_the_bucket_in_flight():
-    from chorus_core.masks import MaskRecorder
+    from chorus_core.attention.masks import MaskRecorder
 
     recorder = MaskRecorder(num_layers=2, step_buckets=[[0, 1], [2]], block_size=16)
     q = torch.randn(1, 64, 2 * 8)
@@ -479,7 +479,7 @@ def test_the_recorder_keeps_only_the_bucket_in_flight():
 ])
 def test_a_hit_runs_sparse_from_its_first_step_unless_told_otherwise(bank_with_entry, tiny_wan_patcher, options,
                                                                       dense_steps):
-    from chorus_core.reuse_run import ReuseOptions
+    from chorus_core.reuse.reuse_run import ReuseOptions
 
     bank, _ = bank_with_entry
     positive, _, latent = request()
@@ -491,7 +491,7 @@ def test_a_hit_runs_sparse_from_its_first_step_unless_told_otherwise(bank_with_e
 
 
 def test_a_miss_keeps_its_dense_warm_up_and_the_last_steps_asked_for(tiny_wan_patcher):
-    from chorus_core.reuse_run import ReuseOptions
+    from chorus_core.reuse.reuse_run import ReuseOptions
 
     _, report, _ = run_generation(tiny_wan_patcher, None, ReuseOptions(dense_warmup_steps=1, dense_last_steps=2))
     assert report.mode == "miss"
@@ -503,7 +503,7 @@ def test_a_miss_keeps_its_dense_warm_up_and_the_last_steps_asked_for(tiny_wan_pa
 
 @pytest.mark.parametrize("name", ["dense_warmup_steps", "hit_warmup_steps", "dense_last_steps"])
 def test_negative_dense_step_counts_are_refused(name):
-    from chorus_core.reuse_run import ReuseOptions
+    from chorus_core.reuse.reuse_run import ReuseOptions
 
     with pytest.raises(ValueError, match=f"{name} must be 0 or more"):
         ReuseOptions(**{name: -1})

@@ -19,9 +19,9 @@ def pg():
 
 
 def test_a_miss_recorded_into_postgres_is_hit_next_and_serves_the_prior(pg, tiny_wan_patcher):
-    from chorus_core import bank_writer
+    from chorus_core.reuse import bank_writer
     from chorus_core.bank import MaskBank
-    from chorus_core.reuse_run import ReuseOptions
+    from chorus_core.reuse.reuse_run import ReuseOptions
 
     bank = MaskBank.open(pg.url("reuse_loop"))
     try:

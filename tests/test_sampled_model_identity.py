@@ -16,7 +16,7 @@ LORA_KEYS = ("blocks.1.self_attn.q", "blocks.0.ffn.0")  # the tiny model has 2 b
 
 
 def reuse_patch(model, match):
-    from chorus_core.reuse_run import ReuseOptions, ReusePatch
+    from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
 
     return ReusePatch(model, match, ReuseOptions(dense_warmup_steps=1), block_size=BLOCK).install()
 
@@ -32,8 +32,8 @@ def sample(model, cfg=5.0):
     """KSampler's path (comfy.sample.sample); returns the run's report."""
     import comfy.sample
 
-    from chorus_core import bank_writer
-    from chorus_core.reuse_run import get_reuse_patch
+    from chorus_core.reuse import bank_writer
+    from chorus_core.reuse.reuse_run import get_reuse_patch
 
     positive, negative, latent = request()
     noise = comfy.sample.prepare_noise(latent["samples"], 0)
@@ -53,7 +53,7 @@ def bank(tmp_path):
 
 
 def test_model_sampling_after_the_node_is_the_shift_an_entry_records(bank, tiny_wan_patcher):
-    from chorus_core.model_identity import fingerprint_patcher
+    from chorus_core.reuse.model_identity import fingerprint_patcher
 
     positive, _, latent = request()
     match = match_for(bank, tiny_wan_patcher, positive, latent)

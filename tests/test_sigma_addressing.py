@@ -25,7 +25,7 @@ def schedule_sigmas(patcher, steps, scheduler="simple", denoise=1.0):
 
 
 def reuse_patch(model, match):
-    from chorus_core.reuse_run import ReuseOptions, ReusePatch
+    from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
 
     return ReusePatch(model, match, ReuseOptions(dense_warmup_steps=1), block_size=BLOCK, scheduler="simple")
 
@@ -49,7 +49,7 @@ def ksampler(patched, steps, denoise=1.0, start=None, end=None, latent=None):
 @pytest.fixture()
 def recorded(tmp_path, tiny_wan_patcher):
     """A bank holding one entry recorded by an 8-step miss, and that entry's schedule."""
-    from chorus_core import bank_writer
+    from chorus_core.reuse import bank_writer
     from chorus_core.bank import MaskBank
 
     bank = MaskBank.open(tmp_path / "bank")
@@ -79,7 +79,7 @@ def test_an_entry_keeps_the_sigma_schedule_it_was_recorded_on(recorded, tiny_wan
 
 
 def test_a_four_step_hit_gets_the_buckets_recorded_at_its_own_sigmas(recorded, tiny_wan_patcher):
-    from chorus_core.mask_sources import entry_buckets_for_run
+    from chorus_core.attention.mask_sources import entry_buckets_for_run
 
     bank, schedule = recorded
     four = schedule_sigmas(tiny_wan_patcher, 4)
@@ -107,7 +107,7 @@ def test_a_run_with_denoise_below_one_starts_at_its_own_noise_level(recorded, ti
 
 def test_an_entry_without_sigmas_is_served_by_rescaled_step_index():
     from chorus_core.bank import Schedule
-    from chorus_core.mask_sources import entry_buckets_for_run
+    from chorus_core.attention.mask_sources import entry_buckets_for_run
 
     old = Schedule(steps=8, sampler="euler", scheduler="simple")  # recorded before sigmas were kept
     assert entry_buckets_for_run(old, 4, (1.0, 0.75, 0.5, 0.25, 0.0)) == [0, 1, 2, 2]  # starts 0, 2, 5 -> 0, 1, 2
@@ -121,7 +121,7 @@ def test_sigmas_an_entry_cannot_address_by_still_sample(tiny_wan_patcher, sigmas
     import comfy.samplers
     import torch
 
-    from chorus_core.reuse_run import get_reuse_patch
+    from chorus_core.reuse.reuse_run import get_reuse_patch
 
     positive, negative, latent = request()
     patched = reuse_patch(tiny_wan_patcher, None).install()

@@ -7,7 +7,7 @@ written out from the sampler's code in ComfyUI (comfy/k_diffusion/sampling.py), 
 import pytest
 import torch
 
-from chorus_core.mask_provider import DenseProvider, ObservedMasks
+from chorus_core.attention.mask_provider import DenseProvider, ObservedMasks
 
 pytestmark = pytest.mark.comfy
 
@@ -32,7 +32,7 @@ class StepLog(ObservedMasks):
 def sample(patcher, sampler_name, steps=STEPS, seed=1):
     import comfy.sample
 
-    from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import I2VRequest, generate_request, i2v_conditioning
 
     positive, negative, latent = i2v_conditioning(generate_request(I2VRequest()))
     noise = comfy.sample.prepare_noise(latent["samples"], seed)
@@ -41,7 +41,7 @@ def sample(patcher, sampler_name, steps=STEPS, seed=1):
 
 
 def logged_steps(tiny_wan_patcher, sampler_name):
-    from chorus_core.sparse_patch import get_sparse_state, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_sparse_state, install_sparse_attention
 
     provider = StepLog()
     patched = install_sparse_attention(tiny_wan_patcher, provider)
@@ -70,8 +70,8 @@ def test_every_model_call_maps_to_its_step(tiny_wan_patcher, sampler_name, expec
 
 def test_heun_corrector_keeps_the_bucket_of_its_step(tiny_wan_patcher):
     """Buckets change at the first evaluation of a step, not at the corrector that shares its sigma."""
-    from chorus_core.mask_provider import StaticBlockMapProvider
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.mask_provider import StaticBlockMapProvider
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     full = {layer: torch.ones(1, 2, 10, 10, dtype=torch.bool) for layer in range(2)}
     asked = []
@@ -88,7 +88,7 @@ def test_heun_corrector_keeps_the_bucket_of_its_step(tiny_wan_patcher):
 
 
 def test_the_clock_of_a_listed_sampler_reads_no_sigma_from_the_device():
-    from chorus_core.hooks import StepClock
+    from chorus_core.attention.hooks import StepClock
 
     clock = StepClock([1.0, 0.75, 0.5, 0.25, 0.0], evals_after_report=1)
 
@@ -105,7 +105,7 @@ def test_the_clock_of_a_listed_sampler_reads_no_sigma_from_the_device():
 
 
 def test_an_unlisted_sampler_is_stepped_by_the_interval_that_holds_its_sigma():
-    from chorus_core.hooks import StepClock
+    from chorus_core.attention.hooks import StepClock
 
     clock = StepClock([1.0, 0.75, 0.5, 0.25, 0.0], evals_after_report=None)
     sigmas = [1.0, 0.8, 0.75, 0.6, 0.26, 0.25, 0.1]
@@ -132,8 +132,8 @@ def beta_schedule(patcher):
 
 
 def test_windows_follow_core_percent_to_sigma_on_a_known_schedule(tiny_wan_patcher):
-    from chorus_core.feature_reuse import FeatureReuseSettings
-    from chorus_core.guidance import window_steps
+    from chorus_core.guidance.feature_reuse import FeatureReuseSettings
+    from chorus_core.guidance.guidance import window_steps
 
     sampling, schedule = beta_schedule(tiny_wan_patcher)
     assert [round(s, 4) for s in schedule] == [1.0, 0.9948, 0.9828, 0.9632, 0.9338, 0.8893, 0.8201, 0.7108,
@@ -154,7 +154,7 @@ def sample_beta(patcher, sampler_name):
 
 @pytest.mark.parametrize("sampler_name, evals_in_window", [("heun", 2 + 2), ("dpmpp_2m_sde", 1 + 1)])
 def test_guidance_acts_on_every_evaluation_of_the_window_steps_only(tiny_wan_patcher, sampler_name, evals_in_window):
-    from chorus_core.guidance import GuidanceSettings, get_guidance_stats, install_guidance
+    from chorus_core.guidance.guidance import GuidanceSettings, get_guidance_stats, install_guidance
 
     layers = len(tiny_wan_patcher.model.diffusion_model.blocks)
     patched = install_guidance(tiny_wan_patcher, GuidanceSettings("cross_attention", 0.2, 0.3, 0.6))
@@ -165,7 +165,7 @@ def test_guidance_acts_on_every_evaluation_of_the_window_steps_only(tiny_wan_pat
 
 @pytest.mark.parametrize("sampler_name, evals_in_window", [("heun", 5 * 2 + 1), ("dpmpp_2m_sde", 6)])
 def test_feature_reuse_runs_reduced_in_the_window_steps_only(tiny_wan_patcher, sampler_name, evals_in_window):
-    from chorus_core.feature_reuse import FeatureReuseSettings, get_feature_reuse_state, install_feature_reuse
+    from chorus_core.guidance.feature_reuse import FeatureReuseSettings, get_feature_reuse_state, install_feature_reuse
 
     region_map = torch.zeros(5, 4, 4, dtype=torch.bool)
     region_map[:, :2] = True
@@ -212,10 +212,11 @@ class HostReads:
 
 def test_stepping_a_model_call_reads_nothing_from_the_device(tiny_wan_patcher, monkeypatch):
     """The per-model-call step lookups of all three patches, over a whole heun run: no host read."""
-    from chorus_core import feature_reuse, guidance, sparse_patch
-    from chorus_core.feature_reuse import FeatureReuseSettings, install_feature_reuse
-    from chorus_core.guidance import GuidanceSettings, install_guidance
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.guidance import feature_reuse, guidance
+    from chorus_core.attention import sparse_patch
+    from chorus_core.guidance.feature_reuse import FeatureReuseSettings, install_feature_reuse
+    from chorus_core.guidance.guidance import GuidanceSettings, install_guidance
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     reads = HostReads(monkeypatch)
     calls = []

@@ -29,7 +29,7 @@ def sparse_attention_node(pack, patcher, match, tag="pan"):
 
 def reuse_patch_of(pack, patched):
     package = pack[1].__name__.rpartition(".nodes.")[0]
-    return sys.modules[f"{package}.chorus_core.reuse_run"].get_reuse_patch(patched)
+    return sys.modules[f"{package}.chorus_core.reuse.reuse_run"].get_reuse_patch(patched)
 
 
 def ksampler(patched, outputs, seed):
@@ -121,7 +121,7 @@ def test_two_experts_in_two_ksampler_advanced_stages_get_their_own_entries(pack,
     each hits its own entry on the next similar request."""
     import comfy.sd
 
-    from chorus_core.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
+    from chorus_core.testbed.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
 
     low_noise_file = save_tiny_wan_i2v(tmp_path / "expert_low.safetensors", TinyWanConfig(seed=7))
     high, low = comfy.sd.load_diffusion_model(str(tiny_wan_file)), comfy.sd.load_diffusion_model(str(low_noise_file))

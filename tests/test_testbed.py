@@ -38,7 +38,7 @@ def test_training_steps_reduce_the_loss(comfy_runtime):
 def test_model_inputs_match_comfyui_concat_cond(comfy_runtime, tiny_wan_patcher):
     """Channel order and mask format of the training inputs = WAN21.concat_cond of i2v_conditioning."""
     from chorus_core.testbed.models import process_in, request_example
-    from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import I2VRequest, generate_request, i2v_conditioning
 
     request = I2VRequest("orbit", 3, 1)
     x0, cond, clip, text = request_example(request)

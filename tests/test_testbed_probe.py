@@ -111,7 +111,7 @@ def test_probe_candidates_are_the_designs_they_name(comfy_runtime):
 
 def test_detailed_requests_are_unchanged_by_the_multi_family():
     """sharp16k's checkpoint was trained on the detailed family: it renders what it rendered at e36bdc7."""
-    from chorus_core.workload import I2VRequest, generate_request
+    from chorus_core.testbed.workload import I2VRequest, generate_request
 
     t = generate_request(I2VRequest("zoom", 5, 1, frames=5, height=32, width=32, texture="detailed"))
     digest = hashlib.sha256(t.video.numpy().tobytes() + t.clip_vision.numpy().tobytes() + t.text.numpy().tobytes())
@@ -119,7 +119,7 @@ def test_detailed_requests_are_unchanged_by_the_multi_family():
 
 
 def test_multi_objects_move_differently_and_hide_behind_the_bar():
-    from chorus_core.workload import (MULTI_OBJECTS, I2VRequest, _detailed_background, _detailed_subject, _layout,
+    from chorus_core.testbed.workload import (MULTI_OBJECTS, I2VRequest, _detailed_background, _detailed_subject, _layout,
                                       _multi_motion, _multi_occluder, render_video)
 
     request = I2VRequest("pan", 3, 2, frames=16, height=64, width=64, texture="multi")

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.comfy
 def test_plain_requests_are_unchanged_by_the_texture_field():
     """The default family renders exactly what it rendered before ``texture`` existed (the committed
     checkpoint and the existing reports depend on it): a checksum taken before the change."""
-    from chorus_core.workload import I2VRequest, generate_request
+    from chorus_core.testbed.workload import I2VRequest, generate_request
 
     t = generate_request(I2VRequest("orbit", 3, 1))
     assert I2VRequest("orbit", 3, 1) == I2VRequest("orbit", 3, 1, texture="plain")
@@ -32,7 +32,7 @@ PLAIN_ORBIT_3_1_SHA256 = "1863e4cf2b9acb182a306b3bb848b895e27342b8808e034f06c74f
 
 
 def test_detailed_frames_copy_the_start_frame_texture_where_the_template_moves_it():
-    from chorus_core.workload import I2VRequest, _detailed_background, render_video
+    from chorus_core.testbed.workload import I2VRequest, _detailed_background, render_video
 
     pan = render_video(I2VRequest("pan", 5, 0, frames=5, height=32, width=32, texture="detailed"))
     background = _detailed_background(0, 32, 32)

@@ -34,7 +34,7 @@ class ModelFingerprint:
     :param heads: attention heads per block
     :param in_dim: latent channels into the patch embedding (36 for Wan I2V)
     :param digest: sha256 over every tensor's name, shape and value sample (and, from
-        :func:`chorus_core.model_identity.fingerprint_patcher`, the patch list)
+        :func:`chorus_core.reuse.model_identity.fingerprint_patcher`, the patch list)
     """
 
     architecture: str
@@ -174,7 +174,7 @@ def wan_shapes(state: dict) -> dict:
 def fingerprint_model(module_or_state_dict, architecture: str = ARCHITECTURE) -> ModelFingerprint:
     """Fingerprint a Wan diffusion model from its module or state dict (weights as given).
 
-    For a ComfyUI ModelPatcher use :func:`chorus_core.model_identity.fingerprint_patcher`,
+    For a ComfyUI ModelPatcher use :func:`chorus_core.reuse.model_identity.fingerprint_patcher`,
     which reads the un-patched weights and adds the patch list.
 
     :param module_or_state_dict: a ``torch.nn.Module`` or a mapping of name -> tensor; keys may

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from ..mask_provider import MaskSource, bucket_index
-from ..masks import select_blocks
-from ..workload import generate_request, i2v_conditioning
+from ..attention.mask_provider import MaskSource, bucket_index
+from ..attention.masks import select_blocks
+from .workload import generate_request, i2v_conditioning
 from .config import make_config, tokens_of
 from .product_path import (RECORD_THRESHOLD, CountMatchedProvider, MassObserver, ProductPath, final_quality,
                            tiny_setup)
@@ -74,9 +74,9 @@ PLANS = {  # recording variants compared (the first is what ships)
 def recording_run(pp: ProductPath, bank, conds, seed: int, plan):
     """A recording miss as shipped, with the exact mass of its own calls; returns (entry id, mass
     [S, L, H, nb, nb], the recorder's selection bool [B, L, H, nq, nk], the recorded steps per bucket)."""
-    from .. import bank_writer
-    from ..mask_sources import recorded_steps
-    from ..reuse_run import ReusePatch
+    from ..reuse import bank_writer
+    from ..attention.mask_sources import recorded_steps
+    from ..reuse.reuse_run import ReusePatch
 
     tee, selection = {}, {}
 
@@ -150,7 +150,7 @@ def decoded_entry(pp: ProductPath, bank, entry_id: str):
 
 def run_stages(patcher, config, workdir: Path, seed: int = 0, request_index: int = 0, plans=None, log=print) -> dict:
     from ..bank import MaskBank
-    from ..mask_sources import RecordingPlan, scaled_bucket_starts
+    from ..attention.mask_sources import RecordingPlan, scaled_bucket_starts
 
     plans = PLANS if plans is None else plans
     pp = ProductPath(patcher, config, workdir)
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", default="0", help="indices into the report's similar requests, e.g. 0,3")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args(argv)
-    from ..comfyui_locator import prepare_in_process
+    from ..comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.tiny or not torch.cuda.is_available())
     with tempfile.TemporaryDirectory(prefix="chorus-hit-stages-") as tmp:

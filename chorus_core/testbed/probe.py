@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..workload import TEMPLATES
+from .workload import TEMPLATES
 from .config import PROBE_CANDIDATES, TestbedConfig, config_with_overrides, tokens_of
 from .sharpness import SHARPNESS_DENSITY
 
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     names = [n for n in args.candidates.split(",") if n]
     configs = {n: candidate_config(n, args.hold_out, args.set) for n in names}  # bad names fail before any work
-    from ..comfyui_locator import prepare_in_process
+    from ..comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.device == "cpu")
     doc = {"machine": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",

@@ -49,14 +49,14 @@ from pathlib import Path
 
 import torch
 
-from ..mask_provider import MaskSource, ObservedMasks
+from ..attention.mask_provider import MaskSource, ObservedMasks
 
 from .._siblings import import_sibling
-from ..masks import forced_blocks, keep_top_counts, select_blocks
-from ..online_predictor import block_scores
-from ..population_prior import keep_frequency
+from ..attention.masks import forced_blocks, keep_top_counts, select_blocks
+from ..attention.online_predictor import block_scores
+from ..reuse.population_prior import keep_frequency
 from ..quality import mass_recall, psnr, ssim
-from ..workload import generate_request, i2v_conditioning
+from .workload import generate_request, i2v_conditioning
 from .config import TestbedConfig, config_from_dict, make_config, tokens_of
 from .models import process_in
 from .report import eval_requests, md_table, spread_picks, static_window_scores
@@ -112,7 +112,7 @@ def mean_ci(values: list) -> tuple:
 
 
 # --------------------------------------------------------------------------------------------
-# Mask sources (chorus_core.mask_provider's kinds; maps are kept for the recall measure)
+# Mask sources (chorus_core.attention.mask_provider's kinds; maps are kept for the recall measure)
 # --------------------------------------------------------------------------------------------
 
 
@@ -197,7 +197,7 @@ class CapturingProvider(MaskSource):
 
 class ProductPath:
     def __init__(self, patcher, config: TestbedConfig, workdir: Path, threshold: float = 0.9, log=print):
-        from ..reuse_run import ReuseOptions
+        from ..reuse.reuse_run import ReuseOptions
 
         self.patcher, self.config, self.workdir, self.threshold, self.log = patcher, config, Path(workdir), threshold, log
         self.options = ReuseOptions()  # the shipped defaults: top-p, density clamps, warm-up, miss mode
@@ -216,8 +216,8 @@ class ProductPath:
                                    latent["samples"], seed=seed, disable_pbar=True).float().cpu()
 
     def with_provider(self, provider, conds, seed: int, warmup: int | None = None) -> torch.Tensor:
-        from ..mask_provider import DenseWarmupProvider
-        from ..sparse_patch import install_sparse_attention
+        from ..attention.mask_provider import DenseWarmupProvider
+        from ..attention.sparse_patch import install_sparse_attention
 
         warmup = self.warmup if warmup is None else warmup
         wrapped = provider if isinstance(provider, MassObserver) else DenseWarmupProvider(provider, warmup)
@@ -230,7 +230,7 @@ class ProductPath:
 
     def match(self, bank, conds, threshold: float):
         from ..bank.signature import resolve_weights
-        from ..reuse_match import build_match_request, match_request
+        from ..reuse.reuse_match import build_match_request, match_request
 
         positive, _, latent = conds
         req = build_match_request(self.patcher, positive[0][1]["clip_vision_output"], positive, latent, None,
@@ -238,7 +238,7 @@ class ProductPath:
         return match_request(bank, req)
 
     def reuse_run(self, match, conds, seed: int, options=None):
-        from ..reuse_run import ReusePatch
+        from ..reuse.reuse_run import ReusePatch
 
         patch = ReusePatch(self.patcher, match, options or self.options, block_size=self.bs, scheduler="simple")
         final = self.sample(patch.install(), conds, seed)
@@ -246,7 +246,7 @@ class ProductPath:
 
     def record(self, bank, conds, seed: int) -> str:
         """A recording miss (online prediction as shipped); waits for the bank writer."""
-        from .. import bank_writer
+        from ..reuse import bank_writer
 
         _, report = self.reuse_run(self.match(bank, conds, RECORD_THRESHOLD), conds, seed)
         if report.mode != "miss" or report.recording != "queued":
@@ -259,7 +259,7 @@ class ProductPath:
     # --- masks of entries ------------------------------------------------------------------
     def entry_maps(self, entry) -> dict:
         """(step, layer) -> bool [H, nq, nk] of an entry (a hit's, a prior's), over the sparse steps."""
-        from ..mask_sources import scaled_bucket_starts
+        from ..attention.mask_sources import scaled_bucket_starts
 
         starts = scaled_bucket_starts(entry.schedule, self.steps)
         per_bucket = [[entry.block_map(b, l).bool() for l in range(self.L)] for b in range(len(starts))]
@@ -305,8 +305,8 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     stopped by a time limit keeps the targets it finished.
     """
     from ..bank import MaskBank
-    from ..prior_store import load_prior
-    from ..mask_sources import OnlinePredictionProvider
+    from ..reuse.prior_store import load_prior
+    from ..attention.mask_sources import OnlinePredictionProvider
 
     pp = ProductPath(patcher, config, workdir, threshold, log)
     size = config.long_size
@@ -441,7 +441,7 @@ def merge_results(docs: list) -> dict:
 
 
 def _starts(entry, pp) -> list:
-    from ..mask_sources import scaled_bucket_starts
+    from ..attention.mask_sources import scaled_bucket_starts
 
     return scaled_bucket_starts(entry.schedule, pp.steps)
 
@@ -550,7 +550,7 @@ def main(argv=None) -> int:
         return 0
     if not args.tiny and args.checkpoint is None:
         raise SystemExit("pass --checkpoint FILE (the trained testbed), or --tiny for the CPU smoke run")
-    from ..comfyui_locator import prepare_in_process
+    from ..comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.tiny or not torch.cuda.is_available())
     with tempfile.TemporaryDirectory(prefix="chorus-product-path-") as tmp:

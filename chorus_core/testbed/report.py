@@ -42,11 +42,11 @@ from typing import Optional
 import torch
 
 from .._siblings import import_sibling
-from ..masks import forced_blocks, keep_top_counts, select_blocks
-from ..online_predictor import block_scores
-from ..population_prior import population_prior
+from ..attention.masks import forced_blocks, keep_top_counts, select_blocks
+from ..attention.online_predictor import block_scores
+from ..reuse.population_prior import population_prior
 from ..quality import mass_recall, psnr, sparse_output_error, ssim
-from ..workload import TEMPLATES, I2VRequest, generate_request
+from .workload import TEMPLATES, I2VRequest, generate_request
 from .config import TestbedConfig, config_from_dict, make_config, size_name, tokens_of
 from .models import SDPAAttention, AttentionHook, block_grid_coords, make_batch, predict_velocity, sample, sigma_schedule
 
@@ -1283,7 +1283,7 @@ def main(argv=None) -> int:
         doc = write_outputs(results, config, args.out, args.device, base["command"], None, args.suffix, base)
         print(json.dumps(doc["summary"], indent=1, default=str))
         return 0
-    from ..comfyui_locator import prepare_in_process
+    from ..comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.device == "cpu")
     from .train import load_checkpoint

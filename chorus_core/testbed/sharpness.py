@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=4, help="held-out targets (spread over the list)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    from ..comfyui_locator import prepare_in_process
+    from ..comfy.comfyui_locator import prepare_in_process
     from .config import make_config
     from .report import eval_requests, spread_picks
     from .train import load_checkpoint

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..workload import I2VRequest
+from .workload import I2VRequest
 from .config import PRESETS, TestbedConfig, config_from_dict, config_with_overrides, make_config, size_name, tokens_of
 from .models import SDPAAttention, build_model, flow_loss, is_qk_gain, make_batch
 
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
         path = join_checkpoint_parts(args.join_parts, args.out / CHECKPOINT_NAME)
         print(f"joined -> {path}")
         return 0
-    from ..comfyui_locator import prepare_in_process
+    from ..comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.device == "cpu")
     resume = load_state(args.resume) if args.resume else init_state_from_weights(args.init_from) if args.init_from else None

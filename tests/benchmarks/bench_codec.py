@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
 
 from chorus_core.bank import MaskBank  # noqa: E402
 from chorus_core.bank.encoding import PACKBITS, ROWSHIFT, decode_block_map, decode_packed_block_map, encode_masks  # noqa: E402,E501
-from chorus_core.entry_prefetch import HostLayer  # noqa: E402
+from chorus_core.reuse.entry_prefetch import HostLayer  # noqa: E402
 
 
 def codec_at(codec: str, level: int):
@@ -84,17 +84,17 @@ def synthetic_maps(shape: str, layers: int) -> np.ndarray:
 def testbed_maps(steps: int = 6) -> np.ndarray:
     import tempfile
 
-    from chorus_core.comfyui_locator import locate_comfyui, prepare_in_process
+    from chorus_core.comfy.comfyui_locator import locate_comfyui, prepare_in_process
 
     prepare_in_process(locate_comfyui(allow_clone=False), cpu=True)
     import comfy.sample
     import comfy.sd
 
-    from chorus_core import bank_writer
+    from chorus_core.reuse import bank_writer
     from chorus_core.bank.signature import resolve_weights
-    from chorus_core.reuse_run import ReuseOptions, ReusePatch
-    from chorus_core.reuse_match import build_match_request, match_request
-    from chorus_core.workload import I2VRequest, generate_request, i2v_conditioning
+    from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
+    from chorus_core.reuse.reuse_match import build_match_request, match_request
+    from chorus_core.testbed.workload import I2VRequest, generate_request, i2v_conditioning
 
     patcher = comfy.sd.load_diffusion_model(str(REPO / "tests" / "testbed" / "chorus_testbed_wan21_i2v.safetensors"))
     positive, negative, latent = i2v_conditioning(generate_request(I2VRequest(frames=16, height=64, width=64)))

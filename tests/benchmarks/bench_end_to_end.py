@@ -81,7 +81,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from chorus_core.mask_provider import MaskSource  # noqa: E402
+from chorus_core.attention.mask_provider import MaskSource  # noqa: E402
 
 HEAD_DIM, BLOCK, FULL_LAYERS = 128, 128, 40
 GEN_STEPS, WARMUP_STEPS = 40, 1
@@ -112,7 +112,7 @@ def setup_comfy(cuda: bool, extra_site: str | None):
     if extra_site:  # carried pure-Python packages; appended, so the machine's own win
         sys.path.append(str(Path(extra_site).resolve()))
         CARRIED.append(extra_site)
-    from chorus_core.comfyui_locator import prepare_in_process
+    from chorus_core.comfy.comfyui_locator import prepare_in_process
 
     path = prepare_in_process(cpu=not cuda)
     import comfy.model_management  # noqa: F401  (reads --cpu once)
@@ -280,9 +280,9 @@ class BatchProbe(MaskSource):
 
 def make_provider(mode, layers, ctx):
     """(provider, recorder or None) for a Chorus mode."""
-    from chorus_core.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
-    from chorus_core.masks import MaskRecorder
-    from chorus_core.mask_sources import OnlinePredictionProvider, RecordingProvider
+    from chorus_core.attention.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
+    from chorus_core.attention.masks import MaskRecorder
+    from chorus_core.attention.mask_sources import OnlinePredictionProvider, RecordingProvider
 
     recorder = None
     if mode["mode"] == "hit":
@@ -347,7 +347,7 @@ def mask_bytes_of(mask):
 def watch_mask_cache(patcher):
     """GPU bytes of the run's converted masks, read at every step boundary (benchmark-only look
     inside the patch's per-run state: the masks of all layers of the current step bucket)."""
-    from chorus_core.sparse_patch import get_sparse_state
+    from chorus_core.attention.sparse_patch import get_sparse_state
 
     holder, seen, runs = get_sparse_state(patcher), [], []
     start_run = holder.start_run
@@ -365,7 +365,7 @@ def watch_mask_cache(patcher):
 
 def run_mode(ctx, mode, layers):
     """Time one mode with ``layers`` blocks; returns the measurement dict."""
-    from chorus_core.sparse_patch import get_run_stats, install_sparse_attention
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     set_blocks(ctx["model"], ctx["all_blocks"], layers)
     steps = ctx["steps"]
@@ -420,7 +420,7 @@ def measure_overheads(ctx, shape, entry_layers, bank_entries):
 
     from chorus_core.bank import LatentLayout, MaskBank, Schedule, build_signature
     from chorus_core.bank.signature import COMPONENTS, DIM
-    from chorus_core.model_identity import fingerprint_patcher
+    from chorus_core.reuse.model_identity import fingerprint_patcher
     from kernels.block_sparse import block_map_to_mask
     from kernels import triton_block_sparse as tbs
 
@@ -602,7 +602,7 @@ def derive_rows(shape, res, ov):
                      "note": "bank read-only or record_on_miss off: no recording"})
         if record is not None:
             from chorus_core.bank import default_step_buckets
-            from chorus_core.mask_sources import recorded_steps
+            from chorus_core.attention.mask_sources import recorded_steps
 
             rec_steps = sum(len(s) for s in recorded_steps(default_step_buckets(GEN_STEPS)))
             r40 = step40(record, a)

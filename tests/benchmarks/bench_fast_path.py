@@ -94,8 +94,8 @@ def mode_table(densities) -> list[tuple[str, dict]]:
 
 
 def provider_for(spec, ctx, layers):
-    from chorus_core.mask_provider import DenseProvider, DenseWarmupProvider, StaticBlockMapProvider
-    from chorus_core.mask_sources import OnlinePredictionProvider
+    from chorus_core.attention.mask_provider import DenseProvider, DenseWarmupProvider, StaticBlockMapProvider
+    from chorus_core.attention.mask_sources import OnlinePredictionProvider
 
     if spec["kind"] == "dense_fa4":
         return DenseProvider(block_size=(e2e.BLOCK, e2e.BLOCK))
@@ -109,7 +109,7 @@ def provider_for(spec, ctx, layers):
 
 def patched_model(ctx, spec, layers, compiled: bool):
     """The ModelPatcher a user's graph would hand the sampler for this mode."""
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     patcher = ctx["patcher"]
     if spec["kind"] != "dense_comfyui":
@@ -126,8 +126,8 @@ def patched_model(ctx, spec, layers, compiled: bool):
 
 
 def with_feature_reuse(patcher, ctx, layers):
-    from chorus_core.feature_regions import select_regions, token_grid
-    from chorus_core.feature_reuse import FeatureReuseSettings, install_feature_reuse
+    from chorus_core.guidance.feature_regions import select_regions, token_grid
+    from chorus_core.guidance.feature_reuse import FeatureReuseSettings, install_feature_reuse
 
     latent = ctx["req"][2]
     grid = token_grid(latent.shape[2:])
@@ -159,7 +159,7 @@ def dynamo_counts() -> dict:
 
 
 def run_mode(ctx, key, spec, compiled: bool) -> dict:
-    from chorus_core.sparse_patch import get_run_stats
+    from chorus_core.attention.sparse_patch import get_run_stats
 
     layers = spec.get("layers", ctx["blocks"])
     e2e.set_blocks(ctx["model"], ctx["all_blocks"], layers)

@@ -57,7 +57,7 @@ def machine() -> str:
 def load_model(tmp: Path):
     import comfy.sd
 
-    from chorus_core.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
+    from chorus_core.testbed.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
 
     if TESTBED.exists():
         return comfy.sd.load_diffusion_model(str(TESTBED)), "testbed (trained)"
@@ -66,7 +66,7 @@ def load_model(tmp: Path):
 
 
 def hit_provider(grid, block=128):
-    from chorus_core.mask_provider import StaticBlockMapProvider
+    from chorus_core.attention.mask_provider import StaticBlockMapProvider
 
     t, h, w = grid
     n = t * h * w
@@ -88,8 +88,8 @@ HEADS_14B, HEAD_DIM = 40, 128
 
 def half_pooled_layout(grid):
     """Every other column of 1x2x2 cells pooled: half the tokens, N' = 5/8 N."""
-    from chorus_core.feature_regions import cell_grid
-    from chorus_core.token_layout import TokenLayout
+    from chorus_core.guidance.feature_regions import cell_grid
+    from chorus_core.attention.token_layout import TokenLayout
 
     region_map = torch.zeros(cell_grid(grid, (1, 2, 2)), dtype=torch.bool)
     region_map[:, :, ::2] = True
@@ -207,19 +207,19 @@ def main() -> None:
     if args.dense_fallback:
         return dense_fallback(args.out)
 
-    from chorus_core.comfyui_locator import locate_comfyui, prepare_in_process
+    from chorus_core.comfy.comfyui_locator import locate_comfyui, prepare_in_process
 
     prepare_in_process(locate_comfyui(allow_clone=False), cpu=True)
     import tempfile
 
     from i2v_inputs import sample_request
 
-    from chorus_core import feature_regions as regions
-    from chorus_core import feature_reuse as fr
+    from chorus_core.guidance import feature_regions as regions
+    from chorus_core.guidance import feature_reuse as fr
     from chorus_core.quality import psnr, ssim
-    from chorus_core.sparse_patch import install_sparse_attention
-    from chorus_core.token_layout import TokenLayout
-    from chorus_core.workload import I2VRequest, generate_request
+    from chorus_core.attention.sparse_patch import install_sparse_attention
+    from chorus_core.attention.token_layout import TokenLayout
+    from chorus_core.testbed.workload import I2VRequest, generate_request
 
     tmp = Path(tempfile.mkdtemp())
     patcher, model_name = load_model(tmp)

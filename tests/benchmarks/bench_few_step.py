@@ -101,7 +101,7 @@ def mode_plan(compiled: bool, eager_hit: bool) -> list[Mode]:
 
 
 def chorus_options(mode: Mode, density: float):
-    from chorus_core.reuse_run import ReuseOptions
+    from chorus_core.reuse.reuse_run import ReuseOptions
 
     return ReuseOptions(dense_warmup_steps=mode.dense_steps, hit_warmup_steps=mode.dense_steps,
                         min_density=density, max_density=density, miss_mode="online",
@@ -121,8 +121,8 @@ def dense_model(ctx, mode: Mode):
     cached = ctx["dense_models"].get(mode.label)
     if cached is not None:
         return cached
-    from chorus_core.mask_provider import DenseProvider
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.mask_provider import DenseProvider
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     patcher = ctx["patcher"]
     if mode.key == "dense_fa4":
@@ -135,8 +135,8 @@ def dense_model(ctx, mode: Mode):
 
 def chorus_model(ctx, mode: Mode):
     """Similarity Match, then the Sparse Wan Sampler's install: what a new prompt runs."""
-    from chorus_core.reuse_match import build_match_request, match_request
-    from chorus_core.reuse_run import ReusePatch
+    from chorus_core.reuse.reuse_match import build_match_request, match_request
+    from chorus_core.reuse.reuse_run import ReusePatch
 
     positive, _, latent, clip = ctx["req"]
     threshold = NO_MATCH_THRESHOLD if mode.key == "online" else HIT_THRESHOLD

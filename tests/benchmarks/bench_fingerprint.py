@@ -45,12 +45,12 @@ def git_commit() -> str | None:
 
 def models(folder: Path):
     """The 40-block tiny model as UNETLoader loads it, and a clone with a LoRA on its 488 linear layers."""
-    from chorus_core.comfyui_locator import locate_comfyui, prepare_in_process
+    from chorus_core.comfy.comfyui_locator import locate_comfyui, prepare_in_process
 
     prepare_in_process(locate_comfyui(allow_clone=False), cpu=True)
     import comfy.sd
 
-    from chorus_core.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
+    from chorus_core.testbed.tiny_wan import TinyWanConfig, save_tiny_wan_i2v
     from test_fingerprint import with_lora
 
     path = save_tiny_wan_i2v(folder / "deep.safetensors", TinyWanConfig(dim=128, ffn_dim=256, num_layers=40))
@@ -62,7 +62,7 @@ def models(folder: Path):
 
 
 def measure(patcher, repeats: int) -> dict:
-    from chorus_core.model_identity import fingerprint_patcher
+    from chorus_core.reuse.model_identity import fingerprint_patcher
 
     fingerprint_patcher(patcher)  # first call: imports and torch's lazy set-up, not counted
     wall, cpu = [], []

@@ -50,7 +50,7 @@ def log(msg: str) -> None:
 
 
 def setup_comfy():
-    from chorus_core.comfyui_locator import locate_comfyui, prepare_in_process
+    from chorus_core.comfy.comfyui_locator import locate_comfyui, prepare_in_process
 
     prepare_in_process(locate_comfyui(allow_clone=False), cpu=True)
     import comfy.model_management  # noqa: F401
@@ -62,10 +62,10 @@ def load_model(path: str | None):
     if path is None and TESTBED.exists():
         path = str(TESTBED)
     if path is None:
-        from chorus_core.tiny_wan import save_tiny_wan_i2v
+        from chorus_core.testbed.tiny_wan import save_tiny_wan_i2v
 
         path = str(save_tiny_wan_i2v(Path(tempfile.mkdtemp()) / "chorus_tiny_wan21_i2v.safetensors"))
-        name = "random tiny Wan2.1-I2V (chorus_core.tiny_wan, untrained: NOT the trained testbed)"
+        name = "random tiny Wan2.1-I2V (chorus_core.testbed.tiny_wan, untrained: NOT the trained testbed)"
     else:
         name = f"trained testbed {Path(path).name}"
     return comfy.sd.load_diffusion_model(path), name, path
@@ -74,7 +74,7 @@ def load_model(path: str | None):
 def sample(patcher, request, seed, steps, cfg):
     import comfy.sample
 
-    from chorus_core.workload import generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import generate_request, i2v_conditioning
 
     tensors = generate_request(request)
     positive, negative, latent = i2v_conditioning(tensors)
@@ -87,10 +87,10 @@ def sample(patcher, request, seed, steps, cfg):
 def record_masks(patcher, request, seed, steps, cfg, max_density):
     """Dense run of the similar request with a recorder: bool [S, L, H, nq, nk] and bucket starts."""
     from chorus_core.bank.records import default_step_buckets
-    from chorus_core.mask_provider import DenseProvider
-    from chorus_core.masks import MaskRecorder
-    from chorus_core.mask_sources import RecordingProvider
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.mask_provider import DenseProvider
+    from chorus_core.attention.masks import MaskRecorder
+    from chorus_core.attention.mask_sources import RecordingProvider
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     buckets = default_step_buckets(steps)
     recorder = MaskRecorder(num_layers=len(patcher.model.diffusion_model.blocks),
@@ -104,8 +104,8 @@ def record_masks(patcher, request, seed, steps, cfg, max_density):
 
 
 def hit_model(patcher, maps, starts):
-    from chorus_core.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
-    from chorus_core.sparse_patch import install_sparse_attention
+    from chorus_core.attention.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
+    from chorus_core.attention.sparse_patch import install_sparse_attention
 
     per_bucket = [{layer: maps[s, layer][None] for layer in range(maps.shape[1])} for s in range(maps.shape[0])]
     provider = DenseWarmupProvider(StaticBlockMapProvider(per_bucket, (BLOCK, BLOCK), starts), warmup_steps=1)
@@ -113,7 +113,7 @@ def hit_model(patcher, maps, starts):
 
 
 def measures(out, dense_ref, tensors):
-    from chorus_core.guidance import content_adherence, first_frame_error, template_adherence
+    from chorus_core.guidance.guidance import content_adherence, first_frame_error, template_adherence
     from chorus_core.quality import psnr, ssim
 
     same = torch.equal(out, dense_ref)
@@ -125,7 +125,7 @@ def measures(out, dense_ref, tensors):
 
 def hook_cost_ms(patcher, request, cfg, method, reps=50):
     """Time of the hook's own work in one step at this run's shapes (CPU, median of reps)."""
-    from chorus_core.guidance import boosted_cfg, scale_cross_attention
+    from chorus_core.guidance.guidance import boosted_cfg, scale_cross_attention
 
     batch = 2 if cfg != 1 else 1
     t, h, w = request.frames, request.height, request.width
@@ -195,8 +195,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     setup_comfy()
-    from chorus_core.guidance import GuidanceSettings, install_guidance
-    from chorus_core.workload import I2VRequest
+    from chorus_core.guidance.guidance import GuidanceSettings, install_guidance
+    from chorus_core.testbed.workload import I2VRequest
 
     patcher, model_name, model_path = load_model(args.model)
     log(f"model: {model_name}")

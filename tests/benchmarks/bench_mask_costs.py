@@ -29,8 +29,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from chorus_core.masks import first_frame_blocks, select_blocks  # noqa: E402
-from chorus_core.online_predictor import block_scores, predict_block_map  # noqa: E402
+from chorus_core.attention.masks import first_frame_blocks, select_blocks  # noqa: E402
+from chorus_core.attention.online_predictor import block_scores, predict_block_map  # noqa: E402
 from kernels.block_mass import block_mass, block_mass_reference  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK, DENSITY, TOP_P = 40, 128, 128, 0.15, 0.9

@@ -34,7 +34,7 @@ Measured per mode: ``generation_s`` = match + prepare + sampling + finish (dense
 and the first sparse step), with min and max; ``queue_block_s`` = last step callback to
 ``finish()`` returning (when ComfyUI could start the next prompt: the sampler's own tail, then
 ``finish()``); on a recording miss then
-the wait for the background writer (``chorus_core.bank_writer``, if present) and the entry's
+the wait for the background writer (``chorus_core.reuse.bank_writer``, if present) and the entry's
 ``blob_bytes``; ``overhead_s`` = per-request Chorus time on the prompt's thread not overlapped
 with sampling = match + prepare + ``finish()`` + first-sparse-step stall (its excess over the steady
 median) + warm-up-step stall (its excess over the dense ComfyUI run's step 0), and
@@ -146,17 +146,17 @@ class RssPeak:
 
 
 def bank_writer_flush():
-    """The background writer's flush, if ``chorus_core.bank_writer`` exists (else None)."""
-    if importlib.util.find_spec("chorus_core.bank_writer") is None:
+    """The background writer's flush, if ``chorus_core.reuse.bank_writer`` exists (else None)."""
+    if importlib.util.find_spec("chorus_core.reuse.bank_writer") is None:
         return None
-    module = importlib.import_module("chorus_core.bank_writer")
+    module = importlib.import_module("chorus_core.reuse.bank_writer")
     return getattr(module, "flush_all", None) or getattr(module, "flush", None)
 
 
 def recorded_step_set(steps: int) -> set[int]:
     """Steps a recording run of ``steps`` records (the ReuseRun default schedule's picks)."""
     from chorus_core.bank import default_step_buckets
-    from chorus_core import reuse_run
+    from chorus_core.reuse import reuse_run
 
     picks = getattr(reuse_run, "recorded_steps", None)
     if picks is None:
@@ -165,7 +165,7 @@ def recorded_step_set(steps: int) -> set[int]:
 
 
 def chorus_options(mode: str):
-    from chorus_core.reuse_run import ReuseOptions
+    from chorus_core.reuse.reuse_run import ReuseOptions
 
     common = dict(dense_warmup_steps=WARMUP_STEPS, min_density=DENSITY, max_density=DENSITY)
     if mode == "miss_prior":
@@ -177,9 +177,9 @@ def generate(ctx, mode: str, bank=None, attention: str = "comfyui") -> dict:
     """One request of ``mode`` (``dense`` or a Chorus mode) with the model's current blocks."""
     import comfy.sample
 
-    from chorus_core.reuse_run import ReusePatch
-    from chorus_core.reuse_match import build_match_request, match_request
-    from chorus_core.sparse_patch import get_run_stats
+    from chorus_core.reuse.reuse_run import ReusePatch
+    from chorus_core.reuse.reuse_match import build_match_request, match_request
+    from chorus_core.attention.sparse_patch import get_run_stats
 
     cuda, steps, patcher = ctx["cuda"], ctx["steps"], ctx["patcher"]
     positive, negative, latent, clip = ctx["req"]
@@ -506,7 +506,7 @@ def caveats(doc: dict) -> list[str]:
            "host_ram_gb: resident memory of this process only (a writer in another process is not counted)",
            "VAE, text and CLIP-vision encoders are outside the sampler and the same in every mode"]
     if not d.get("bank_writer"):
-        out.append("no chorus_core.bank_writer at this commit: finish() writes the entry itself, so the write is in "
+        out.append("no chorus_core.reuse.bank_writer at this commit: finish() writes the entry itself, so the write is in "
                    "queue_block_s")
     if d.get("carried_packages"):
         out.append(d["carried_packages"])
@@ -634,7 +634,7 @@ def main(argv=None):
                        "comfyui": getattr(sys.modules.get("comfyui_version"), "__version__", None),
                        "blocks": blocks, "steps": args.steps, "dim": dim, "ffn_dim": ffn, "heads": dim // 128,
                        "dtype": str(dtype), "budget_s": args.budget_s,
-                       "bank_writer": importlib.util.find_spec("chorus_core.bank_writer") is not None,
+                       "bank_writer": importlib.util.find_spec("chorus_core.reuse.bank_writer") is not None,
                        "carried_packages": (f"pure-Python packages the machine may lack came unpacked in "
                                             f"{e2e.CARRIED[0]}, after its own on sys.path") if e2e.CARRIED else None,
                        "measurements": {}, "estimates_s": {}, "errors": []},

@@ -50,7 +50,7 @@ def log(msg: str) -> None:
 @contextlib.contextmanager
 def step_index_addressing():
     """Serve entries as before sigmas were kept: by step index rescaled to the run."""
-    from chorus_core import mask_sources
+    from chorus_core.attention import mask_sources
 
     shipped = mask_sources.entry_buckets_for_run
     mask_sources.entry_buckets_for_run = lambda schedule, steps, run_sigmas=None: shipped(schedule, steps, None)
@@ -62,11 +62,11 @@ def step_index_addressing():
 
 def run_target(pps: dict, banks: dict, target, seed: int) -> list[dict]:
     """Every mode of one target at every step count; rows with PSNR etc. against dense."""
-    from chorus_core.mask_provider import DenseProvider
-    from chorus_core.reuse_run import ReuseOptions
+    from chorus_core.attention.mask_provider import DenseProvider
+    from chorus_core.reuse.reuse_run import ReuseOptions
     from chorus_core.testbed.product_path import final_quality
     from chorus_core.testbed.sharpness import request_name
-    from chorus_core.workload import generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import generate_request, i2v_conditioning
 
     conds = i2v_conditioning(generate_request(target))
     rows = []
@@ -96,7 +96,7 @@ def measure(patcher, config, workdir: Path, steps_pair: tuple, targets: int, see
     from chorus_core.testbed.config import tokens_of
     from chorus_core.testbed.product_path import ProductPath
     from chorus_core.testbed.report import eval_requests, spread_picks
-    from chorus_core.workload import generate_request, i2v_conditioning
+    from chorus_core.testbed.workload import generate_request, i2v_conditioning
 
     pps = {}
     for steps in steps_pair:
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    from chorus_core.comfyui_locator import locate_comfyui, prepare_in_process
+    from chorus_core.comfy.comfyui_locator import locate_comfyui, prepare_in_process
 
     prepare_in_process(locate_comfyui(allow_clone=False), cpu=True)
     import comfy.sd

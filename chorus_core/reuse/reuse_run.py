@@ -13,18 +13,18 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from . import bank_writer
-from .bank import BankIncompatible, Schedule, compat_key
-from .bank.encoding import PackedBlockMaps
+from ..bank import BankIncompatible, Schedule, compat_key
+from ..bank.encoding import PackedBlockMaps
 from .entry_prefetch import EntryPrefetch
-from .mask_provider import DenseProvider, DenseWarmupProvider, SamplingCall
-from .mask_sources import (BankEntryProvider, OnlinePredictionProvider, RecordingPlan, RecordingProvider,
+from ..attention.mask_provider import DenseProvider, DenseWarmupProvider, SamplingCall
+from ..attention.mask_sources import (BankEntryProvider, OnlinePredictionProvider, RecordingPlan, RecordingProvider,
                            buckets_recordable_from, recorded_steps)
-from .masks import MaskRecorder
+from ..attention.masks import MaskRecorder
 from .model_identity import fingerprint_patcher
 from .prior_store import PRIOR_ENTRIES, load_prior
 from .reuse_match import ReuseMatch, match_grid_problem
-from .step_times import earlier_dense_step, remember_dense_step
-from .sparse_patch import DENSE_ATTENTION_MODES, get_run_stats, get_sparse_state, install_sparse_attention
+from ..attention.step_times import earlier_dense_step, remember_dense_step
+from ..attention.sparse_patch import DENSE_ATTENTION_MODES, get_run_stats, get_sparse_state, install_sparse_attention
 
 log = logging.getLogger("chorus")
 MISS_MODES = ("online", "prior", "dense")
@@ -359,7 +359,7 @@ REUSE_KEY = "chorus_reuse"
 class ReusePatch:
     """Mask reuse as a MODEL patch: each sampling run with the patched model is one :class:`ReuseRun`.
 
-    Installed as the sparse patch's :class:`~chorus_core.mask_provider.RunSource`: the patch's one
+    Installed as the sparse patch's :class:`~chorus_core.attention.mask_provider.RunSource`: the patch's one
     OUTER_SAMPLE wrapper asks :meth:`begin_run` for the run's mask source, built from the guider's
     own model and sigmas, and calls :meth:`end_run` after the run: a successful run fills the
     report and queues a miss's recording. Both reuse nodes use it (the Sparse Wan Sampler installs
@@ -466,7 +466,7 @@ def _sampler_name(sampler) -> str:
 
 
 def _feature_reuse_warnings(patched) -> list[str]:
-    from .feature_reuse import get_feature_reuse_state  # the optional node's state, if it is installed
+    from ..guidance.feature_reuse import get_feature_reuse_state  # the optional node's state, if it is installed
 
     state = get_feature_reuse_state(patched) if patched is not None else None
     stats = getattr(state, "stats", None)

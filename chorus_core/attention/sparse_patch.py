@@ -257,7 +257,7 @@ def _make_apply_model_wrapper(key: str) -> Callable:
     return chorus_plan_model_call
 
 
-_KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+_KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
 
 def _raised_in_kernels(exc: BaseException) -> bool:
@@ -386,7 +386,7 @@ def _require_kernels() -> None:
 def _check_provider(provider) -> None:
     if not isinstance(provider, (MaskSource, RunSource)):
         raise TypeError(f"{type(provider).__name__} is not a Chorus mask source: derive it from "
-                        "chorus_core.mask_provider.KnownMasks (masks decided before the model runs) or ObservedMasks "
+                        "chorus_core.attention.mask_provider.KnownMasks (masks decided before the model runs) or ObservedMasks "
                         "(masks made from each call's q and k)")
     block_size = getattr(provider, "block_size", None)
     if not (isinstance(block_size, (tuple, list)) and len(block_size) == 2

@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._siblings import import_sibling
-from .quality import mass_recall
+from .._siblings import import_sibling
+from ..quality import mass_recall
 
 __all__ = [
     "select_blocks",

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .feature_regions import cell_grid
+from ..guidance.feature_regions import cell_grid
 
 __all__ = ["TokenLayout"]
 

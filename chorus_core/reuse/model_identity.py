@@ -21,7 +21,7 @@ import hashlib
 
 import torch
 
-from .bank.fingerprint import ARCHITECTURE, ModelFingerprint, TensorDigest, wan_shapes, weights_digest
+from ..bank.fingerprint import ARCHITECTURE, ModelFingerprint, TensorDigest, wan_shapes, weights_digest
 
 DIFFUSION_PREFIX = "diffusion_model."  # ModelPatcher keys are relative to the BaseModel
 _MAX_DEPTH = 8  # patch data nests tuples a few levels deep; never follow a cycle

@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from ._siblings import import_sibling
-from .bank import Schedule
-from .entry_prefetch import EntryPrefetch
+from .._siblings import import_sibling
+from ..bank import Schedule
+from ..reuse.entry_prefetch import EntryPrefetch
 from .mask_provider import MaskSource, ObservedMasks, bucket_index
 from .masks import MaskRecorder
 from .online_predictor import predict_block_map

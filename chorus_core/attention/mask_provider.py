@@ -97,7 +97,7 @@ class MaskSource:
         block_map = self.block_map(layer, step, list(cond_or_uncond), num_heads, seq_len, device)
         if block_map is None:
             return None
-        from ._siblings import import_sibling
+        from .._siblings import import_sibling
 
         block_sparse = import_sibling("kernels.block_sparse")
         block_map = match_batch(block_map, len(cond_or_uncond), batch).to(device)

@@ -22,9 +22,9 @@ from typing import Callable, ContextManager, Optional
 import numpy as np
 import torch
 
-from ._siblings import import_sibling
-from .mask_provider import PreparedMask
-from .masks import unpack_bits
+from .._siblings import import_sibling
+from ..attention.mask_provider import PreparedMask
+from ..attention.masks import unpack_bits
 
 _POPCOUNT = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.uint8)
 

@@ -30,8 +30,8 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from .bank import EntryMasks, LatentLayout, Schedule, compat_key, encode_masks
-from .bank import validation
+from ..bank import EntryMasks, LatentLayout, Schedule, compat_key, encode_masks
+from ..bank import validation
 from .population_prior import population_prior
 
 PRIOR_ENTRIES = 8  # most recently used compatible entries that form the prior

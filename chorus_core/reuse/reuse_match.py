@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 
 from . import bank_writer
-from .bank import BankError, LatentLayout, MaskBank, MatchResult, Signature, build_signature, compat_key
-from .bank.signature import resolve_weights
-from .model_checks import check_supported_model
+from ..bank import BankError, LatentLayout, MaskBank, MatchResult, Signature, build_signature, compat_key
+from ..bank.signature import resolve_weights
+from ..attention.model_checks import check_supported_model
 from .model_identity import fingerprint_patcher
 
 log = logging.getLogger("chorus")

@@ -57,13 +57,13 @@ from typing import Any, Optional
 import torch
 
 from .feature_regions import cell_grid, region_map_image, select_regions, token_grid
-from .mask_provider import match_batch
-from .hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, mark_own, sigma_window,
+from ..attention.mask_provider import match_batch
+from ..attention.hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, mark_own, sigma_window,
                     steps_in_sigma_window, unwrap_own)
-from .mask_sources import RecordingProvider
-from .run_keys import (OUTER_SAMPLE, OVERRIDE_KEY, feature_reuse_call_key, feature_reuse_run_key, sparse_block_key,
+from ..attention.mask_sources import RecordingProvider
+from ..attention.run_keys import (OUTER_SAMPLE, OVERRIDE_KEY, feature_reuse_call_key, feature_reuse_run_key, sparse_block_key,
                        sparse_run_key)
-from .token_layout import TokenLayout
+from ..attention.token_layout import TokenLayout
 
 __all__ = [
     "FeatureReuseSettings",
@@ -471,7 +471,7 @@ def install_feature_reuse(model_patcher, region_map: torch.Tensor, grid: Sequenc
         the same key replaces the earlier install.
     :raises UnsupportedModelError: for any model other than Wan 2.1 I2V/T2V.
     """
-    from .model_checks import check_supported_model
+    from ..attention.model_checks import check_supported_model
 
     check_supported_model(model_patcher)
     holder = FeatureReuseState(region_map, grid, settings, key)

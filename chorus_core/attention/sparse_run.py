@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._siblings import import_sibling
+from .._siblings import import_sibling
 from .hooks import AttentionCall, StepClock, block_sparse, schedule_step
 from .mask_provider import MaskSource, PreparedMask, RunSource, SamplingCall
 from .run_stats import LayerStats, RunStats, StepCallback, StepStats

@@ -32,7 +32,7 @@ it knows). Per-run state (current step, counters) lives in a keyed
 ``OUTER_SAMPLE`` wrapper and is dropped in ``finally``; ``get_guidance_stats(patched)`` reads the
 current or last run's counters.
 
-Condition-adherence measures for the procedural workload (``chorus_core.workload``) are here
+Condition-adherence measures for the procedural workload (``chorus_core.testbed.workload``) are here
 too: first-frame error, motion correlation with the template's video, content correlation.
 """
 
@@ -44,8 +44,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .run_keys import OUTER_SAMPLE, OVERRIDE_KEY
-from .hooks import StepClock, clock_outer_sample, mark_own, sigma_window, steps_in_sigma_window, unwrap_own
+from ..attention.run_keys import OUTER_SAMPLE, OVERRIDE_KEY
+from ..attention.hooks import StepClock, clock_outer_sample, mark_own, sigma_window, steps_in_sigma_window, unwrap_own
 
 __all__ = [
     "METHODS",

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._siblings import import_sibling
+from .._siblings import import_sibling
 
 __all__ = ["schedule_step", "StepClock", "clock_outer_sample", "sigma_window", "steps_in_sigma_window", "block_sparse", "AttentionCall", "mark_own", "unwrap_own", "is_container",
            "container_function_of"]

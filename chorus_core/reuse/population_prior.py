@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .masks import density_bounds, forced_blocks, keep_top_counts
+from ..attention.masks import density_bounds, forced_blocks, keep_top_counts
 
 __all__ = ["keep_frequency", "population_prior"]
 

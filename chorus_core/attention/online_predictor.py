@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._siblings import import_sibling
+from .._siblings import import_sibling
 from .masks import select_blocks
 
 __all__ = ["pool_blocks", "block_scores", "predict_block_map"]

@@ -7,10 +7,10 @@ a ``git clone`` of the pinned commit where a network allows. When none works,
 
 Command line::
 
-    python -m chorus_core.comfyui_locator                  # print the path found
-    python -m chorus_core.comfyui_locator --no-clone        # never touch the network
-    python -m chorus_core.comfyui_locator --install-from GIT_DIR   # fill the cache from a local git repo
-    python -m chorus_core.comfyui_locator --write-requirements FILE  # ComfyUI's pip requirements, torch excluded
+    python -m chorus_core.comfy.comfyui_locator                  # print the path found
+    python -m chorus_core.comfy.comfyui_locator --no-clone        # never touch the network
+    python -m chorus_core.comfy.comfyui_locator --install-from GIT_DIR   # fill the cache from a local git repo
+    python -m chorus_core.comfy.comfyui_locator --write-requirements FILE  # ComfyUI's pip requirements, torch excluded
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 PINNED_COMMIT = "a125cd84b054a57729b5eecab930ca9408719832"
 PINNED_VERSION = "0.3.64"
 COMFYUI_GIT_URL = "https://github.com/Comfy-Org/ComfyUI.git"
-PACK_DIR = Path(__file__).resolve().parent.parent
+PACK_DIR = Path(__file__).resolve().parents[2]
 # torch comes from the project's own set-up (a CPU-capable build); ComfyUI's unpinned
 # torch lines would pull a different multi-GB build.
 _TORCH_REQUIREMENTS = {"torch", "torchvision", "torchaudio"}
@@ -149,7 +149,7 @@ def locate_comfyui(pack_dir: Path = PACK_DIR, allow_clone: bool = True) -> Path:
         "ComfyUI was not found. Tried, in order:\n  - " + "\n  - ".join(tried) + "\n"
         f"Fix: set COMFYUI_PATH to a ComfyUI checkout (commit {PINNED_COMMIT[:10]}, v{PINNED_VERSION}), "
         "or install this pack into ComfyUI/custom_nodes, "
-        "or fill the cache from a local clone: python -m chorus_core.comfyui_locator --install-from PATH/TO/ComfyUI/.git"
+        "or fill the cache from a local clone: python -m chorus_core.comfy.comfyui_locator --install-from PATH/TO/ComfyUI/.git"
     )
 
 
@@ -165,7 +165,7 @@ def comfyui_requirements(comfyui: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m chorus_core.comfyui_locator", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m chorus_core.comfy.comfyui_locator", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-clone", action="store_true", help="never try the network")
     parser.add_argument("--install-from", metavar="GIT_DIR", help="fill the per-user cache from a local ComfyUI git repository")
