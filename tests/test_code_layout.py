@@ -141,3 +141,32 @@ def test_the_checker_finds_a_circle_and_a_private_import():
     known = {"p": Path("p/__init__.py"), "p.a": Path("p/a.py"), "p.b": Path("p/b.py"), "p.c": Path("p/c.py")}
     assert imported("p.a", Path("p/a.py"), tree, known) == [("p.b", "_hidden"), ("p.c", "c"), ("p", "probe")]
     assert ("p.testbed", "probe") in raw_imports("p.a", Path("p/a.py"), tree)
+
+
+# Each room may import only the rooms before it in this order (comfy/ stands alone; the root
+# modules _siblings and quality are shared helpers any room may use).
+ROOM_ORDER = ("kernels", "chorus_core.bank", "chorus_core.attention", "chorus_core.guidance", "chorus_core.reuse")
+
+
+def room_of(module: str) -> str:
+    for room in ROOM_ORDER + ("chorus_core.comfy", "nodes"):
+        if module == room or module.startswith(room + "."):
+            return room
+    return "shared"
+
+
+def test_the_rooms_depend_one_way():
+    """bank and kernels know nothing of the others, attention uses the bank, guidance builds on
+    attention, reuse on all of them: what the README's data path shows."""
+    edges, _, _ = graph()
+    backwards = []
+    for module, targets in edges.items():
+        room = room_of(module)
+        for target in targets:
+            other = room_of(target)
+            if other == room or other == "shared" or room in ("nodes", "shared"):
+                continue
+            allowed = other in ROOM_ORDER and room in ROOM_ORDER and ROOM_ORDER.index(other) < ROOM_ORDER.index(room)
+            if not allowed:
+                backwards.append(f"{module} -> {target}")
+    assert backwards == []

@@ -18,7 +18,7 @@ from chorus_core.guidance.feature_regions import (cell_grid, erode_regions, flop
                                          select_regions, token_grid)
 from chorus_core.guidance.feature_reuse import (FeatureReuseSettings, apply_feature_reuse, get_feature_reuse_state,
                                        install_feature_reuse)
-from chorus_core.attention.token_layout import TokenLayout
+from chorus_core.guidance.token_layout import TokenLayout
 from conftest import REPO_ROOT
 
 GRID = (5, 8, 8)  # tokens of the default 5 x 16 x 16 latent request

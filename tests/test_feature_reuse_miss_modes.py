@@ -24,7 +24,7 @@ from chorus_core.reuse import bank_writer
 from chorus_core.guidance.feature_regions import cell_grid
 from chorus_core.guidance.feature_reuse import FeatureReuseSettings, install_feature_reuse
 from chorus_core.attention.mask_provider import KnownMasks
-from chorus_core.attention.token_layout import TokenLayout
+from chorus_core.guidance.token_layout import TokenLayout
 
 pytestmark = pytest.mark.comfy
 

@@ -77,7 +77,7 @@ def test_the_bank_gives_back_the_recorded_selection_bit_for_bit(harness, request
 def test_a_hit_on_its_own_entry_serves_exactly_those_masks(harness, request_conds, tmp_path):
     """The hit takes the planned path (masks known ahead), the static provider the per-call one."""
     from chorus_core.bank import MaskBank
-    from chorus_core.attention.mask_sources import scaled_bucket_starts
+    from chorus_core.reuse.entry_source import scaled_bucket_starts
     from chorus_core.testbed.hit_stages import as_step_maps, decoded_entry
 
     with MaskBank.open(tmp_path / "bank") as bank:

@@ -82,9 +82,11 @@ def run_generation(patcher, match, options=None, steps=STEPS):
 # --------------------------------------------------------------------------------------------
 
 
-def test_a_hit_is_decoded_by_the_worker_before_the_first_sparse_step(bank_with_entry, tiny_wan_patcher,
-                                                                     monkeypatch):
+def test_a_hit_is_decoded_by_the_worker_before_its_sparse_calls(bank_with_entry, tiny_wan_patcher, monkeypatch):
+    """The worker thread decodes every layer (bucket by bucket, in order); each sparse call of the
+    sampling thread gets its layer only once the worker has decoded it, never decoding itself."""
     from chorus_core.reuse import reuse_run
+    from chorus_core.reuse.entry_prefetch import HostLayer
 
     bank, _ = bank_with_entry
     events, lock = [], threading.Lock()
@@ -93,19 +95,19 @@ def test_a_hit_is_decoded_by_the_worker_before_the_first_sparse_step(bank_with_e
         with lock:
             events.append((*event, threading.current_thread().name))
 
-    from chorus_core.reuse.entry_prefetch import HostLayer
-
     real_from_packed = HostLayer.from_packed
 
     def logged_from_packed(packed, nk, pin):
-        log("decoded layer")
-        return real_from_packed(packed, nk, pin)
+        host = real_from_packed(packed, nk, pin)
+        log("decoded layer")  # after the decode, before the worker publishes it
+        return host
 
     real_prepared = reuse_run.BankEntryProvider.prepared_mask
 
     def logged_prepared(self, layer, step, *args):
-        log("sparse call", self.step_bucket(step))
-        return real_prepared(self, layer, step, *args)
+        prepared = real_prepared(self, layer, step, *args)
+        log("sparse call", self.step_bucket(step), layer)  # after any wait for the worker
+        return prepared
 
     monkeypatch.setattr(HostLayer, "from_packed", staticmethod(logged_from_packed))
     monkeypatch.setattr(reuse_run.BankEntryProvider, "prepared_mask", logged_prepared)
@@ -114,16 +116,13 @@ def test_a_hit_is_decoded_by_the_worker_before_the_first_sparse_step(bank_with_e
 
     assert report.mode == "hit"
     layers = len(tiny_wan_patcher.model.diffusion_model.blocks)
-    decodes = [i for i, e in enumerate(events) if e[0] == "decoded layer"]
-    assert len(decodes) == 3 * layers and {events[i][-1] for i in decodes} == {"chorus-entry-prefetch"}
-    first_sparse = {}
-    for i, e in enumerate(events):
-        if e[0] == "sparse call":
-            first_sparse.setdefault(e[1], i)
-            assert e[-1] == "MainThread"
-    # bucket b's layers are decoded before the first sparse call that uses bucket b
-    assert sorted(first_sparse) == [0, 1, 2]  # a hit runs sparse from step 0 (hit_warmup_steps=0)
-    assert all(decodes[(b + 1) * layers - 1] < first_sparse[b] for b in first_sparse)
+    decoded = [e for e in events if e[0] == "decoded layer"]
+    assert len(decoded) == 3 * layers and {e[-1] for e in decoded} == {"chorus-entry-prefetch"}
+    calls = [(i, e) for i, e in enumerate(events) if e[0] == "sparse call"]
+    assert calls and {e[-1] for _, e in calls} == {"MainThread"}
+    assert sorted({e[1] for _, e in calls}) == [0, 1, 2]  # a hit runs sparse from step 0 (hit_warmup_steps=0)
+    for i, (_, bucket, layer, _) in calls:  # layer l of bucket b is the (b * layers + l + 1)-th decode
+        assert sum(1 for e in events[:i] if e[0] == "decoded layer") >= bucket * layers + layer + 1
     assert len(report.timings["prefetch_buckets"]) == 3 and "prefetch_wait_ms" in report.timings
 
 

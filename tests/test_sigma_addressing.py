@@ -79,7 +79,7 @@ def test_an_entry_keeps_the_sigma_schedule_it_was_recorded_on(recorded, tiny_wan
 
 
 def test_a_four_step_hit_gets_the_buckets_recorded_at_its_own_sigmas(recorded, tiny_wan_patcher):
-    from chorus_core.attention.mask_sources import entry_buckets_for_run
+    from chorus_core.reuse.entry_source import entry_buckets_for_run
 
     bank, schedule = recorded
     four = schedule_sigmas(tiny_wan_patcher, 4)
@@ -107,7 +107,7 @@ def test_a_run_with_denoise_below_one_starts_at_its_own_noise_level(recorded, ti
 
 def test_an_entry_without_sigmas_is_served_by_rescaled_step_index():
     from chorus_core.bank import Schedule
-    from chorus_core.attention.mask_sources import entry_buckets_for_run
+    from chorus_core.reuse.entry_source import entry_buckets_for_run
 
     old = Schedule(steps=8, sampler="euler", scheduler="simple")  # recorded before sigmas were kept
     assert entry_buckets_for_run(old, 4, (1.0, 0.75, 0.5, 0.25, 0.0)) == [0, 1, 2, 2]  # starts 0, 2, 5 -> 0, 1, 2

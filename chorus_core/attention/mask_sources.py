@@ -1,7 +1,7 @@
-"""The mask sources a reuse run chooses from: a prefetched bank entry (or prior), online
-prediction, and the recorder that watches a miss; plus the step-bucket bookkeeping of recordings.
+"""The mask sources that look at q and k: online prediction, and the recorder that watches a
+miss; plus the step-bucket bookkeeping of recordings. (A bank entry, known ahead, is served by
+``chorus_core.reuse.entry_source``.)
 
-Known ahead: :class:`BankEntryProvider` serves masks decided before the run. Looking at q and k:
 :class:`OnlinePredictionProvider` and :class:`RecordingProvider` observe every self-attention call.
 """
 
@@ -13,119 +13,12 @@ from typing import Optional
 
 import torch
 
-from .._siblings import import_sibling
 from ..bank import Schedule
-from ..reuse.entry_prefetch import EntryPrefetch
-from .mask_provider import MaskSource, ObservedMasks, bucket_index
+from .mask_provider import MaskSource, ObservedMasks
 from .masks import MaskRecorder
 from .online_predictor import predict_block_map
 
 log = logging.getLogger("chorus")
-
-
-def entry_buckets_for_run(schedule: Schedule, steps: int, run_sigmas=None) -> list[int]:
-    """The entry's bucket serving each of this run's ``steps`` steps.
-
-    By noise level when both the entry and the run know their sigma schedules: a 4-step run
-    served from a 40-step entry, the later stage of a staged sampling (KSamplerAdvanced
-    ``start_at_step``, SplitSigmas) and a run with denoise < 1 each get the masks recorded at
-    their own sigmas. Entries recorded before sigmas were kept fall back to step indices,
-    rescaled to this run's step count.
-    """
-    if run_sigmas is not None and schedule.sigmas is not None:
-        return [schedule.bucket_for_sigma(sigma) for sigma in run_sigmas[:steps]]
-    starts = scaled_bucket_starts(schedule, steps)
-    return [bucket_index(starts, step) for step in range(steps)]
-
-
-def scaled_bucket_starts(schedule: Schedule, steps: int) -> list[int]:
-    """Bucket starts of a recorded schedule, rescaled to this run's step count."""
-    starts = [round(a * steps / schedule.steps) for a, _ in schedule.step_buckets]
-    unique = []
-    for s in starts:
-        unique.append(max(s, unique[-1] + 1) if unique else 0)
-    return unique
-
-
-class BankEntryProvider(MaskSource):
-    """Serves a bank entry (or a population prior) prefetched by :class:`EntryPrefetch`.
-
-    The kernel-ready masks of a step bucket are built once, at its first sparse call; a hit
-    adds no host sync, conversion or validation per attention call. When the entry turns out
-    unusable (corrupt, pruned meanwhile), every later call goes to ``fallback`` (a miss source).
-    """
-
-    def __init__(self, prefetch: EntryPrefetch, steps: int, block_size: tuple[int, int], fallback=None,
-                 run_sigmas=None):
-        self.prefetch, self.steps, self.fallback, self.run_sigmas = prefetch, steps, fallback, run_sigmas
-        self.block_size = tuple(block_size)
-        self.failure: Optional[str] = None  # why the entry could not serve, once known
-        self.step_buckets: Optional[list[int]] = None  # the entry bucket of each step of this run
-
-    def _source(self):
-        """self while the entry serves, the fallback once it has failed (checked once: then cached)."""
-        if self.failure is None and self.step_buckets is None:
-            try:  # the entry's schedule: known once the worker has loaded it
-                self.step_buckets = entry_buckets_for_run(self.prefetch.entry().schedule, self.steps, self.run_sigmas)
-            except Exception as exc:
-                self._fail(exc)
-        if self.failure is not None and self.fallback is not None:
-            return self.fallback
-        if self.failure is not None:
-            raise RuntimeError(self.failure)
-        return self
-
-    def unusable(self) -> bool:
-        """True once the entry is known not to serve; the first call waits for the worker's load."""
-        self._source()
-        return self.failure is not None
-
-    def _fail(self, exc: Exception) -> None:
-        self.failure = str(exc.__cause__ or exc)
-        log.warning("Chorus: %s; this run continues as a miss", self.failure)
-
-    def step_bucket(self, step: int):
-        source = self._source()
-        if source is not self:
-            return ("fallback", source.step_bucket(step))
-        return self.step_buckets[min(step, len(self.step_buckets) - 1)]
-
-    def observes(self, step: int) -> bool:
-        source = self._source()
-        return source is not self and source.observes(step)
-
-    def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
-        source = self._source()
-        if source is not self:
-            source.observe(layer, step, cond_or_uncond, q, k, heads, skip_reshape)
-
-    def prepared_mask(self, layer, step, cond_or_uncond, num_heads, seq_len, batch, device):
-        source = self._source()
-        if source is not self:
-            return source.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-        try:  # a layer the worker could not decode: the rest of the run is a miss, like a failed load
-            if layer >= self.prefetch.entry().shape[1]:
-                return None
-            prepared = self.prefetch.layer_mask(self.step_bucket(step), layer, self.block_size, seq_len, device)
-        except Exception as exc:
-            self._fail(exc)
-            return self.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, batch, device)
-        if prepared.mask.heads != num_heads or prepared.mask.n_q_blocks != prepared.mask.live_counts.shape[2]:
-            raise ValueError(f"bank entry masks have {prepared.mask.heads} heads and "
-                             f"{prepared.mask.live_counts.shape[2]} query blocks; this run needs {num_heads} heads "
-                             f"over {seq_len} tokens. The bank's compatibility filter should have excluded it")
-        return prepared
-
-    def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
-        """A bool map for callers that want one (Feature Reuse maps it to its shorter sequence),
-        made on the device from the uploaded masks: no second decode on the sampling thread."""
-        source = self._source()
-        if source is not self:
-            return source.block_map(layer, step, cond_or_uncond, num_heads, seq_len, device)
-        prepared = self.prepared_mask(layer, step, cond_or_uncond, num_heads, seq_len, 1, device)
-        if prepared is None or self.failure is not None:  # failed just now: this call runs dense
-            return None
-        return import_sibling("kernels.block_sparse").mask_to_block_map(prepared.mask)
 
 
 class OnlinePredictionProvider(ObservedMasks):

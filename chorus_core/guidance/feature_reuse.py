@@ -63,7 +63,7 @@ from ..attention.hooks import (AttentionCall, StepClock, block_sparse, clock_out
 from ..attention.mask_sources import RecordingProvider
 from ..attention.run_keys import (OUTER_SAMPLE, OVERRIDE_KEY, feature_reuse_call_key, feature_reuse_run_key, sparse_block_key,
                        sparse_run_key)
-from ..attention.token_layout import TokenLayout
+from .token_layout import TokenLayout
 
 __all__ = [
     "FeatureReuseSettings",

@@ -17,9 +17,10 @@ from ..bank import BankIncompatible, Schedule, compat_key
 from ..bank.encoding import PackedBlockMaps
 from .entry_prefetch import EntryPrefetch
 from ..attention.mask_provider import DenseProvider, DenseWarmupProvider, SamplingCall
-from ..attention.mask_sources import (BankEntryProvider, OnlinePredictionProvider, RecordingPlan, RecordingProvider,
-                           buckets_recordable_from, recorded_steps)
+from ..attention.mask_sources import (OnlinePredictionProvider, RecordingPlan, RecordingProvider,
+                                     buckets_recordable_from, recorded_steps)
 from ..attention.masks import MaskRecorder
+from .entry_source import BankEntryProvider
 from .model_identity import fingerprint_patcher
 from .prior_store import PRIOR_ENTRIES, load_prior
 from .reuse_match import ReuseMatch, match_grid_problem

@@ -150,7 +150,8 @@ def decoded_entry(pp: ProductPath, bank, entry_id: str):
 
 def run_stages(patcher, config, workdir: Path, seed: int = 0, request_index: int = 0, plans=None, log=print) -> dict:
     from ..bank import MaskBank
-    from ..attention.mask_sources import RecordingPlan, scaled_bucket_starts
+    from ..attention.mask_sources import RecordingPlan
+    from ..reuse.entry_source import scaled_bucket_starts
 
     plans = PLANS if plans is None else plans
     pp = ProductPath(patcher, config, workdir)

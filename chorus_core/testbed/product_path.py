@@ -259,7 +259,7 @@ class ProductPath:
     # --- masks of entries ------------------------------------------------------------------
     def entry_maps(self, entry) -> dict:
         """(step, layer) -> bool [H, nq, nk] of an entry (a hit's, a prior's), over the sparse steps."""
-        from ..attention.mask_sources import scaled_bucket_starts
+        from ..reuse.entry_source import scaled_bucket_starts
 
         starts = scaled_bucket_starts(entry.schedule, self.steps)
         per_bucket = [[entry.block_map(b, l).bool() for l in range(self.L)] for b in range(len(starts))]
@@ -441,7 +441,7 @@ def merge_results(docs: list) -> dict:
 
 
 def _starts(entry, pp) -> list:
-    from ..attention.mask_sources import scaled_bucket_starts
+    from ..reuse.entry_source import scaled_bucket_starts
 
     return scaled_bucket_starts(entry.schedule, pp.steps)
 

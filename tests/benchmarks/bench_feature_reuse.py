@@ -89,7 +89,7 @@ HEADS_14B, HEAD_DIM = 40, 128
 def half_pooled_layout(grid):
     """Every other column of 1x2x2 cells pooled: half the tokens, N' = 5/8 N."""
     from chorus_core.guidance.feature_regions import cell_grid
-    from chorus_core.attention.token_layout import TokenLayout
+    from chorus_core.guidance.token_layout import TokenLayout
 
     region_map = torch.zeros(cell_grid(grid, (1, 2, 2)), dtype=torch.bool)
     region_map[:, :, ::2] = True
@@ -218,7 +218,7 @@ def main() -> None:
     from chorus_core.guidance import feature_reuse as fr
     from chorus_core.quality import psnr, ssim
     from chorus_core.attention.sparse_patch import install_sparse_attention
-    from chorus_core.attention.token_layout import TokenLayout
+    from chorus_core.guidance.token_layout import TokenLayout
     from chorus_core.testbed.workload import I2VRequest, generate_request
 
     tmp = Path(tempfile.mkdtemp())

@@ -50,14 +50,14 @@ def log(msg: str) -> None:
 @contextlib.contextmanager
 def step_index_addressing():
     """Serve entries as before sigmas were kept: by step index rescaled to the run."""
-    from chorus_core.attention import mask_sources
+    from chorus_core.reuse import entry_source
 
-    shipped = mask_sources.entry_buckets_for_run
-    mask_sources.entry_buckets_for_run = lambda schedule, steps, run_sigmas=None: shipped(schedule, steps, None)
+    shipped = entry_source.entry_buckets_for_run
+    entry_source.entry_buckets_for_run = lambda schedule, steps, run_sigmas=None: shipped(schedule, steps, None)
     try:
         yield
     finally:
-        mask_sources.entry_buckets_for_run = shipped
+        entry_source.entry_buckets_for_run = shipped
 
 
 def run_target(pps: dict, banks: dict, target, seed: int) -> list[dict]:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..guidance.feature_regions import cell_grid
+from .feature_regions import cell_grid
 
 __all__ = ["TokenLayout"]
 
