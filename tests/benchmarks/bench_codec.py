@@ -128,6 +128,7 @@ def measure(maps: np.ndarray) -> list[dict]:
                "encode_s": round(encode_s, 3), "decode_ms": round(decode_s * 1e3, 1)}
         if "shipped" in name:
             row["hit_host_ms"] = hit_host_ms(tensors, meta, maps.shape)
+            row["host_live_lists_ms"] = host_live_lists_ms(tensors, meta, maps.shape)
         rows.append(row)
     return rows
 
@@ -138,6 +139,23 @@ def hit_host_ms(tensors, meta, shape) -> float:
     for s in range(shape[0]):
         for layer in range(shape[1]):
             HostLayer.from_packed(decode_packed_block_map(tensors, meta, s, layer), shape[-1], pin=False)
+    return round((time.perf_counter() - started) * 1e3, 1)
+
+
+def host_live_lists_ms(tensors, meta, shape) -> float:
+    """What a hit's worker did on the host before 2026-12-02, for comparison: every (bucket, layer)
+    decoded to bool maps and turned into padded live-block lists with numpy."""
+    started = time.perf_counter()
+    for s in range(shape[0]):
+        for layer in range(shape[1]):
+            live = decode_block_map(tensors, meta, s, layer)
+            counts = live.sum(-1, dtype=np.int32)
+            flat = np.flatnonzero(live)
+            rows, cols = np.divmod(flat, live.shape[-1])
+            per_row = counts.ravel()
+            slots = np.arange(flat.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+            ids = np.zeros((per_row.size, int(per_row.max(initial=1))), dtype=np.int16)
+            ids[rows, slots] = cols
     return round((time.perf_counter() - started) * 1e3, 1)
 
 
@@ -182,11 +200,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"codec_{args.name}.json").write_text(json.dumps(doc, indent=2))
     lines = [f"# Mask codecs on recorded masks ({args.name})", "", f"{doc['machine']}; `{doc['command']}`; {doc['date']}", "",
-             "| shape | masks | density | codec | entry bytes | encode s | decode ms | hit host ms |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | masks | density | codec | entry bytes | encode s | decode ms | hit host ms | before: host live lists ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['masks']} | {r['density']} | {r['codec']} | {r['entry_bytes']:,} | "
-                     f"{r['encode_s']} | {r['decode_ms']} | {r.get('hit_host_ms', '')} |")
+                     f"{r['encode_s']} | {r['decode_ms']} | {r.get('hit_host_ms', '')} | {r.get('host_live_lists_ms', '')} |")
     (out / f"codec_{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
