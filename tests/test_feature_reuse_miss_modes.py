@@ -126,11 +126,11 @@ def generate(model, match, miss_mode="online", record_on_miss=True, on_prepared=
 
     options = ReuseOptions(miss_mode=miss_mode, record_on_miss=record_on_miss, min_density=0.2, max_density=0.6)
     class WatchedPatch(ReusePatch):
-        def begin_run(self, sampling):
-            provider = super().begin_run(sampling)
+        def begin_run(self, sampling, step_callbacks, dense_attention):
+            run = super().begin_run(sampling, step_callbacks, dense_attention)
             if on_prepared is not None:
-                on_prepared(provider)
-            return provider
+                on_prepared(run.provider)
+            return run
 
     patch = WatchedPatch(model, match, options, block_size=BLOCK, scheduler="simple")
     patched = patch.install()

@@ -82,6 +82,31 @@ def run_generation(patcher, match, options=None, steps=STEPS):
 # --------------------------------------------------------------------------------------------
 
 
+def test_each_sampling_run_has_one_holder_of_its_state(bank_with_entry, tiny_wan_patcher, monkeypatch):
+    """The state every hook reads during a run (step, masks, statistics) and the reuse run that chose
+    the masks, reports and records are one object, made anew for each sampling (EasyCache's pattern)."""
+    from chorus_core.attention.sparse_run import SparseRun
+    from chorus_core.reuse.reuse_run import ReuseRun
+
+    seen = []
+    real_record = SparseRun.record
+
+    def recorded(self, layer, density):  # every attention call's statistics, planned or per call
+        seen.append(self)
+        return real_record(self, layer, density)
+
+    monkeypatch.setattr(SparseRun, "record", recorded)
+    bank, _ = bank_with_entry
+    positive, _, latent = request()
+    match = match_for(bank, tiny_wan_patcher, positive, latent)
+    _, first, run = run_generation(tiny_wan_patcher, match)
+    assert first.mode == "hit" and isinstance(run, ReuseRun)
+    assert seen and all(holder is run for holder in seen)  # the hooks' run is the reuse run
+    assert run.stats.finished and first.layers  # the report is read from the holder's own statistics
+    _, _, again = run_generation(tiny_wan_patcher, match)
+    assert again is not run and again.stats is not run.stats  # a new holder per sampling
+
+
 def test_a_hit_is_decoded_by_the_worker_before_its_sparse_calls(bank_with_entry, tiny_wan_patcher, monkeypatch):
     """The worker thread decodes every layer (bucket by bucket, in order); each sparse call of the
     sampling thread gets its layer only once the worker has decoded it, never decoding itself."""

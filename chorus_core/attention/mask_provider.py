@@ -38,13 +38,14 @@ class SamplingCall:
 
 @runtime_checkable
 class RunSource(Protocol):
-    """Chooses the mask provider of each sampling run (Chorus Sparse Attention: a hit or a miss
-    per run), and hears how the run ended; installed where a fixed provider would be."""
+    """Makes each sampling run's state, choosing its mask provider (Chorus Sparse Attention: a hit
+    or a miss per run), and hears how the run ended; installed where a fixed provider would be."""
 
     block_size: tuple[int, int]
 
-    def begin_run(self, sampling: SamplingCall) -> "MaskSource":
-        """This run's provider, chosen before its first model call."""
+    def begin_run(self, sampling: SamplingCall, step_callbacks: list, dense_attention: str):
+        """This run's holder (a ``sparse_run.SparseRun`` with its provider chosen), made before its
+        first model call; ``step_callbacks`` and ``dense_attention`` are the installed patch's."""
         ...
 
     def end_run(self, succeeded: bool) -> None:

@@ -289,7 +289,7 @@ def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
             run.clock, args, kwargs = clock_outer_sample(args, kwargs)
             options[run_key] = run
             result = executor(*args, **kwargs)
-            run.finish()
+            run.end_sampling()
             succeeded = True
             return result
         finally:

@@ -55,9 +55,12 @@ class SparseAttentionState:
         return None if isinstance(self.source, RunSource) else self.source
 
     def start_run(self, sampling: Optional[SamplingCall] = None) -> "SparseRun":
-        """The per-run state; a RunSource chooses the run's provider from ``sampling``."""
-        provider = self.source.begin_run(sampling) if isinstance(self.source, RunSource) else self.source
-        run = SparseRun(provider, self.step_callbacks, self.dense_attention)
+        """The run's one holder of state: made by a RunSource from ``sampling`` (its own SparseRun,
+        which also chooses the masks and records), else a SparseRun of the fixed provider."""
+        if isinstance(self.source, RunSource):
+            run = self.source.begin_run(sampling, self.step_callbacks, self.dense_attention)
+        else:
+            run = SparseRun(self.source, self.step_callbacks, self.dense_attention)
         self.stats = run.stats
         return run
 
@@ -67,9 +70,14 @@ class SparseAttentionState:
 
 
 class SparseRun:
-    """Per-run state: the current step, the masks of the current step bucket, statistics."""
+    """One sampling run's state: the current step, the masks of the current step bucket, statistics.
 
-    def __init__(self, provider: MaskSource, step_callbacks: list[StepCallback], dense_attention: str = "auto"):
+    The run's one holder: a reuse run (``chorus_core.reuse.reuse_run.ReuseRun``) is a SparseRun
+    that also chooses its mask source, reports and records, so no other object keeps run state.
+    """
+
+    def __init__(self, provider: Optional[MaskSource], step_callbacks: list[StepCallback],
+                 dense_attention: str = "auto"):
         self.provider = provider
         self.step_callbacks = step_callbacks
         self.dense_attention = dense_attention
@@ -325,7 +333,7 @@ class SparseRun:
         """Show q and k to a provider that wants them (online prediction, recording) before it is asked."""
         self.provider.observe(layer, step, list(cond_or_uncond), call.q, call.k, call.heads, call.skip_reshape)
 
-    def finish(self) -> None:
+    def end_sampling(self) -> None:
         """Sampling returned: close the last step and stamp the run."""
         self._close_step()
         self.stats.seconds = time.perf_counter() - self._started

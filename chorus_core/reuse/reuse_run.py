@@ -25,7 +25,8 @@ from .model_identity import fingerprint_patcher
 from .prior_store import PRIOR_ENTRIES, load_prior
 from .reuse_match import ReuseMatch, match_grid_problem
 from ..attention.step_times import earlier_dense_step, remember_dense_step
-from ..attention.sparse_patch import DENSE_ATTENTION_MODES, get_run_stats, get_sparse_state, install_sparse_attention
+from ..attention.sparse_patch import DENSE_ATTENTION_MODES, get_sparse_state, install_sparse_attention
+from ..attention.sparse_run import SparseRun
 
 log = logging.getLogger("chorus")
 MISS_MODES = ("online", "prior", "dense")
@@ -93,8 +94,10 @@ class SamplingSettings:
     sigmas: tuple | None = None  # the run's sigma schedule (steps + 1 values), when known
 
 
-class ReuseRun:
-    """One sampling run of a :class:`ReusePatch`: choose the mask source, report, record on a miss.
+class ReuseRun(SparseRun):
+    """One sampling run of a :class:`ReusePatch`, and its one holder of state: the step clock, masks
+    and statistics of a :class:`SparseRun`, plus the choice of mask source, the report and a
+    miss's recording.
 
     :param model_patcher: the model that samples (the guider's, with every LoRA and sampling patch
         applied after the Chorus node): a hit needs its identity to be the match's, and a recording
@@ -103,7 +106,10 @@ class ReuseRun:
     """
 
     def __init__(self, model_patcher, match: ReuseMatch | None, options: ReuseOptions,
-                 sampling: SamplingSettings, block_size: int = 128, recording_plan: RecordingPlan = RecordingPlan()):
+                 sampling: SamplingSettings, block_size: int = 128, recording_plan: RecordingPlan = RecordingPlan(),
+                 step_callbacks: list | None = None, dense_attention: str | None = None):
+        super().__init__(None, step_callbacks if step_callbacks is not None else [],
+                         dense_attention or options.dense_attention)
         self.model_patcher, self.match, self.options, self.sampling = model_patcher, match, options, sampling
         self.recording_plan = recording_plan
         self.block_size = match.request.layout.block_size[0] if match else block_size
@@ -141,14 +147,13 @@ class ReuseRun:
         provider = self._hit_provider() or self._miss_provider()
         warmup, dense_from = self.dense_step_plan()
         provider = DenseWarmupProvider(provider, warmup, self.options.dense_layers, dense_from)
-        if not self._can_record():
-            return provider
-        if self.report.mode == "miss":
+        if self._can_record() and self.report.mode == "miss":
             self.recording = RecordingProvider(provider, self._make_recorder())
-        else:  # a hit records only if its entry turns out unusable
+        elif self._can_record():  # a hit records only if its entry turns out unusable
             late_start = (warmup, self.recorder_after_failure)
             self.recording = RecordingProvider(provider, None, late_start=late_start)
-        return self.recording
+        self.provider = self.recording or provider
+        return self.provider
 
     def dense_step_plan(self) -> tuple[int, int | None]:
         """(dense warm-up steps, first of the dense last steps or None) for this run's mode; the
@@ -266,14 +271,13 @@ class ReuseRun:
     def finish(self) -> RunReport:
         """Fill the report from the run's statistics; on a recorded miss queue the masks for the bank."""
         started = time.perf_counter()
-        stats = get_run_stats(self.patched)
-        if stats is not None:
-            self.report.layers, self.report.density = _layer_rows(stats), _mean_density(stats)
-            self.report.timings["sampling_s"] = round(stats.seconds or 0.0, 3)
-            self._time_steps(stats)
-            self.report.warnings.extend(stats.warnings)
-            self.report.backend = stats.backend
-            self.report.dense_backend = stats.dense_backend
+        stats = self.stats
+        self.report.layers, self.report.density = _layer_rows(stats), _mean_density(stats)
+        self.report.timings["sampling_s"] = round(stats.seconds or 0.0, 3)
+        self._time_steps(stats)
+        self.report.warnings.extend(stats.warnings)
+        self.report.backend = stats.backend
+        self.report.dense_backend = stats.dense_backend
         self.report.warnings.extend(_feature_reuse_warnings(self.patched))
         if self.entry_provider is not None and self.entry_provider.failure is not None:
             self._report_fallback(self.entry_provider.failure)
@@ -361,8 +365,8 @@ class ReusePatch:
     """Mask reuse as a MODEL patch: each sampling run with the patched model is one :class:`ReuseRun`.
 
     Installed as the sparse patch's :class:`~chorus_core.attention.mask_provider.RunSource`: the patch's one
-    OUTER_SAMPLE wrapper asks :meth:`begin_run` for the run's mask source, built from the guider's
-    own model and sigmas, and calls :meth:`end_run` after the run: a successful run fills the
+    OUTER_SAMPLE wrapper asks :meth:`begin_run` for the run (a :class:`ReuseRun`, the run's one
+    holder of state, its mask source chosen from the guider's own model and sigmas), and calls :meth:`end_run` after the run: a successful run fills the
     report and queues a miss's recording. Both reuse nodes use it (the Sparse Wan Sampler installs
     it, then runs ``common_ksampler``), so any sampler runs the same reuse.
 
@@ -396,8 +400,9 @@ class ReusePatch:
         self.patched.set_attachments(REUSE_KEY, self)
         return self.patched
 
-    def begin_run(self, sampling: SamplingCall):
-        """This sampling run's mask source: a hit's entry, or a miss source (recorded when it may be)."""
+    def begin_run(self, sampling: SamplingCall, step_callbacks: list, dense_attention: str) -> ReuseRun:
+        """This sampling run, its mask source chosen: a hit's entry, or a miss source (recorded when
+        it may be), with the installed patch's step callbacks and dense attention."""
         started = time.perf_counter()
         steps = max(1, len(sampling.sigmas) - 1) if sampling.sigmas is not None else 1
         # The patched model may reach a second sampler on another latent (an upscale pass): that
@@ -408,17 +413,18 @@ class ReusePatch:
         run = ReuseRun(sampling.model_patcher or self.model_patcher, None if problem else self.match, self.options,
                        SamplingSettings(steps, self.sampler or _sampler_name(sampling.sampler), self.scheduler,
                                         _sigmas(sampling.sigmas)),
-                       block_size=self.block_size[0], recording_plan=self.recording_plan)
+                       block_size=self.block_size[0], recording_plan=self.recording_plan,
+                       step_callbacks=step_callbacks, dense_attention=dense_attention)
         if problem is not None:
             run.report.warnings.append(f"ran without the match, as a miss that records nothing: {problem}")
             log.warning("Chorus Sparse Attention: %s", run.report.warnings[-1])
-        run.patched = self.patched  # its statistics live on the holder attached there
+        run.patched = self.patched  # for Feature Reuse's warnings, attached there
         self.current = self.last_run = run  # set first: end_run releases it if choosing fails halfway
-        provider = run.choose_provider()
+        run.choose_provider()
         run.report.timings["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 2)
         if self.events is not None:
             self.events.run_start(run.report)
-        return provider
+        return run
 
     def end_run(self, succeeded: bool) -> None:
         run, self.current = self.current, None

@@ -83,9 +83,10 @@ def recording_run(pp: ProductPath, bank, conds, seed: int, plan):
     class TeePatch(ReusePatch):
         """The shipped patch, with the run's q/k mass teed off and the recorder's selection kept."""
 
-        def begin_run(self, sampling):
-            tee["provider"] = TeeObserver(super().begin_run(sampling), pp.bs)
-            return tee["provider"]
+        def begin_run(self, sampling, step_callbacks, dense_attention):
+            run = super().begin_run(sampling, step_callbacks, dense_attention)
+            tee["provider"] = run.provider = TeeObserver(run.provider, pp.bs)
+            return run
 
         def end_run(self, succeeded):
             recorder = self.current.recording.recorder if succeeded else None
