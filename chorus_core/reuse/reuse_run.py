@@ -367,8 +367,9 @@ class ReusePatch:
     Installed as the sparse patch's :class:`~chorus_core.attention.mask_provider.RunSource`: the patch's one
     OUTER_SAMPLE wrapper asks :meth:`begin_run` for the run (a :class:`ReuseRun`, the run's one
     holder of state, its mask source chosen from the guider's own model and sigmas) and calls
-    :meth:`end_run` after it: a successful run fills the report and queues a miss's recording. Both reuse nodes use it (the Sparse Wan Sampler installs
-    it, then runs ``common_ksampler``), so any sampler runs the same reuse.
+    :meth:`end_run` after it: a successful run fills the report and queues a miss's recording.
+    Both reuse nodes use it (the Sparse Wan Sampler installs it, then runs ``common_ksampler``), so
+    any sampler runs the same reuse.
 
     :param events: optional object with ``run_start(report)``, ``step(payload)`` and
         ``finished(report)``, called for the web view
