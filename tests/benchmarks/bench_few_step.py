@@ -246,6 +246,7 @@ def derive_rows(doc: dict) -> list[dict]:
                          batch=1 if doc["details"]["cfg"] == 1.0 else 2,
                          kind="online_prediction" if label.startswith("online") else None,
                          run=m.get("run", 0), first_step_s=round(m["step_ms"][0] / 1e3, 2),
+                         prefetch_wait_ms=(m.get("timings") or {}).get("prefetch_wait_ms"),
                          last_step_s=round(m["step_ms"][-1] / 1e3, 2)))
     for row in rows:
         same = [r for r in rows if r["steps"] == row["steps"]]
@@ -282,7 +283,7 @@ def targets(rows: list[dict]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 COLUMNS = ["run", "shape", "steps", "cfg", "blocks", "case", "mode", "compiled", "density", "measured_density",
-           "dense_steps", "backend", "generation_s", "first_step_s", "last_step_s", "compile_s", "graphs", "vs_best_dense", "vs_online_miss",
+           "dense_steps", "backend", "generation_s", "first_step_s", "last_step_s", "prefetch_wait_ms", "compile_s", "graphs", "vs_best_dense", "vs_online_miss",
            "vs_comfyui_default"]
 
 
