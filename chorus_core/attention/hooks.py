@@ -103,6 +103,21 @@ class StepClock:
         return self.schedule[step]
 
 
+def sample_with_run(executor, args: tuple, kwargs: dict, run_key: str, run):
+    """Run one OUTER_SAMPLE call with ``run`` where the hooks read it (``transformer_options[run_key]``
+    of the guider's per-sample options), started on this sampling's step clock and the guider's
+    model sampling; the run is taken out again however the sampling ends."""
+    guider = executor.class_obj
+    options = guider.model_options.setdefault("transformer_options", {})
+    clock, args, kwargs = clock_outer_sample(args, kwargs)
+    run.start(clock, guider.model_patcher.get_model_object("model_sampling"))
+    options[run_key] = run
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        options.pop(run_key, None)
+
+
 def clock_outer_sample(args: tuple, kwargs: dict) -> tuple:
     """(clock, args, kwargs) for an OUTER_SAMPLE wrapper: the clock of this run, and the call's
     arguments with the sampler's callback wrapped so that the clock hears every step report.

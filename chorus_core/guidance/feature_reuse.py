@@ -58,7 +58,7 @@ import torch
 
 from .feature_regions import cell_grid, region_map_image, select_regions, token_grid
 from ..attention.mask_provider import match_batch
-from ..attention.hooks import (AttentionCall, StepClock, block_sparse, clock_outer_sample, mark_own, sigma_window,
+from ..attention.hooks import (AttentionCall, StepClock, block_sparse, mark_own, sample_with_run, sigma_window,
                     steps_in_sigma_window, unwrap_own)
 from ..attention.mask_sources import RecordingProvider
 from ..attention.run_keys import (OUTER_SAMPLE, OVERRIDE_KEY, feature_reuse_call_key, feature_reuse_run_key, sparse_block_key,
@@ -437,16 +437,10 @@ def _make_outer_sample_wrapper(holder: FeatureReuseState, num_layers: int) -> Ca
     run_key = feature_reuse_run_key(holder.key)
 
     def chorus_feature_reuse_outer_sample(executor, *args, **kwargs):
-        guider = executor.class_obj
-        options = guider.model_options.setdefault("transformer_options", {})
         run = holder.start_run(num_layers)
-        clock, args, kwargs = clock_outer_sample(args, kwargs)
-        run.start(clock, guider.model_patcher.get_model_object("model_sampling"))
-        options[run_key] = run
         try:
-            return executor(*args, **kwargs)
+            return sample_with_run(executor, args, kwargs, run_key, run)
         finally:
-            options.pop(run_key, None)
             run.release()
             if run.stats.reduced_calls == 0 and run.stats.skipped_reason:
                 logging.warning("Chorus feature reuse ran nothing reduced: %s", run.stats.skipped_reason)

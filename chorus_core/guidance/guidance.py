@@ -45,7 +45,7 @@ from typing import Callable, Optional
 import torch
 
 from ..attention.run_keys import OUTER_SAMPLE, OVERRIDE_KEY
-from ..attention.hooks import StepClock, clock_outer_sample, mark_own, sigma_window, steps_in_sigma_window, unwrap_own
+from ..attention.hooks import StepClock, mark_own, sample_with_run, sigma_window, steps_in_sigma_window, unwrap_own
 
 __all__ = [
     "METHODS",
@@ -236,16 +236,7 @@ def _make_outer_sample_wrapper(holder: GuidanceState) -> Callable:
     run_key = _run_key(holder.key)
 
     def chorus_guidance_outer_sample(executor, *args, **kwargs):
-        guider = executor.class_obj
-        options = guider.model_options.setdefault("transformer_options", {})
-        run = holder.start_run()
-        clock, args, kwargs = clock_outer_sample(args, kwargs)
-        run.start(clock, guider.model_patcher.get_model_object("model_sampling"))
-        options[run_key] = run
-        try:
-            return executor(*args, **kwargs)
-        finally:
-            options.pop(run_key, None)
+        return sample_with_run(executor, args, kwargs, run_key, holder.start_run())
 
     return chorus_guidance_outer_sample
 

@@ -36,7 +36,6 @@ import platform
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np

@@ -60,7 +60,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
 import bench_end_to_end as e2e  # noqa: E402  (model, request, machine name; puts the repo root on sys.path)
-import bench_reuse_loop as loop  # noqa: E402  (the background writer's flush, the commit)
+import bench_reuse_loop as loop  # noqa: E402  (the background writer's flush, the commit, the table)
 
 import torch  # noqa: E402
 
@@ -283,8 +283,8 @@ def targets(rows: list[dict]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 COLUMNS = ["run", "shape", "steps", "cfg", "blocks", "case", "mode", "compiled", "density", "measured_density",
-           "dense_steps", "backend", "generation_s", "first_step_s", "last_step_s", "prefetch_wait_ms", "compile_s", "graphs", "vs_best_dense", "vs_online_miss",
-           "vs_comfyui_default"]
+           "dense_steps", "backend", "generation_s", "first_step_s", "last_step_s", "prefetch_wait_ms", "compile_s",
+           "graphs", "vs_best_dense", "vs_online_miss", "vs_comfyui_default"]
 
 
 def write_results(out_dir: Path, name: str, doc: dict) -> None:
@@ -297,10 +297,7 @@ def write_results(out_dir: Path, name: str, doc: dict) -> None:
              f"- git commit: {doc['git_commit']}",
              *[f"- run {r['run']}: {r['date']}, `{r['command']}`" for r in doc["details"].get("runs", [])],
              f"- torch {doc['details']['torch']}, ComfyUI {doc['details']['comfyui']}, flash-attn-4 "
-             f"{doc['details']['flash_attn']}", "", doc["method"], "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in doc["rows"]:
-        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in COLUMNS) + " |")
+             f"{doc['details']['flash_attn']}", "", doc["method"], ""] + loop.table(doc["rows"], COLUMNS)
     lines += ["", "Targets:", ""] + [f"- {t}" for t in doc["targets"] or ["(no 720p 4-step hit row)"]]
     lines += ["", "Caveats:", ""] + [f"- {c}" for c in caveats(doc)]
     lines += ["", "Per-step times (ms) of every generation are in the JSON (`rows[].step_ms_all`; `step_ms` is the "
