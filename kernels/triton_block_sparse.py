@@ -28,6 +28,16 @@ _FALLBACK = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
+def _online_softmax(qk, m_i, l_i, qk_scale):
+    """One tile of the online softmax (base 2): its probabilities, the rescale of what came before,
+    and the new row sums and maxima. Inlined where it is called, so the pipelined loop keeps its order."""
+    m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_ij
+
+
+@triton.jit
 def _attend_tile(acc, l_i, m_i, q, k_base, v_base, KD, VD, kv_row0, kv_col0, start, offs_n, offs_d,
                  stride_kn, stride_vn, N, qk_scale, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
     """Fold keys ``start .. start+BLOCK_N`` into the running (acc, l_i, m_i).
@@ -49,10 +59,7 @@ def _attend_tile(acc, l_i, m_i, q, k_base, v_base, KD, VD, kv_row0, kv_col0, sta
     qk = tl.dot(q, tl.trans(k))
     if MASKED:
         qk = tl.where(cols[None, :] < N, qk, float("-inf"))
-    m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-    alpha = tl.math.exp2(m_i - m_ij)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, l_i, m_ij = _online_softmax(qk, m_i, l_i, qk_scale)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_ij
@@ -85,17 +92,11 @@ def _main_loop_pipelined(acc, l_i, m_i, q, k_base, v_base, KD, VD, kv_row0, kv_c
             nxt = tl.load(live + j // SUBS_PER_KB) * KB + (j % SUBS_PER_KB) * BLOCK_N
             k = _load_tile(k_base, KD, kv_row0, kv_col0, nxt, offs_n, offs_d, stride_kn, USE_TMA)
             qk_next = tl.dot(q, tl.trans(k))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-            alpha = tl.math.exp2(m_i - m_ij)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, l_i, m_ij = _online_softmax(qk, m_i, l_i, qk_scale)
             v = _load_tile(v_base, VD, kv_row0, kv_col0, start, offs_n, offs_d, stride_vn, USE_TMA)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i, qk, start = m_ij, qk_next, nxt
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_ij = _online_softmax(qk, m_i, l_i, qk_scale)
         v = _load_tile(v_base, VD, kv_row0, kv_col0, start, offs_n, offs_d, stride_vn, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_ij
