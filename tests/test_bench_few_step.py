@@ -24,6 +24,7 @@ def test_the_few_step_benchmark_times_every_mode_on_its_own_path(tmp_path, comfy
         assert len(row["step_ms_all"]) == 2 and row["batch"] == 1
     assert rows["hit_dense0_eager"]["mode"] == "hit" and rows["hit_dense0_eager"]["dense_steps"] == 0
     assert rows["hit_dense0_eager"]["prefetch_wait_ms"] is not None  # a hit's first step: what it waited for
+    assert all(row["model_load_s"] is not None for row in rows.values())  # the rest of a first step
     assert rows["online_dense1_eager"]["mode"] == "miss" and rows["online_dense1_eager"]["vs_online_miss"] == 1.0
     assert rows["dense_comfyui_eager"]["vs_comfyui_default"] == 1.0
     best = min(r["generation_s"] for r in rows.values() if r["mode"] == "dense")

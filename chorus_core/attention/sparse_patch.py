@@ -239,6 +239,13 @@ def _make_apply_model_wrapper(key: str) -> Callable:
         if run is None:
             return executor(x, t, *args, **kwargs)
         plan = run.plan_call(options, x, executor.class_obj)  # also steps the run clock
+        if plan is None and run.observing():
+            # Masks decided per call (online prediction, recording) need host work in every
+            # layer: traced, each of those calls breaks the graph and the pieces recompile per
+            # layer, per step count and per request (H200: 17 graphs and a 40 s first step).
+            # Such a model call runs eager; planned calls keep the compiled graph.
+            with torch.compiler.set_stance("force_eager"):
+                return executor(x, t, *args, **kwargs)
         if plan is None:
             return executor(x, t, *args, **kwargs)
         options[plan_key] = plan

@@ -278,6 +278,11 @@ class SparseRun:
         return CallPlan.build(seq_len, prepared, block_sparse().block_sparse_attention,
                               self.dense_kernel(x.device, compute_dtype(model), head_dim))
 
+    def observing(self) -> bool:
+        """True when the current model call's masks come from looking at its q and k (online
+        prediction, recording): decided per attention call, with host work in each."""
+        return self._step is not None and not self._disabled and bool(self.provider.observes(self._step.step))
+
     def record_plan(self, plan: "CallPlan") -> None:
         """Statistics of a planned call, read after the model ran (a compiled model cannot count)."""
         for layer, sparse in plan.answered:

@@ -35,7 +35,7 @@ Chorus generation makes a new match and a new install, as a new prompt does, so 
 new request causes is inside its ``generation_s`` (column ``graphs``: graphs compiled during it).
 
 ``vs_best_dense`` = the fastest dense generation of the same shape, steps and cfg / this row's;
-``vs_online_miss`` = the online miss with one dense step, same compile mode (else compiled) / this row's;
+``vs_online_miss`` = the fastest online miss with one dense step (eager or compiled) / this row's;
 ``vs_comfyui_default`` = ``dense_comfyui`` / this row's.
 
 Writes ``few_step_<machine>_<shape>.json`` and ``.md`` into ``--out`` after every generation
@@ -45,6 +45,7 @@ Writes ``few_step_<machine>_<shape>.json`` and ``.md`` into ``--out`` after ever
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -171,22 +172,46 @@ def generate(ctx, mode: Mode, steps: int) -> dict:
     e2e.sync(cuda)
     graphs_before = graphs_compiled()
     start = time.perf_counter()
-    if mode.key.startswith("dense"):
-        sampled = dense_model(ctx, mode)
-    else:
-        sampled, patch = chorus_model(ctx, mode)
-    out = comfy.sample.sample(sampled, noise, steps, ctx["cfg"], SAMPLER, SCHEDULER, positive, negative, latent,
-                              callback=callback, disable_pbar=True, seed=0)
+    with timed_model_loads(cuda) as loads:
+        if mode.key.startswith("dense"):
+            sampled = dense_model(ctx, mode)
+        else:
+            sampled, patch = chorus_model(ctx, mode)
+        out = comfy.sample.sample(sampled, noise, steps, ctx["cfg"], SAMPLER, SCHEDULER, positive, negative, latent,
+                                  callback=callback, disable_pbar=True, seed=0)
     e2e.sync(cuda)
     end = time.perf_counter()
     if len(stamps) != steps:
         raise RuntimeError(f"{mode.label}: the sampler called back {len(stamps)} times for {steps} steps")
     step_ms = [round((b - a) * 1e3, 1) for a, b in zip([start] + stamps[:-1], stamps)]
     m = dict(generation_s=round(end - start, 3), step_ms=step_ms, graphs=graphs_compiled() - graphs_before,
-             finite=bool(torch.isfinite(out).all()))
+             model_load_s=round(sum(loads), 3), finite=bool(torch.isfinite(out).all()))
     if patch is not None:
         m.update(report_fields(patch.last_report))
     return m
+
+
+@contextlib.contextmanager
+def timed_model_loads(cuda: bool):
+    """Seconds spent in ComfyUI's ``load_models_gpu`` (moving weights to the GPU before the first
+    step): part of a generation's first step, and not Chorus's work when the model was offloaded."""
+    import comfy.model_management as mm
+
+    seconds, load = [], mm.load_models_gpu
+
+    def timed(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return load(*args, **kwargs)
+        finally:
+            e2e.sync(cuda)
+            seconds.append(time.perf_counter() - began)
+
+    mm.load_models_gpu = timed
+    try:
+        yield seconds
+    finally:
+        mm.load_models_gpu = load
 
 
 def report_fields(report) -> dict:
@@ -247,22 +272,22 @@ def derive_rows(doc: dict) -> list[dict]:
                          kind="online_prediction" if label.startswith("online") else None,
                          run=m.get("run", 0), first_step_s=round(m["step_ms"][0] / 1e3, 2),
                          prefetch_wait_ms=(m.get("timings") or {}).get("prefetch_wait_ms"),
+                         model_load_s=m.get("model_load_s"),
                          last_step_s=round(m["step_ms"][-1] / 1e3, 2)))
     for row in rows:
         same = [r for r in rows if r["steps"] == row["steps"]]
         best = min((r["generation_s"] for r in same if r["mode"] == "dense"), default=None)
         base = next((r["generation_s"] for r in same if r["case"] == "dense_comfyui_eager"), None)
-        online = online_miss_for(same, row["compiled"])
+        online = fastest_online_miss(same)
         row["vs_best_dense"] = row["speedup_whole_generation"] = round(best / row["generation_s"], 3) if best else None
         row["vs_comfyui_default"] = round(base / row["generation_s"], 3) if base else None
         row["vs_online_miss"] = round(online / row["generation_s"], 3) if online else None
     return rows
 
 
-def online_miss_for(rows: list[dict], compiled: bool):
-    """The online miss with one dense step: same compile mode if measured, else the other one."""
-    by_mode = {r["compiled"]: r["generation_s"] for r in rows if r["case"].startswith("online_dense1")}
-    return by_mode.get(compiled, by_mode.get(not compiled))
+def fastest_online_miss(rows: list[dict]):
+    """The fastest online miss with one dense step, eager or compiled: the baseline a user has."""
+    return min((r["generation_s"] for r in rows if r["case"].startswith("online_dense1")), default=None)
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -283,8 +308,8 @@ def targets(rows: list[dict]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 COLUMNS = ["run", "shape", "steps", "cfg", "blocks", "case", "mode", "compiled", "density", "measured_density",
-           "dense_steps", "backend", "generation_s", "first_step_s", "last_step_s", "prefetch_wait_ms", "compile_s",
-           "graphs", "vs_best_dense", "vs_online_miss", "vs_comfyui_default"]
+           "dense_steps", "backend", "generation_s", "first_step_s", "last_step_s", "prefetch_wait_ms", "model_load_s",
+           "compile_s", "graphs", "vs_best_dense", "vs_online_miss", "vs_comfyui_default"]
 
 
 def write_results(out_dir: Path, name: str, doc: dict) -> None:
