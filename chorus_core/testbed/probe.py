@@ -57,6 +57,8 @@ WHAT_IT_TESTS = {
     "probe_shift1": "trained at flow shift 1 (half the steps at low noise) instead of 5",
     "probe_shift05": "trained at flow shift 0.5 (most steps at low noise)",
     "probe_shift1_multi": "flow shift 1 and the multi workload",
+    "probe_shift025": "trained at flow shift 0.25",
+    "probe_shift05_curriculum": "flow shift 0.5 and short clips first",
     "tiny_sharp": "CPU-test size of sharp16k",
     "tiny_probe_heads": "CPU-test size, 4 heads x 32, multi workload",
 }
