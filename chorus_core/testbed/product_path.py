@@ -39,8 +39,10 @@ targets' dense runs.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import platform
 import sys
 import tempfile
 import time
@@ -60,6 +62,7 @@ from .workload import generate_request, i2v_conditioning
 from .config import TestbedConfig, config_from_dict, make_config, tokens_of
 from .models import process_in
 from .report import eval_requests, md_table, spread_picks, static_window_scores
+from .probe import git_commit
 from .sharpness import SHARPNESS_DENSITY, request_name, summarize_mass
 
 # comfy/latent_formats.py (ComfyUI 0.3.64) Wan21.latent_rgb_factors / latent_rgb_factors_bias: the
@@ -196,11 +199,13 @@ class CapturingProvider(MaskSource):
 
 
 class ProductPath:
-    def __init__(self, patcher, config: TestbedConfig, workdir: Path, threshold: float = 0.9, log=print):
+    def __init__(self, patcher, config: TestbedConfig, workdir: Path, threshold: float = 0.9, log=print,
+                 options=None):
         from ..reuse.reuse_run import ReuseOptions
 
         self.patcher, self.config, self.workdir, self.threshold, self.log = patcher, config, Path(workdir), threshold, log
-        self.options = ReuseOptions()  # the shipped defaults: top-p, density clamps, warm-up, miss mode
+        # the shipped defaults (top-p, density clamps, warm-up, miss mode) unless a run varies one
+        self.options = options or ReuseOptions()
         self.bs, self.steps, self.L = config.block_size, config.sample_steps, config.num_layers
         # Every source compared with the hit runs the hit's dense steps (none by default: a hit is
         # sparse from step 0); an online miss at natural density keeps the miss's warm-up.
@@ -298,7 +303,7 @@ def dense_prior_scores(dense_masses: list, maps_steps: dict, steps_of_bucket, op
 
 
 def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int, seeds: int, threshold: float = 0.9,
-                     log=print, seed_start: int = 0, on_progress=None) -> dict:
+                     log=print, seed_start: int = 0, on_progress=None, options=None) -> dict:
     """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``.
 
     ``on_progress(results_so_far)`` after every target: the CLI writes its outputs then, so a run
@@ -308,7 +313,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     from ..reuse.prior_store import load_prior
     from ..attention.mask_sources import OnlinePredictionProvider
 
-    pp = ProductPath(patcher, config, workdir, threshold, log)
+    pp = ProductPath(patcher, config, workdir, threshold, log, options)
     size = config.long_size
     seq_len = tokens_of(size)
     tgts, similar, dissimilar_of, population = eval_requests(config, size)
@@ -485,7 +490,8 @@ def _cell(entry, metric, digits):
 
 def markdown(doc: dict) -> str:
     lines = [f"# Product path on the testbed ({doc['N']:,} tokens)", "", f"Command: `{doc['command']}`", "",
-             f"{doc['targets']} targets x {doc['seeds']} seeds; shipped options {doc['options']}; "
+             f"Machine {doc.get('machine', '?')}, {doc.get('date', '?')}, commit {doc.get('git_commit', '?')}.", "",
+             f"{doc['targets']} targets x {doc['seeds']} seeds; sampler options {doc['options']}; "
              f"match threshold {doc['threshold']}. Mean ± 95 % CI over requests x seeds.", ""]
     sharp = next((e for e in doc["summary"] if e["mask_kind"] == "sharpness"), None)
     if sharp:
@@ -504,7 +510,9 @@ def markdown(doc: dict) -> str:
 
 def write_outputs(results: dict, out: Path, command: str, targets: int, seeds: int, config: TestbedConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"command": command, "N": results["N"], "targets": targets, "seeds": seeds, "threshold": results["threshold"],
+    doc = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "git_commit": git_commit(), "command": command, "N": results["N"], "targets": targets, "seeds": seeds, "threshold": results["threshold"],
            "options": results["options"], "seconds": round(results["seconds"], 1), "notes": results["notes"],
            "summary": summarize(results), "rows": results["rows"], "sharpness": results["sharpness"],
            "config": asdict(config)}
@@ -526,6 +534,21 @@ def tiny_setup(workdir: Path):
     return comfy.sd.load_diffusion_model(str(path)), config
 
 
+def reuse_options(items: list[str]):
+    """The shipped ReuseOptions with ``NAME=VALUE`` items replaced (ints, floats or words)."""
+    from ..reuse.reuse_run import ReuseOptions
+
+    shipped = ReuseOptions()
+    changes = {}
+    for item in items:
+        name, _, text = item.partition("=")
+        if not hasattr(shipped, name):
+            raise SystemExit(f"unknown sampler option {name!r}")
+        kind = type(getattr(shipped, name))
+        changes[name] = kind(text) if kind in (int, float, str) else text
+    return replace(shipped, **changes)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -535,6 +558,8 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="vary one of the sampler's ReuseOptions from its shipped default (e.g. dense_last_steps=1)")
     parser.add_argument("--seed-start", type=int, default=0, help="first seed (split seeds over several runs)")
     parser.add_argument("--tiny", action="store_true", help="a random tiny model on the CPU, 2 targets x 2 seeds")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
@@ -564,7 +589,8 @@ def main(argv=None) -> int:
             patcher, targets, seeds = comfy.sd.load_diffusion_model(str(args.checkpoint)), args.targets, args.seeds
         progress = lambda partial: write_outputs(partial, args.out, command, targets, seeds, config)  # noqa: E731
         results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold,
-                                   seed_start=args.seed_start, on_progress=progress)
+                                   seed_start=args.seed_start, on_progress=progress,
+                                   options=reuse_options(args.option))
     doc = write_outputs(results, args.out, command, targets, seeds, config)
     print(f"{len(doc['rows'])} rows in {doc['seconds']:.0f}s -> {args.out / 'product_path.md'}")
     return 0
