@@ -85,8 +85,9 @@ def reuse_option_inputs() -> list:
                              "entry holds every step's masks (the biggest saving at 4-8 steps). Older runs kept "
                              "dense_warmup_steps on hits too: set it to that to get the same output."),
         io.Int.Input("dense_last_steps", default=0, min=0, max=10000, optional=True,
-                     tooltip="Last steps run dense on every run (some step-distilled workflows keep the last step "
-                             "dense). 0: none. Not yet chosen by measurement."),
+                     tooltip="Last steps run dense on every run. 0: none (the fastest). 1 on a 4-step run: one "
+                             "dense step in four, about 36% more time, and on the testbed 58 dB instead of 47 dB "
+                             "against the dense output (README, Defaults)."),
     ]
 
 
