@@ -11,7 +11,7 @@ from conftest import REPO_ROOT
 def test_the_few_step_benchmark_times_every_mode_on_its_own_path(tmp_path, comfyui_path):
     script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
     done = subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "2",
-                           "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+                           "--profile", "hit_dense0_eager", "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads((tmp_path / "few_step_tiny.json").read_text())
@@ -30,3 +30,5 @@ def test_the_few_step_benchmark_times_every_mode_on_its_own_path(tmp_path, comfy
     best = min(r["generation_s"] for r in rows.values() if r["mode"] == "dense")
     assert rows["hit_dense0_eager"]["vs_best_dense"] == round(best / rows["hit_dense0_eager"]["generation_s"], 3)
     assert "| hit_dense0_eager |" in (tmp_path / "few_step_tiny.md").read_text()
+    profiled = doc["details"]["measurements"]["hit_dense0_eager@2"]["profile"]  # item 5's tool: where time goes
+    assert "aten::" in (tmp_path / profiled["file"]).read_text() and len(profiled["step_ms"]) == 2

@@ -5,7 +5,10 @@ Run on a CUDA machine from the repo root (ComfyUI importable, e.g. ``COMFYUI_PAT
 
     python tests/benchmarks/bench_few_step.py --out DIR --shape 720p --steps 4,8 [--cfg 1] [--budget-s 540]
 
-or on the CPU at a tiny width and grid, to test the script end to end: ``--tiny``.
+or on the CPU at a tiny width and grid, to test the script end to end: ``--tiny``. ``--profile
+hit_dense0_compiled`` adds one profiled generation of that case after its timed one (operator
+tables beside the results, the GPU's busy share in the JSON): where a hit's time goes besides
+attention and GEMMs. ``model_load_s`` is the time ComfyUI spent loading the model in a generation.
 
 What runs: ComfyUI's ``WAN21_I2V`` ``WanModel`` at Wan2.1-I2V-14B width (dim 5120, 40 heads x
 128, ffn 13824), all 40 blocks, bf16, random weights (``bench_end_to_end.build_model``), and its
@@ -366,6 +369,9 @@ def parse_args(argv):
     p.add_argument("--extra-site", default=None, help="folder of carried pure-Python packages (appended to sys.path)")
     p.add_argument("--git-commit", default=None)
     p.add_argument("--command", default=None, help="the command line to record (default: argv)")
+    p.add_argument("--profile", default=None, metavar="CASE,CASE",
+                   help="after each named case's first timed generation, one more under torch.profiler: operator "
+                        "tables to profile_<case>_<steps>.txt and the GPU's busy share to the results")
     p.add_argument("--note", action="append", default=[], help="a caveat to add to a merged document")
     p.add_argument("--merge", default=None, metavar="JSON,JSON,...",
                    help="combine results files of one shape (runs of this script in separate processes on one "
@@ -444,6 +450,31 @@ def warm_up(ctx, mode: Mode) -> float:
     return round(total, 3)
 
 
+def profile_generation(ctx, mode: Mode, steps: int) -> dict:
+    """One more generation of ``mode`` under torch.profiler, after its timed one (whose time it
+    leaves alone): the operator tables go to ``profile_<case>_<steps>.txt`` beside the results,
+    and the returned summary says how much of the generation the GPU was busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx["cuda"] else [])
+    with profile(activities=activities) as prof:
+        m = generate(ctx, mode, steps)
+    table = prof.key_averages()
+    sort = "self_cuda_time_total" if ctx["cuda"] else "self_cpu_time_total"
+    path = ctx["out_dir"] / f"profile_{mode.label}_{steps}.txt"
+    ctx["out_dir"].mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# {mode.label}, {steps} steps, profiled generation {m['generation_s']} s, steps {m['step_ms']}\n\n"
+                    f"## by {sort}\n\n{table.table(sort_by=sort, row_limit=40)}\n\n"
+                    f"## by self_cpu_time_total\n\n{table.table(sort_by='self_cpu_time_total', row_limit=40)}\n")
+    kernel_s = sum(getattr(e, "self_device_time_total", 0.0) for e in table
+                   if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)) / 1e6
+    summary = dict(file=path.name, generation_s=m["generation_s"], step_ms=m["step_ms"],
+                   gpu_kernel_s=round(kernel_s, 3),
+                   gpu_busy_share=round(kernel_s / m["generation_s"], 3) if ctx["cuda"] else None)
+    e2e.log(f"{mode.label} profiled: {summary}")
+    return summary
+
+
 def run_mode(ctx, doc, mode: Mode, step_counts: list[int], save) -> None:
     meas = doc["details"]["measurements"]
     compile_s = None
@@ -462,6 +493,9 @@ def run_mode(ctx, doc, mode: Mode, step_counts: list[int], save) -> None:
                 f"density {m.get('measured_density')}, backend {m.get('backend')}/{m.get('dense_backend')}, "
                 f"timings {m.get('timings')}")
         save()
+        if mode.label in ctx["profile"] and steps == step_counts[0]:
+            m["profile"] = profile_generation(ctx, mode, steps)
+            save()
 
 
 def main(argv=None):
@@ -490,7 +524,8 @@ def main(argv=None):
         bank = open_bank(tmp)
         ctx = dict(cuda=cuda, patcher=patcher, req=e2e.make_request(latent_thw), cfg=args.cfg, bank=bank,
                    density=args.density, warmed=False,
-                   warmup_steps=[int(s) for s in args.warmup_steps.split(",")], budget_s=args.budget_s, dense_models={})
+                   warmup_steps=[int(s) for s in args.warmup_steps.split(",")], budget_s=args.budget_s, dense_models={},
+                   profile=set(args.profile.split(",")) if args.profile else set(), out_dir=out_dir)
         try:
             run_all(ctx, doc, args, step_counts, lambda: write_results(out_dir, name, doc))
         finally:
