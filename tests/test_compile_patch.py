@@ -332,3 +332,21 @@ def test_observed_sources_compile_the_same_graphs_whatever_the_depth(tiny_wan_pa
     if recorder is not None:
         expected_maps, maps = eager_source.recorder.finish().block_maps, recorder.finish().block_maps
         assert maps.shape[1] == DEEP_LAYERS and (maps == expected_maps).float().mean() > 0.99
+
+
+def test_an_observed_run_on_torch_without_compile_stances_runs_as_before(tiny_wan_patcher, dynamo, monkeypatch):
+    """torch before 2.6 has no torch.compiler.set_stance: observed calls then break the graph as
+    they used to, and the run still completes with the eager result."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    expected = sample(install_sparse_attention(tiny_wan_patcher, online_source(LAYERS)))
+    monkeypatch.delattr(torch.compiler, "set_stance")
+    patched = install_sparse_attention(tiny_wan_patcher, online_source(LAYERS)).clone()
+    set_torch_compile_wrapper(model=patched, backend="inductor")
+    out = sample(patched)
+
+    torch.testing.assert_close(out, expected, **CLOSE)
+    assert sum(dynamo["graph_break"].values()) > 0  # the old way: a graph break per observed call
+    assert get_run_stats(patched).sparse_calls == LAYERS * (STEPS - 1) and get_run_stats(patched).warnings == []

@@ -31,6 +31,7 @@ The model passed in is never changed. Statistics of the current or last run:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -239,15 +240,9 @@ def _make_apply_model_wrapper(key: str) -> Callable:
         if run is None:
             return executor(x, t, *args, **kwargs)
         plan = run.plan_call(options, x, executor.class_obj)  # also steps the run clock
-        if plan is None and run.observing():
-            # Masks decided per call (online prediction, recording) need host work in every
-            # layer: traced, each of those calls breaks the graph and the pieces recompile per
-            # layer, per step count and per request (H200: 17 graphs and a 40 s first step).
-            # Such a model call runs eager; planned calls keep the compiled graph.
-            with torch.compiler.set_stance("force_eager"):
-                return executor(x, t, *args, **kwargs)
         if plan is None:
-            return executor(x, t, *args, **kwargs)
+            with _eager_if(run.observing()):
+                return executor(x, t, *args, **kwargs)
         options[plan_key] = plan
         try:
             out = executor(x, t, *args, **kwargs)
@@ -262,6 +257,21 @@ def _make_apply_model_wrapper(key: str) -> Callable:
         return out
 
     return chorus_plan_model_call
+
+
+def _eager_if(observing: bool):
+    """Compiled code runs eager inside (a context manager) when ``observing``.
+
+    Masks decided per call (online prediction, recording) need host work in every layer: traced,
+    each such call breaks the graph and the pieces recompile per layer, per step count and per
+    request (H200: 17 graphs and a 40 s first step), so such a model call runs eager and planned
+    calls keep the compiled graph. torch before 2.6 has no stance (the graph breaks as before), and
+    inside code being traced (a caller compiled more than the model) the stance cannot change.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if not observing or set_stance is None or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return set_stance("force_eager")
 
 
 _KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
