@@ -134,3 +134,44 @@ def test_sigmas_an_entry_cannot_address_by_still_sample(tiny_wan_patcher, sigmas
     report = get_reuse_patch(patched).last_report
     assert torch.isfinite(out).all() and report.steps == max(1, len(sigmas) - 1)
     assert any("cannot address bank entries" in w for w in report.warnings)
+
+
+def test_an_entry_serves_runs_sampled_at_most_as_finely_as_it_was_recorded():
+    """Measured on the sharp16k weights (schedule_transfer_sharp16k_cpu.md): 4 steps from a 20-step
+    entry lost nothing, 20 steps from a 4-step entry lost 6.4 dB. Counted inside the run's own
+    noise range, so the late stage of a split run is served by the full schedule's entry."""
+    from chorus_core.bank import Schedule
+    from chorus_core.reuse.entry_source import schedule_shortfall
+
+    def sigmas(steps):
+        return tuple(1.0 - i / steps for i in range(steps + 1))
+
+    twenty, four = Schedule(steps=20, sigmas=sigmas(20)), Schedule(steps=4, sigmas=sigmas(4))
+    assert schedule_shortfall(twenty, 4, sigmas(4)) is None
+    assert schedule_shortfall(four, 4, sigmas(4)) is None
+    reason = schedule_shortfall(four, 20, sigmas(20))
+    assert "recorded on 4 steps in this run's noise range" in reason and "samples 20" in reason
+    assert schedule_shortfall(twenty, 5, sigmas(20)[15:]) is None  # the last 5 of the 20: recorded there
+    assert schedule_shortfall(four, 5, sigmas(20)[15:]) is not None  # one recorded step in that range
+    assert schedule_shortfall(Schedule(steps=8), 8) is None and schedule_shortfall(Schedule(steps=8), 9)  # no sigmas
+
+
+def test_a_run_finer_than_its_entry_misses_records_and_the_next_one_hits_its_own(recorded, tiny_wan_patcher):
+    from chorus_core.reuse import bank_writer
+
+    bank, _ = recorded  # one entry recorded at 8 steps
+    positive, _, latent = request()
+    patch = reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+    ksampler(patch.install(), 16)
+    finer = patch.last_report
+    assert finer.mode == "miss" and finer.recording == "queued"
+    assert any("recorded on 8 steps" in w and "samples 16" in w for w in finer.warnings), finer.warnings
+    assert bank_writer.flush_all(timeout=60)
+
+    patch = reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+    ksampler(patch.install(), 16)
+    assert patch.last_report.mode == "hit" and patch.last_report.entry_id == finer.recorded_entry_id
+    assert bank.entry_schedule(patch.last_report.entry_id).steps == 16
+
+    buckets, report = hit_buckets(bank, tiny_wan_patcher, steps=4)  # coarser runs still hit either entry
+    assert report.mode == "hit"

@@ -370,6 +370,12 @@ class BankStorage:
         return self.entries(limit=n)
 
     @guarded
+    def entry_schedule(self, entry_id: str) -> Schedule:
+        """The schedule an entry was recorded under (steps, buckets, sigmas), from its index row:
+        no blob read. :raises BankError: no such entry; ValueError: the row's schedule is unreadable"""
+        return validation.entry_spec(self._get_row(entry_id)).schedule
+
+    @guarded
     def show(self, entry_id: str) -> dict:
         """One entry as a dict, without signature vectors."""
         row = self._get_row(entry_id)

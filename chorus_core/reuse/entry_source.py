@@ -32,6 +32,35 @@ def entry_buckets_for_run(schedule: Schedule, steps: int, run_sigmas=None) -> li
     return [bucket_index(starts, step) for step in range(steps)]
 
 
+# Relative tolerance when counting recorded sigmas inside a run's sigma range (float rounding only).
+_SIGMA_TOLERANCE = 1e-6
+
+
+def schedule_shortfall(schedule: Schedule, steps: int, run_sigmas=None) -> Optional[str]:
+    """Why an entry recorded on ``schedule`` should not serve a run of ``steps`` steps, or None.
+
+    An entry serves runs sampled at most as finely as it was recorded: measured on the sharp16k
+    testbed weights (tests/benchmarks/results/schedule_transfer_sharp16k_cpu.md), a 4-step run
+    served from a 20-step entry lost nothing, while a 20-step run served from a 4-step entry lost
+    6.4 dB against its own schedule's entry and 8.3 dB against an online miss: its low-noise
+    steps got masks recorded at high noise. With sigmas on both sides, "as finely" counts the
+    entry's recorded steps inside the run's own sigma range (the later stage of a staged run
+    covers part of the range); without, it compares step counts.
+    """
+    if run_sigmas is not None and schedule.sigmas is not None:
+        run = [float(s) for s in run_sigmas[:steps]]
+        low, high = min(run) * (1 - _SIGMA_TOLERANCE), max(run) * (1 + _SIGMA_TOLERANCE)
+        recorded = sum(1 for s in schedule.sigmas[:schedule.steps] if low <= s <= high)
+        where = f" in this run's noise range (sigma {min(run):.3g} to {max(run):.3g})"
+    else:
+        recorded, where = schedule.steps, ""
+    if recorded >= steps:
+        return None
+    return (f"the bank entry was recorded on {recorded} steps{where} and this run samples {steps}: served to a "
+            "finer schedule an entry's masks lost 6-8 dB on the testbed, so this run is a miss that records an "
+            "entry for its own schedule")
+
+
 def scaled_bucket_starts(schedule: Schedule, steps: int) -> list[int]:
     """Bucket starts of a recorded schedule, rescaled to this run's step count."""
     starts = [round(a * steps / schedule.steps) for a, _ in schedule.step_buckets]
@@ -60,7 +89,11 @@ class BankEntryProvider(MaskSource):
         """self while the entry serves, the fallback once it has failed (checked once: then cached)."""
         if self.failure is None and self.step_buckets is None:
             try:  # the entry's schedule: known once the worker has loaded it
-                self.step_buckets = entry_buckets_for_run(self.prefetch.entry().schedule, self.steps, self.run_sigmas)
+                schedule = self.prefetch.entry().schedule
+                shortfall = schedule_shortfall(schedule, self.steps, self.run_sigmas)
+                if shortfall is not None:
+                    raise ValueError(shortfall)
+                self.step_buckets = entry_buckets_for_run(schedule, self.steps, self.run_sigmas)
             except Exception as exc:
                 self._fail(exc)
         if self.failure is not None and self.fallback is not None:

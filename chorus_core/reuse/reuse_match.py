@@ -102,6 +102,11 @@ def build_match_request(model_patcher, clip_vision_output, positive, latent: dic
                         weights=resolve_weights(weights))
 
 
+# Entries a match keeps, best first: the sampler serves the most similar one above the threshold
+# whose schedule fits its own (see ReuseRun.serving_candidate).
+MATCH_CANDIDATES = 4
+
+
 def match_request(bank: MaskBank, request: MatchRequest) -> ReuseMatch:
     """Look the request up; a similar entry still being written is waited for, then hit.
 
@@ -113,7 +118,7 @@ def match_request(bank: MaskBank, request: MatchRequest) -> ReuseMatch:
         bank_writer.wait_for_similar(bank.label, compat_key(request.fingerprint, request.layout),
                                      request.signature, request.threshold, request.weights)
         result = bank.match(request.signature, request.fingerprint, request.layout,
-                            threshold=request.threshold, top_k=1, weights=request.weights)
+                            threshold=request.threshold, top_k=MATCH_CANDIDATES, weights=request.weights)
         warning = None
     except BankError as exc:
         result = MatchResult(hit=False, entry_id=None, similarity=0.0, components={}, candidates=0)

@@ -20,7 +20,7 @@ from ..attention.mask_provider import DenseProvider, DenseWarmupProvider, Sampli
 from ..attention.mask_sources import (OnlinePredictionProvider, RecordingPlan, RecordingProvider,
                                      buckets_recordable_from, recorded_steps)
 from ..attention.masks import MaskRecorder
-from .entry_source import BankEntryProvider
+from .entry_source import BankEntryProvider, schedule_shortfall
 from .model_identity import fingerprint_patcher
 from .prior_store import PRIOR_ENTRIES, load_prior
 from .reuse_match import ReuseMatch, match_grid_problem
@@ -118,6 +118,7 @@ class ReuseRun(SparseRun):
         self.recording: RecordingProvider | None = None
         self.prefetch: EntryPrefetch | None = None
         self.entry_provider: BankEntryProvider | None = None
+        self.coarser_matches = 0  # more similar entries passed over for a coarser schedule (see serving_candidate)
         self.patched = None
         self._fingerprint = None
         self.model_differs = False
@@ -192,12 +193,32 @@ class ReuseRun(SparseRun):
         self.report.timings["match_ms"] = round(self.match.match_ms, 2)
         if not result.hit or self.model_differs:
             return None
-        bank, entry_id = self.match.bank, result.entry_id
+        bank, entry_id = self.match.bank, self.serving_candidate(result)
         self.report.mode, self.report.entry_id = "hit", entry_id
-        self.report.mask_source = f"bank entry {entry_id}"
+        self.report.mask_source = f"bank entry {entry_id}" + (
+            f" (similarity rank {self.coarser_matches + 1}: the {self.coarser_matches} more similar were recorded on "
+            "coarser schedules than this run's)" if self.coarser_matches else "")
         # Loaded, verified and decoded in a worker while the dense warm-up step runs; a failure
         # there (corrupt, pruned meanwhile) turns the run into a miss from then on, with a warning.
         return self._prefetched(lambda: _own_connection(bank, lambda own: own.load_masks(entry_id)))
+
+    def serving_candidate(self, result) -> str:
+        """The most similar entry above the threshold recorded at least as finely as this run
+        samples (``entry_source.schedule_shortfall``); the best one when none does, which then
+        runs as a miss that records an entry for this schedule. One index read per candidate."""
+        for rank, (entry_id, similarity) in enumerate(result.top):
+            if similarity < self.match.request.threshold:
+                break
+            try:
+                schedule = self.match.bank.entry_schedule(entry_id)
+            except Exception:  # an unreadable row: the worker's load says why and makes it a miss
+                return entry_id
+            if schedule_shortfall(schedule, self.sampling.steps, self.schedule.sigmas) is None:
+                if rank:
+                    self.report.similarity = similarity
+                    self.coarser_matches = rank
+                return entry_id
+        return result.entry_id
 
     def _prefetched(self, open_entry) -> BankEntryProvider:
         self.prefetch = EntryPrefetch(open_entry, pin=_on_cuda(self.model_patcher))
