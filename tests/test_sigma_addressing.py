@@ -164,7 +164,8 @@ def test_a_run_finer_than_its_entry_misses_records_and_the_next_one_hits_its_own
     patch = reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
     ksampler(patch.install(), 16)
     finer = patch.last_report
-    assert finer.mode == "miss" and finer.recording == "queued"
+    assert finer.mode == "miss" and finer.recording == "queued" and finer.entry_id is None
+    assert list(finer.dense_steps) == ["0"]  # a plain miss, with its dense warm-up: the entry was never loaded
     assert any("recorded on 8 steps" in w and "samples 16" in w for w in finer.warnings), finer.warnings
     assert bank_writer.flush_all(timeout=60)
 

@@ -194,6 +194,8 @@ class ReuseRun(SparseRun):
         if not result.hit or self.model_differs:
             return None
         bank, entry_id = self.match.bank, self.serving_candidate(result)
+        if entry_id is None:  # every similar entry is too coarse: a miss, with its dense warm-up, that records
+            return None
         self.report.mode, self.report.entry_id = "hit", entry_id
         self.report.mask_source = f"bank entry {entry_id}" + (
             f" (similarity rank {self.coarser_matches + 1}: the {self.coarser_matches} more similar were recorded on "
@@ -202,10 +204,11 @@ class ReuseRun(SparseRun):
         # there (corrupt, pruned meanwhile) turns the run into a miss from then on, with a warning.
         return self._prefetched(lambda: _own_connection(bank, lambda own: own.load_masks(entry_id)))
 
-    def serving_candidate(self, result) -> str:
+    def serving_candidate(self, result) -> str | None:
         """The most similar entry above the threshold recorded at least as finely as this run
-        samples (``entry_source.schedule_shortfall``); the best one when none does, which then
-        runs as a miss that records an entry for this schedule. One index read per candidate."""
+        samples (``entry_source.schedule_shortfall``), or None when every one is coarser: the run
+        is then a miss that records an entry for its own schedule. One index read per candidate."""
+        coarse = None  # (entry id, why) of the most similar entry, when it is too coarse
         for rank, (entry_id, similarity) in enumerate(result.top):
             if similarity < self.match.request.threshold:
                 break
@@ -213,12 +216,17 @@ class ReuseRun(SparseRun):
                 schedule = self.match.bank.entry_schedule(entry_id)
             except Exception:  # an unreadable row: the worker's load says why and makes it a miss
                 return entry_id
-            if schedule_shortfall(schedule, self.sampling.steps, self.schedule.sigmas) is None:
+            shortfall = schedule_shortfall(schedule, self.sampling.steps, self.schedule.sigmas)
+            if shortfall is None:
                 if rank:
                     self.report.similarity = similarity
                     self.coarser_matches = rank
                 return entry_id
-        return result.entry_id
+            coarse = coarse or (entry_id, shortfall)
+        if coarse is None:
+            return result.entry_id
+        self.report.warnings.append(f"similar entry {coarse[0]} not served: {coarse[1]}")
+        return None
 
     def _prefetched(self, open_entry) -> BankEntryProvider:
         self.prefetch = EntryPrefetch(open_entry, pin=_on_cuda(self.model_patcher))

@@ -14,6 +14,9 @@ product-path harness's sampling). The target then runs at both step counts:
   recorded at its sigma (what ships);
 - ``hit_by_step_index``: the same entry addressed by step index rescaled to the run (entries
   without sigmas, and every entry before this change);
+- ``shipped``: the other step count's entry as the product decides: served by sigma when it was
+  recorded at least as finely as the run, else a miss (``entry_source.schedule_shortfall``, chosen
+  from this benchmark's first two modes; they serve the entry whatever its schedule);
 - ``online_miss``: online prediction with the miss's dense warm-up (what a miss runs).
 
 Writes ``schedule_transfer_cpu.json`` and ``.md`` into ``--out`` (default tests/benchmarks/results).
@@ -40,7 +43,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch  # noqa: E402
 
 TESTBED = REPO_ROOT / "tests" / "testbed" / "chorus_testbed_wan21_i2v.safetensors"
-MODES = ("hit_same_schedule", "hit_by_sigma", "hit_by_step_index", "online_miss")
+MODES = ("hit_same_schedule", "hit_by_sigma", "hit_by_step_index", "shipped", "online_miss")
 
 
 def log(msg: str) -> None:
@@ -58,6 +61,31 @@ def step_index_addressing():
         yield
     finally:
         entry_source.entry_buckets_for_run = shipped
+
+
+@contextlib.contextmanager
+def serving_any_schedule():
+    """Serve the entry whatever its schedule: what a hit across schedules would give, which the
+    shipped rule (``entry_source.schedule_shortfall``) was chosen from."""
+    from chorus_core.reuse import entry_source, reuse_run
+
+    shipped = entry_source.schedule_shortfall
+    entry_source.schedule_shortfall = reuse_run.schedule_shortfall = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        entry_source.schedule_shortfall = reuse_run.schedule_shortfall = shipped
+
+
+def addressing(mode: str):
+    """The serving rule of a mode: forced by sigma or by step index, or as shipped."""
+    if mode == "shipped":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(serving_any_schedule())
+    if mode == "hit_by_step_index":
+        stack.enter_context(step_index_addressing())
+    return stack
 
 
 def run_target(pps: dict, banks: dict, target, seed: int) -> list[dict]:
@@ -80,8 +108,8 @@ def run_target(pps: dict, banks: dict, target, seed: int) -> list[dict]:
                 runs[mode] = pp.reuse_run(None, conds, seed, ReuseOptions(record_on_miss=False))
                 continue
             match = pp.match(banks[entry_steps], conds, pp.threshold)
-            with step_index_addressing() if mode == "hit_by_step_index" else contextlib.nullcontext():
-                runs[mode] = pp.reuse_run(match, conds, seed)
+            with addressing(mode):
+                runs[mode] = pp.reuse_run(match, conds, seed, ReuseOptions(record_on_miss=False))
         for mode, (final, report) in runs.items():
             rows.append({"request": request_name(target), "seed": seed, "N": pp.seq_len, "run_steps": steps,
                          "entry_steps": None if mode == "online_miss" else (steps if mode == "hit_same_schedule" else other),
