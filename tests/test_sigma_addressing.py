@@ -176,3 +176,21 @@ def test_a_run_finer_than_its_entry_misses_records_and_the_next_one_hits_its_own
 
     buckets, report = hit_buckets(bank, tiny_wan_patcher, steps=4)  # coarser runs still hit either entry
     assert report.mode == "hit"
+
+
+def test_an_entry_whose_row_cannot_tell_its_schedule_is_still_checked_when_loaded(recorded, tiny_wan_patcher,
+                                                                                  monkeypatch):
+    """The match-time choice reads index rows; when one cannot be read, the loaded entry's own
+    schedule is checked before it serves, and the run goes on as a miss that records."""
+    bank, _ = recorded
+
+    def unreadable(self, entry_id):
+        raise ValueError("row unreadable (test)")
+
+    monkeypatch.setattr(type(bank), "entry_schedule", unreadable)
+    positive, _, latent = request()
+    patch = reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+    ksampler(patch.install(), 16)
+    report = patch.last_report
+    assert report.mode == "miss" and report.recording == "queued"
+    assert any("skipped" in w and "recorded on 8 steps" in w for w in report.warnings), report.warnings
