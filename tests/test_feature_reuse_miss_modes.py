@@ -117,7 +117,8 @@ def match_for(model, bank, threshold):
 
 
 def generate(model, match, miss_mode="online", record_on_miss=True, on_prepared=None):
-    """One ReuseRun generation as the sampler node runs it; returns (latent, run, report).
+    """One ReuseRun generation as the sampler node runs it; returns (latent, run, report, patched
+    model): the run holds the patched model weakly, so the caller keeps it.
 
     ``on_prepared(provider)`` sees the run's mask source as the run begins."""
     import comfy.sample
@@ -138,7 +139,7 @@ def generate(model, match, miss_mode="online", record_on_miss=True, on_prepared=
     noise = comfy.sample.prepare_noise(latent["samples"], 0)
     out = comfy.sample.sample(patched, noise, STEPS, 5.0, "euler", "simple", positive, negative,
                               latent["samples"], seed=0, disable_pbar=True)
-    return out, patch.last_run, patch.last_report
+    return out, patch.last_run, patch.last_report, patched
 
 
 def feature_reuse(patcher):
@@ -181,9 +182,9 @@ def recorded(tiny_wan_patcher, bank):
 
         recorder.record = record
 
-    out, run, report = generate(model, match_for(model, bank, 0.9), on_prepared=watch_recorder)
+    out, run, report, patched = generate(model, match_for(model, bank, 0.9), on_prepared=watch_recorder)
     assert bank_writer.flush_all(timeout=60)  # the entry is written in the background
-    return dict(out=out, run=run, report=report, shown=shown, model=model)
+    return dict(out=out, run=run, report=report, shown=shown, model=model, patched=patched)
 
 
 def get_recorder(provider):
@@ -216,8 +217,8 @@ def test_online_miss_predicts_on_the_reduced_tokens_and_runs_them_sparse(tiny_wa
         source.observe, source.block_map = observe, block_map
 
     model, attention = with_attention_spy(tiny_wan_patcher)
-    out, run, report = generate(feature_reuse(model), None, on_prepared=watch_predictor)
-    stats = fr_stats(run.patched)
+    out, run, report, patched = generate(feature_reuse(model), None, on_prepared=watch_predictor)
+    stats = fr_stats(patched)
     assert report.mode == "miss" and report.mask_source == "online prediction" and run.recording is None
     assert (stats.reduced_calls, stats.sparse_reduced_calls, stats.warnings) == (6, 6, [])
     # the predictor saw each reduced call's q and k (N' = 200 tokens) and answered over its 7 blocks
@@ -234,7 +235,7 @@ def test_online_miss_predicts_on_the_reduced_tokens_and_runs_them_sparse(tiny_wa
     assert kernel.count(SEQ_LEN) == 4  # steps 1 and 2 at full resolution; step 0 is the dense warm-up
     # nothing of the reduced steps reached ComfyUI's attention function
     assert [n for n, _, _ in attention if n == N_REDUCED] == []
-    layers = run.patched.get_attachment("chorus").stats.layers
+    layers = patched.get_attachment("chorus").stats.layers
     assert [(layers[i].sparse_calls, layers[i].dense_calls) for i in (0, 1)] == [(5, 1), (5, 1)]
     assert torch.isfinite(out).all()
 
@@ -243,7 +244,7 @@ def test_a_recording_miss_records_every_step_at_full_resolution(recorded, bank):
     """A bucket's mask averages every one of its steps (masks from some steps only cost up to
     11 dB on the testbed), so a recording miss reduces none of its steps."""
     run, report = recorded["run"], recorded["report"]
-    stats = fr_stats(run.patched)
+    stats = fr_stats(recorded["patched"])
     assert report.mode == "miss" and report.recorded_entry_id and report.warnings == []
     assert (stats.reduced_calls, stats.full_calls, stats.sparse_reduced_calls) == (0, 12, 0)
     assert {step for step, _ in recorded["shown"]} == set(range(6))
@@ -259,8 +260,8 @@ def test_a_hit_from_the_recorded_entry_runs_every_reduced_step_sparse(tiny_wan_p
     kernel = KernelSpy(monkeypatch)
     spied, attention = with_attention_spy(tiny_wan_patcher)
     model = feature_reuse(spied)
-    out, run, report = generate(model, match_for(model, bank, 0.9))
-    stats = fr_stats(run.patched)
+    out, run, report, patched = generate(model, match_for(model, bank, 0.9))
+    stats = fr_stats(patched)
     assert report.mode == "hit" and report.entry_id == recorded["report"].recorded_entry_id
     assert (stats.reduced_calls, stats.sparse_reduced_calls, stats.warnings) == (6, 6, [])
     nbr = math.ceil(N_REDUCED / BLOCK)
@@ -272,8 +273,8 @@ def test_a_hit_from_the_recorded_entry_runs_every_reduced_step_sparse(tiny_wan_p
 def test_prior_miss_runs_every_reduced_step_sparse(recorded, bank, monkeypatch):
     kernel = KernelSpy(monkeypatch)
     model = recorded["model"]
-    out, run, report = generate(model, match_for(model, bank, 1.5), miss_mode="prior", record_on_miss=False)
-    stats = fr_stats(run.patched)
+    out, run, report, patched = generate(model, match_for(model, bank, 1.5), miss_mode="prior", record_on_miss=False)
+    stats = fr_stats(patched)
     assert report.mode == "miss" and report.mask_source == "population prior of 1 entries"
     assert (stats.reduced_calls, stats.sparse_reduced_calls, stats.warnings) == (6, 6, [])
     assert kernel.count(N_REDUCED) == 6

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 
 from . import bank_writer
@@ -94,6 +95,29 @@ class SamplingSettings:
     sigmas: tuple | None = None  # the run's sigma schedule (steps + 1 values), when known
 
 
+class WeakModel:
+    """A model attribute held by weak reference (None once the model is gone).
+
+    The patched model holds its ReusePatch (an attachment and the hooks' state), so a patch or
+    run holding that model, or a clone made from it, would close a reference cycle: the clones
+    would then die only in a garbage collection, all at once, and ComfyUI, finding the loaded
+    model's patchers gone, runs gc.collect() and empties the CUDA cache inside the next
+    generation (tests/test_patch_lifetime.py). Whoever samples holds the model while it runs.
+    """
+
+    def __set_name__(self, owner, name):
+        self.slot = f"_weak_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        ref = obj.__dict__.get(self.slot)
+        return None if ref is None else ref()
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.slot] = None if value is None else weakref.ref(value)
+
+
 class ReuseRun(SparseRun):
     """One sampling run of a :class:`ReusePatch`, and its one holder of state: the step clock, masks
     and statistics of a :class:`SparseRun`, plus the choice of mask source, the report and a
@@ -104,6 +128,9 @@ class ReuseRun(SparseRun):
         is filed under it
     :param match: the Similarity Match output, or None to run online prediction without a bank
     """
+
+    model_patcher = WeakModel()  # the guider's model: it holds our patch, so held weakly here
+    patched = WeakModel()  # the model the patch installed (for Feature Reuse's warnings)
 
     def __init__(self, model_patcher, match: ReuseMatch | None, options: ReuseOptions,
                  sampling: SamplingSettings, block_size: int = 128, recording_plan: RecordingPlan = RecordingPlan(),
@@ -406,6 +433,8 @@ class ReusePatch:
         else "sigmas"
     """
 
+    patched = WeakModel()  # the clone install() made: it holds this patch, so held weakly here
+
     def __init__(self, model_patcher, match: ReuseMatch | None, options: ReuseOptions, block_size: int = 128,
                  events=None, scheduler: str = "sigmas", recording_plan: RecordingPlan = RecordingPlan(),
                  sampler: str | None = None):
@@ -425,10 +454,11 @@ class ReusePatch:
             raise ValueError("This model already went through Chorus Sparse Attention, which runs the reuse itself: "
                              "sample it with KSampler (or any sampler), or leave that node out and keep the "
                              "Chorus Sparse Wan Sampler.")
-        self.patched = install_sparse_attention(self.model_patcher, self, dense_attention=self.options.dense_attention)
-        get_sparse_state(self.patched).on_step(self._on_step)
-        self.patched.set_attachments(REUSE_KEY, self)
-        return self.patched
+        patched = install_sparse_attention(self.model_patcher, self, dense_attention=self.options.dense_attention)
+        get_sparse_state(patched).on_step(self._on_step)
+        patched.set_attachments(REUSE_KEY, self)
+        self.patched = patched
+        return patched
 
     def begin_run(self, sampling: SamplingCall, step_callbacks: list, dense_attention: str) -> ReuseRun:
         """This sampling run, its mask source chosen: a hit's entry, or a miss source (recorded when
