@@ -100,6 +100,9 @@ def test_a_hit_matched_on_the_base_model_but_sampled_with_a_lora_runs_as_a_miss_
 
 
 def test_a_hit_with_no_dense_step_is_timed_against_an_earlier_dense_step_of_the_same_work(bank, tiny_wan_patcher):
+    from chorus_core.attention.step_times import forget_dense_steps
+
+    forget_dense_steps()  # dense steps are remembered per process: earlier tests ran the same work
     positive, _, latent = request()
     miss = sample(reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent)))
     hit = sample(reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent)))

@@ -30,3 +30,9 @@ def earlier_dense_step(key: tuple) -> Optional[float]:
     """The last remembered dense step time of ``key`` in this process, or None."""
     with _lock:
         return _times.get(key)
+
+
+def forget_dense_steps() -> None:
+    """Forget every remembered dense step (a fresh process's state)."""
+    with _lock:
+        _times.clear()
