@@ -4,9 +4,10 @@ ComfyUI keeps a loaded model under the patcher that sampled it and, when that pa
 switches to its parent. A patched clone caught in a reference cycle (the patch holding the
 patched model that holds the patch) dies only in a garbage collection, together with its
 clones, so ComfyUI finds the loaded model's patchers gone, logs "memory leak with model WAN21",
-and runs gc.collect() and empties the CUDA cache inside the next generation's model load: on
-the H200 the 720p 4-step hit's first step was about 2.9 s slower than the others, and Chorus
-makes a new clone for every request (a new match). Tiny Wan2.1-I2V in process, on the CPU.
+and runs gc.collect() and empties the CUDA cache inside the next generation's model load (the likely
+cause of the 2.9 s that the 720p 4-step hit's first step lost on the H200, where ComfyUI logged
+it), and Chorus makes a new clone for every request (a new match). Tiny Wan2.1-I2V in process,
+on the CPU.
 """
 
 import gc
