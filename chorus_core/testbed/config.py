@@ -316,14 +316,20 @@ def make_config(preset: str = "full", overrides: Optional[list] = None) -> Testb
     return config_with_overrides(PRESETS[preset](), overrides)
 
 
-def config_with_overrides(config: TestbedConfig, overrides: Optional[list] = None) -> TestbedConfig:
+def with_overrides(settings, overrides: Optional[list] = None, what: str = "config field"):
+    """A copy of the dataclass ``settings`` with ``NAME=VALUE`` items applied, each value parsed as
+    its field's current type (bools from 1/true/yes, tuples from JSON lists)."""
+    known = {f.name for f in fields(settings)}
     for item in overrides or []:
         name, _, text = item.partition("=")
-        known = {f.name for f in fields(TestbedConfig)}
         if name not in known:
-            raise SystemExit(f"unknown config field {name!r}")
-        config = replace(config, **{name: _parse_value(text, getattr(config, name))})
-    return config
+            raise SystemExit(f"unknown {what} {name!r}")
+        settings = replace(settings, **{name: _parse_value(text, getattr(settings, name))})
+    return settings
+
+
+def config_with_overrides(config: TestbedConfig, overrides: Optional[list] = None) -> TestbedConfig:
+    return with_overrides(config, overrides)
 
 
 def config_from_dict(data: dict) -> TestbedConfig:

@@ -59,7 +59,7 @@ from ..attention.online_predictor import block_scores
 from ..reuse.population_prior import keep_frequency
 from ..quality import mass_recall, psnr, ssim
 from .workload import generate_request, i2v_conditioning
-from .config import TestbedConfig, config_from_dict, make_config, tokens_of
+from .config import TestbedConfig, config_from_dict, make_config, tokens_of, with_overrides
 from .models import process_in
 from .report import eval_requests, md_table, spread_picks, static_window_scores
 from .probe import git_commit
@@ -535,18 +535,10 @@ def tiny_setup(workdir: Path):
 
 
 def reuse_options(items: list[str]):
-    """The shipped ReuseOptions with ``NAME=VALUE`` items replaced (ints, floats or words)."""
+    """The shipped ReuseOptions with ``NAME=VALUE`` items replaced."""
     from ..reuse.reuse_run import ReuseOptions
 
-    shipped = ReuseOptions()
-    changes = {}
-    for item in items:
-        name, _, text = item.partition("=")
-        if not hasattr(shipped, name):
-            raise SystemExit(f"unknown sampler option {name!r}")
-        kind = type(getattr(shipped, name))
-        changes[name] = kind(text) if kind in (int, float, str) else text
-    return replace(shipped, **changes)
+    return with_overrides(ReuseOptions(), items, "sampler option")
 
 
 def main(argv=None) -> int:
