@@ -145,7 +145,6 @@ class ReuseRun(SparseRun):
         self.recording: RecordingProvider | None = None
         self.prefetch: EntryPrefetch | None = None
         self.entry_provider: BankEntryProvider | None = None
-        self.coarser_matches = 0  # more similar entries passed over for a coarser schedule (see serving_candidate)
         self.patched = None
         self._fingerprint = None
         self.model_differs = False
@@ -220,21 +219,22 @@ class ReuseRun(SparseRun):
         self.report.timings["match_ms"] = round(self.match.match_ms, 2)
         if not result.hit or self.model_differs:
             return None
-        bank, entry_id = self.match.bank, self.serving_candidate(result)
+        bank, (entry_id, passed_over) = self.match.bank, self.serving_candidate(result)
         if entry_id is None:  # every similar entry is too coarse: a miss, with its dense warm-up, that records
             return None
         self.report.mode, self.report.entry_id = "hit", entry_id
         self.report.mask_source = f"bank entry {entry_id}" + (
-            f" (similarity rank {self.coarser_matches + 1}: the {self.coarser_matches} more similar were recorded on "
-            "coarser schedules than this run's)" if self.coarser_matches else "")
+            f" (similarity rank {passed_over + 1}: the {passed_over} more similar were recorded on "
+            "coarser schedules than this run's)" if passed_over else "")
         # Loaded, verified and decoded in a worker while the dense warm-up step runs; a failure
         # there (corrupt, pruned meanwhile) turns the run into a miss from then on, with a warning.
         return self._prefetched(lambda: _own_connection(bank, lambda own: own.load_masks(entry_id)))
 
-    def serving_candidate(self, result) -> str | None:
-        """The most similar entry above the threshold recorded at least as finely as this run
-        samples (``entry_source.schedule_shortfall``), or None when every one is coarser: the run
-        is then a miss that records an entry for its own schedule. One index read per candidate."""
+    def serving_candidate(self, result) -> tuple[str | None, int]:
+        """(the most similar entry above the threshold recorded at least as finely as this run
+        samples (``entry_source.schedule_shortfall``), how many more similar ones were passed
+        over); the entry is None when every one is coarser: the run is then a miss that records an
+        entry for its own schedule. One index read per candidate."""
         coarse = None  # (entry id, why) of the most similar entry, when it is too coarse
         for rank, (entry_id, similarity) in enumerate(result.top):
             if similarity < self.match.request.threshold:
@@ -242,18 +242,16 @@ class ReuseRun(SparseRun):
             try:
                 schedule = self.match.bank.entry_schedule(entry_id)
             except Exception:  # an unreadable row: the worker's load says why and makes it a miss
-                return entry_id
+                return entry_id, rank
             shortfall = schedule_shortfall(schedule, self.sampling.steps, self.schedule.sigmas)
             if shortfall is None:
-                if rank:
-                    self.report.similarity = similarity
-                    self.coarser_matches = rank
-                return entry_id
+                self.report.similarity = similarity
+                return entry_id, rank
             coarse = coarse or (entry_id, shortfall)
         if coarse is None:
-            return result.entry_id
+            return result.entry_id, 0
         self.report.warnings.append(f"similar entry {coarse[0]} not served: {coarse[1]}")
-        return None
+        return None, 0
 
     def _prefetched(self, open_entry) -> BankEntryProvider:
         self.prefetch = EntryPrefetch(open_entry, pin=_on_cuda(self.model_patcher))
