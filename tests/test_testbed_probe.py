@@ -104,6 +104,23 @@ def test_probe_candidates_are_the_designs_they_name(comfy_runtime):
     assert {long_share_at(base, s) for s in (0, 300, 5000)} == {0.7}
 
 
+def test_the_shift05_follow_up_candidates_change_only_what_they_name():
+    from dataclasses import asdict
+
+    from chorus_core.testbed.config import PROBE_CANDIDATES, make_config
+    from chorus_core.testbed.probe import WHAT_IT_TESTS
+
+    def changed(name, against):
+        a, b = asdict(make_config(name)), asdict(make_config(against))
+        return {k: a[k] for k in a if a[k] != b[k]}
+
+    assert changed("probe_shift05_entropy", "probe_shift05") == {"attn_entropy_weight": 0.02}
+    assert changed("probe_shift05_entropy_strong", "probe_shift05") == {"attn_entropy_weight": 0.1}
+    assert changed("probe_shift05_heads6x128", "probe_heads6x128") == {"shift": 0.5}
+    assert make_config("sharp16k").attn_entropy_weight == 0.0  # no committed design trains with the penalty
+    assert set(PROBE_CANDIDATES) <= set(WHAT_IT_TESTS)  # every candidate's table row says what it tests
+
+
 # --------------------------------------------------------------------------------------------
 # Workload options of the probe
 # --------------------------------------------------------------------------------------------

@@ -47,6 +47,10 @@ class TestbedConfig:
     # 7,814 steps: 0.94-1.12 on average), which caps how peaked attention over 16k keys can get.
     qk_gain_init: float = 1.0     # initial value of the self-attention norm_q / norm_k gains
     qk_gain_lr_mult: float = 1.0  # their learning rate over the base rate
+    # A penalty on self-attention entropy (attention_entropy.py): it imposes the concentration the
+    # workloads alone did not produce (issue 23), so a design trained with it must say so.
+    attn_entropy_weight: float = 0.0
+    attn_entropy_queries: int = 128  # query rows sampled per self-attention call for the penalty
 
     # training
     short_size: tuple = SHORT_SIZE
@@ -279,6 +283,21 @@ def probe_shift05_curriculum_config() -> TestbedConfig:
     return replace(probe_curriculum_config(), shift=0.5)
 
 
+def probe_shift05_entropy_config() -> TestbedConfig:
+    """Shift 0.5 with a light entropy penalty: shift 0.5 trained on levelled off near 0.5 (0.486 at step 5,883)."""
+    return replace(probe_shift05_config(), attn_entropy_weight=0.02)
+
+
+def probe_shift05_entropy_strong_config() -> TestbedConfig:
+    """Shift 0.5 with a penalty five times stronger."""
+    return replace(probe_shift05_config(), attn_entropy_weight=0.1)
+
+
+def probe_shift05_heads6x128_config() -> TestbedConfig:
+    """Shift 0.5 with 6 heads of 128 over 3 layers: fewer of the diffuse early layers, more heads each."""
+    return replace(probe_heads6x128_config(), shift=0.5)
+
+
 def tiny_probe_heads_config() -> TestbedConfig:
     """A CPU-test probe candidate: tiny_sharp with 4 heads of 32 and the multi workload."""
     return replace(tiny_sharp_config(), head_dim=32, texture="multi")
@@ -294,6 +313,9 @@ PROBE_CANDIDATES = {"sharp16k": sharp16k_config, "probe_heads8x48": probe_heads8
                     "probe_shift1": probe_shift1_config, "probe_shift05": probe_shift05_config,
                     "probe_shift1_multi": probe_shift1_multi_config, "probe_shift025": probe_shift025_config,
                     "probe_shift05_curriculum": probe_shift05_curriculum_config,
+                    "probe_shift05_entropy": probe_shift05_entropy_config,
+                    "probe_shift05_entropy_strong": probe_shift05_entropy_strong_config,
+                    "probe_shift05_heads6x128": probe_shift05_heads6x128_config,
                     "tiny_sharp": tiny_sharp_config, "tiny_probe_heads": tiny_probe_heads_config}
 
 PRESETS = {"full": TestbedConfig, "smoke": smoke_config, "cpu2k": cpu2k_config, "sharp16k": sharp16k_config,

@@ -59,6 +59,9 @@ WHAT_IT_TESTS = {
     "probe_shift1_multi": "flow shift 1 and the multi workload",
     "probe_shift025": "trained at flow shift 0.25",
     "probe_shift05_curriculum": "flow shift 0.5 and short clips first",
+    "probe_shift05_entropy": "flow shift 0.5, attention entropy penalised (weight 0.02)",
+    "probe_shift05_entropy_strong": "flow shift 0.5, attention entropy penalised (weight 0.1)",
+    "probe_shift05_heads6x128": "flow shift 0.5, 6 heads x 128, 3 layers",
     "tiny_sharp": "CPU-test size of sharp16k",
     "tiny_probe_heads": "CPU-test size, 4 heads x 32, multi workload",
 }

@@ -27,6 +27,7 @@ import torch
 
 from .workload import I2VRequest
 from .config import PRESETS, TestbedConfig, config_from_dict, config_with_overrides, make_config, size_name, tokens_of
+from .attention_entropy import with_entropy_penalty
 from .models import SDPAAttention, build_model, flow_loss, is_qk_gain, make_batch
 
 CHECKPOINT_NAME = "chorus_testbed_wan21_i2v.safetensors"
@@ -160,6 +161,9 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
         check = gradient_check(model, check_pool.select(torch.arange(min(2, len(check_pool)), device=check_pool.x0.device)),
                                config, device, log)
     options, autocast = check["options"], check["autocast"]
+    penalty = None
+    if config.attn_entropy_weight > 0:
+        options, penalty = with_entropy_penalty(options, config.attn_entropy_queries, gen)
     start, first_step, paused = time.time(), step, 0.0
     chunk_end = config.max_steps if stop_after_steps is None else min(config.max_steps, step + stop_after_steps)
     while step < chunk_end and time.time() - start - paused < config.time_budget_s:
@@ -172,8 +176,9 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
             group["lr"] = lr_at(config, step) * group.get("lr_mult", 1.0)
         with torch.autocast(device_type="cuda" if device != "cpu" else "cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = flow_loss(model, batch, config.shift, gen, options)
+            entropy = penalty.take() if penalty is not None else None
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if entropy is None else loss + config.attn_entropy_weight * entropy).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
         step += 1
@@ -183,6 +188,8 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
                 raise FloatingPointError(f"loss became {value} at step {step}")
             history.append({"step": step, "size": which, "loss": value, "grad_norm": float(grad_norm),
                             "lr": lr_at(config, step - 1), "seconds": round(trained_s + time.time() - start - paused, 2)})
+            if entropy is not None:  # the logged loss stays the flow loss alone, comparable across designs
+                history[-1]["attn_entropy"] = round(float(entropy.detach()), 4)
             log(f"step {step:5d} {which:5s} loss {value:.4f} grad {float(grad_norm):.3f} t {time.time() - start - paused:.0f}s")
         if on_checkpoint is not None and checkpoint_every > 0 and step % checkpoint_every == 0:
             paused += _paused_call(on_checkpoint, step, model, device)
