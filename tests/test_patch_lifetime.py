@@ -75,3 +75,47 @@ def test_comfyui_finds_no_dead_model_after_requests(tmp_path, tiny_wan_patcher, 
     gc.collect()  # what Python does on its own sooner or later: it must not leave a dead model
     assert mm.current_loaded_models and not any(loaded.is_dead() for loaded in mm.current_loaded_models)
     bank.close()
+
+
+def _feature_reuse(patcher):
+    import torch
+
+    from chorus_core.guidance.feature_regions import cell_grid
+    from chorus_core.guidance.feature_reuse import FeatureReuseSettings, install_feature_reuse
+
+    grid = (5, 8, 8)  # the default request's token grid
+    region_map = torch.zeros(cell_grid(grid, (1, 2, 2)), dtype=torch.bool)
+    region_map[:, :2] = True
+    return install_feature_reuse(patcher, region_map, grid, FeatureReuseSettings(start_percent=0.0))
+
+
+def _feature_reuse_ran(patched) -> bool:
+    from chorus_core.guidance.feature_reuse import get_feature_reuse_state
+
+    return get_feature_reuse_state(patched).stats.reduced_calls > 0
+
+
+def _guidance(patcher):
+    from chorus_core.guidance.guidance import GuidanceSettings, install_guidance
+
+    return install_guidance(patcher, GuidanceSettings(strength=0.5, start=0.0, end=1.0))
+
+
+def _guidance_ran(patched) -> bool:
+    from chorus_core.guidance.guidance import get_guidance_stats
+
+    stats = get_guidance_stats(patched)
+    return stats.boosted_steps + stats.skipped_no_uncond > 0  # cfg 1 here: it ran and had nothing to boost
+
+
+@pytest.mark.parametrize("install, ran", [(_feature_reuse, _feature_reuse_ran), (_guidance, _guidance_ran)],
+                         ids=["feature reuse", "guidance enhance"])
+def test_feature_reuse_and_guidance_clones_are_freed_by_reference_counting(tiny_wan_patcher, no_automatic_gc,
+                                                                            install, ran):
+    """The same check for the other two holders (their state rides on the clone as an attachment)."""
+    patched = install(tiny_wan_patcher)
+    sample_once(patched)
+    assert ran(patched)
+    gone = weakref.ref(patched)
+    del patched
+    assert gone() is None
