@@ -31,7 +31,10 @@ def test_row_entropy_is_one_for_uniform_attention_near_zero_for_one_key_and_matc
     peaked = 200.0 * k / k.norm(dim=-1, keepdim=True)  # each query is its own key, scaled: one key wins
     assert row_entropy(peaked, k, heads, rows).item() < 0.05
     q = torch.randn(b, n, heads * d)
-    assert row_entropy(q, k, heads, rows).item() == pytest.approx(_reference_entropy(q, k, heads, rows).item(), rel=1e-5)
+    reference = _reference_entropy(q, k, heads, rows).item()
+    assert row_entropy(q, k, heads, rows).item() == pytest.approx(reference, rel=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as in training: still computed in fp32
+        assert row_entropy(q, k, heads, rows).item() == pytest.approx(reference, rel=1e-5)
 
 
 def test_the_penalty_leaves_attention_unchanged_and_records_self_attention_calls_only():

@@ -26,7 +26,8 @@ def row_entropy(q: torch.Tensor, k: torch.Tensor, heads: int, rows: torch.Tensor
     d = hd // heads
     qs = q[:, rows].float().reshape(b, len(rows), heads, d).transpose(1, 2)
     ks = k.float().reshape(b, n, heads, d).transpose(1, 2)
-    logp = torch.log_softmax(qs @ ks.transpose(-1, -2) * d ** -0.5, dim=-1)  # [B, H, S, N]
+    with torch.autocast(device_type=q.device.type, enabled=False):  # training autocasts matmuls to bf16
+        logp = torch.log_softmax(qs @ ks.transpose(-1, -2) * d ** -0.5, dim=-1)  # [B, H, S, N]
     entropy = -(logp.exp() * logp).sum(-1)
     return entropy.mean() / math.log(n)
 
