@@ -303,11 +303,12 @@ def dense_prior_scores(dense_masses: list, maps_steps: dict, steps_of_bucket, op
 
 
 def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int, seeds: int, threshold: float = 0.9,
-                     log=print, seed_start: int = 0, on_progress=None, options=None) -> dict:
+                     log=print, seed_start: int = 0, on_progress=None, options=None, finals=None) -> dict:
     """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``.
 
     ``on_progress(results_so_far)`` after every target: the CLI writes its outputs then, so a run
-    stopped by a time limit keeps the targets it finished.
+    stopped by a time limit keeps the targets it finished. ``finals``: a dict that receives every
+    run's final latents under ``(section, kind, request, seed)``, the dense run's as ``("dense", "dense", ...)``.
     """
     from ..bank import MaskBank
     from ..reuse.prior_store import load_prior
@@ -356,7 +357,12 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             base = {"N": seq_len, "seed": seed, "request": request_name(target),
                     "hit_entry_is_similar": report.entry_id == sim_id, "similarity": round(hit.result.similarity, 4)}
 
+            if finals is not None:
+                finals[("dense", "dense", base["request"], seed)] = dense_final
+
             def row(section, kind, final, maps, oracle_recall=None):
+                if finals is not None:
+                    finals[(section, kind, base["request"], seed)] = final
                 recall = pp.recall(mass, maps, seq_len)
                 density = sum(float(m.float().mean()) for m in maps.values()) / len(maps)
                 r = {"section": section, "mask_kind": kind, **base, "density": density, "recall": recall,

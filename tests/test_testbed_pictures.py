@@ -1,0 +1,49 @@
+"""The quality section's pictures (issue 23, item 4): frames and error maps per mask source."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from chorus_core.testbed.pictures import ROWS, draw_pictures, frame_indices, heat
+
+
+def test_frame_picks_and_the_error_colour_scale():
+    assert frame_indices(16, 4) == [0, 5, 10, 15]
+    assert frame_indices(3, 8) == [0, 1, 2]
+    assert frame_indices(1, 4) == [0]
+    colours = heat(np.array([[0.0, 0.5, 1.0, 7.0]]), top=1.0)[0]
+    assert colours.tolist() == [[0, 0, 0], [255, 0, 0], [255, 255, 0], [255, 255, 0]]  # clipped at the top
+
+
+def test_pictures_show_each_source_s_distance_from_the_dense_run(tmp_path):
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.randn(1, 16, 6, 8, 12, generator=generator)
+    finals = {("dense", "dense", "req", 0): dense}
+    for i, (_, section, kind) in enumerate(ROWS[1:]):  # the hit closest, static farthest
+        finals[(section, kind, "req", 0)] = dense + 0.05 * (i + 1) * torch.randn(dense.shape, generator=generator)
+    doc = draw_pictures(finals, "req", 0, 4, tmp_path)
+    scores = [doc["psnr_db"][label] for label, _, _ in ROWS[1:]]
+    assert scores == sorted(scores, reverse=True) and doc["frames"] == [0, 2, 3, 5]
+    frames, errors = Image.open(tmp_path / "frames.png"), Image.open(tmp_path / "errors.png")
+    cell_h = round(128 * 8 / 12)
+    assert frames.size == (90 + 4 * 132, 24 + 5 * (cell_h + 4)) and errors.size == (90 + 4 * 132, 24 + 4 * (cell_h + 4))
+    pixels = np.asarray(errors.convert("RGB")).astype(float)
+    row_brightness = [pixels[24 + r * (cell_h + 4): 24 + r * (cell_h + 4) + cell_h, 90:].mean() for r in range(4)]
+    assert row_brightness == sorted(row_brightness)  # larger errors draw brighter
+
+
+@pytest.mark.comfy
+def test_the_pictures_command_runs_the_product_path_on_the_tiny_model(comfy_runtime, tmp_path):
+    from chorus_core.testbed.pictures import main
+
+    assert main(["--tiny", "--out", str(tmp_path), "--frames", "2"]) == 0
+    doc = json.loads((tmp_path / "pictures.json").read_text())
+    assert doc["command"] == f"python -m chorus_core.testbed.pictures --tiny --out {tmp_path} --frames 2"
+    assert doc["git_commit"] and doc["date"] and doc["machine"]
+    assert set(doc["psnr_db"]) == {"hit", "online", "prior", "static"}
+    assert all(np.isfinite(v) and v > 10 for v in doc["psnr_db"].values())
+    assert (tmp_path / "frames.png").stat().st_size > 0 and (tmp_path / "errors.png").stat().st_size > 0
