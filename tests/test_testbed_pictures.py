@@ -47,3 +47,17 @@ def test_the_pictures_command_runs_the_product_path_on_the_tiny_model(comfy_runt
     assert set(doc["psnr_db"]) == {"hit", "online", "prior", "static"}
     assert all(np.isfinite(v) and v > 10 for v in doc["psnr_db"].values())
     assert (tmp_path / "frames.png").stat().st_size > 0 and (tmp_path / "errors.png").stat().st_size > 0
+
+
+@pytest.mark.comfy
+def test_the_product_path_refuses_a_preset_that_describes_another_model(comfy_runtime, tmp_path):
+    """It counts layers and heads from the preset: the 4-layer cpu2k preset on a 6-layer checkpoint
+    would have measured some layers and not others."""
+    from dataclasses import replace
+
+    from chorus_core.testbed.product_path import ProductPath, tiny_setup
+
+    patcher, config = tiny_setup(tmp_path)
+    ProductPath(patcher, config, tmp_path)  # its own preset: accepted
+    with pytest.raises(ValueError, match=r"describes 3 layers x 1 heads, the checkpoint has 2 x 1: pass the preset"):
+        ProductPath(patcher, replace(config, num_layers=3), tmp_path)

@@ -237,3 +237,17 @@ def block_grid_coords(size, block_size: int) -> torch.Tensor:
     counts[-1] = block_size - pad
     summed = torch.nn.functional.pad(coords, (0, 0, 0, pad)).view(nb, block_size, 3).sum(1)
     return summed / counts[:, None]
+
+
+def check_model_matches(patcher, config) -> None:
+    """Refuse a preset that describes another model than the loaded checkpoint: the harnesses count
+    layers and heads from the preset, so a mismatch would measure some layers and not others.
+
+    :raises ValueError: saying both shapes and what to pass instead.
+    """
+    blocks = patcher.model.diffusion_model.blocks
+    layers, heads = len(blocks), blocks[0].self_attn.num_heads
+    if (layers, heads) != (config.num_layers, config.num_heads):
+        raise ValueError(f"the preset describes {config.num_layers} layers x {config.num_heads} heads, the checkpoint "
+                         f"has {layers} x {heads}: pass the preset it was trained with (e.g. --preset sharp16k) and "
+                         "change sizes with --set (e.g. --set long_size=[8,32,32] --set block_size=64)")

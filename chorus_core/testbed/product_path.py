@@ -60,7 +60,7 @@ from ..reuse.population_prior import keep_frequency
 from ..quality import mass_recall, psnr, ssim
 from .workload import generate_request, i2v_conditioning
 from .config import TestbedConfig, config_from_dict, make_config, tokens_of, with_overrides
-from .models import process_in
+from .models import check_model_matches, process_in
 from .report import eval_requests, md_table, spread_picks, static_window_scores
 from .probe import git_commit
 from .sharpness import SHARPNESS_DENSITY, request_name, summarize_mass
@@ -206,6 +206,7 @@ class ProductPath:
         self.patcher, self.config, self.workdir, self.threshold, self.log = patcher, config, Path(workdir), threshold, log
         # the shipped defaults (top-p, density clamps, warm-up, miss mode) unless a run varies one
         self.options = options or ReuseOptions()
+        check_model_matches(patcher, config)
         self.bs, self.steps, self.L = config.block_size, config.sample_steps, config.num_layers
         # Every source compared with the hit runs the hit's dense steps (none by default: a hit is
         # sparse from step 0); an online miss at natural density keeps the miss's warm-up.
