@@ -19,7 +19,8 @@ seed, in a fresh SQLite bank:
   own dense mass, mean over the hit's step bucket: what the served entry should equal, so the gap
   to ``reused_similar_product`` is what recording, bank and serving cost), ``oracle`` (the
   target's own exact block mass, likewise), ``reused_dissimilar`` (the dissimilar request's dense
-  mass), ``online`` (pooled q/k block scores of the call, as shipped), ``population_prior``
+  mass), ``online`` (pooled q/k block scores of the call, as shipped; at natural density also
+  ``online_no_warmup``, the same with no dense step), ``population_prior``
   (keep frequency over the masks recorded from requests of other layouts, a bank of their own),
   ``population_prior_dense`` (keep frequency over the recorder's rule applied to the same
   requests' dense runs), ``static`` (local 3D windows);
@@ -77,7 +78,7 @@ WAN21_LATENT_RGB_BIAS = torch.tensor([-0.1835, -0.0868, -0.3360])
 MATCHED_KINDS = ("reused_similar_product", "reused_similar", "oracle", "reused_dissimilar", "online",
                  "population_prior", "population_prior_dense", "static")
 NATURAL_KINDS = ("reused_similar_product", "reused_similar", "oracle", "reused_dissimilar_product", "online",
-                 "population_prior")
+                 "online_no_warmup", "population_prior")
 METRICS = ("density", "recall", "recall_vs_oracle", "rel_rms", "psnr_db", "ssim")
 RECORD_THRESHOLD = 1.0  # recording runs must miss: only an identical request reaches similarity 1
 
@@ -409,6 +410,9 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             online = CapturingProvider(OnlinePredictionProvider(pp.bs, o.top_p, o.min_density, o.max_density))
             row("natural", "online", pp.with_provider(online, conds, seed, o.dense_warmup_steps), online.maps,
                 oracle_recall)
+            # sparse from the first step like a hit: what a few-step run could gain online, and at what cost
+            eager = CapturingProvider(OnlinePredictionProvider(pp.bs, o.top_p, o.min_density, o.max_density))
+            row("natural", "online_no_warmup", pp.with_provider(eager, conds, seed, 0), eager.maps, oracle_recall)
             prior_match = pp.match(pop_bank, conds, RECORD_THRESHOLD)
             prior_final, prior_report = pp.reuse_run(prior_match, conds, seed,
                                                      replace(o, miss_mode="prior", record_on_miss=False))
