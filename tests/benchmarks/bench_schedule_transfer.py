@@ -1,6 +1,8 @@
 """Does a bank entry recorded on one sigma schedule serve a run on another? (issue 24 item 2)
 
     .venv/bin/python tests/benchmarks/bench_schedule_transfer.py [--preset cpu2k] [--targets 2] [--long 20]
+    .venv/bin/python tests/benchmarks/bench_schedule_transfer.py --checkpoint SHARP16K --preset sharp16k \
+        --set long_size=[8,32,32] --set block_size=64 --targets 4     # its weights, its workload, 2,048 tokens
 
 On the committed testbed model (``tests/testbed/``; ``--checkpoint`` for another), at the preset's
 size (cpu2k: 2,048 tokens, block 64, a 2-core CPU is enough). For each target request, its similar
@@ -177,7 +179,9 @@ def git_commit() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default=str(TESTBED))
-    parser.add_argument("--preset", default="cpu2k")
+    parser.add_argument("--preset", default="cpu2k", help="the checkpoint's own preset (sharp16k for its weights)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="vary the preset, e.g. long_size=[8,32,32] block_size=64 for 2,048 tokens on a CPU")
     parser.add_argument("--long", type=int, default=20)
     parser.add_argument("--short", type=int, default=4)
     parser.add_argument("--targets", type=int, default=2)
@@ -191,7 +195,7 @@ def main(argv=None) -> int:
 
     from chorus_core.testbed.config import make_config, size_name
 
-    config = make_config(args.preset)
+    config = make_config(args.preset, args.set)
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="chorus-schedule-transfer-") as tmp:
         patcher = comfy.sd.load_diffusion_model(args.checkpoint)
