@@ -61,6 +61,7 @@ from ..reuse.population_prior import keep_frequency
 from ..quality import mass_recall, psnr, ssim
 from .workload import generate_request, i2v_conditioning
 from .config import TestbedConfig, config_from_dict, make_config, tokens_of, with_overrides
+from .composition import COMPOSED_KINDS, composition_rows
 from .models import check_model_matches, process_in
 from .report import eval_requests, md_table, spread_picks, static_window_scores
 from .probe import git_commit
@@ -305,11 +306,13 @@ def dense_prior_scores(dense_masses: list, maps_steps: dict, steps_of_bucket, op
 
 
 def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int, seeds: int, threshold: float = 0.9,
-                     log=print, seed_start: int = 0, on_progress=None, options=None, finals=None) -> dict:
+                     log=print, seed_start: int = 0, on_progress=None, options=None, finals=None,
+                     compose: bool = False) -> dict:
     """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``.
 
     ``on_progress(results_so_far)`` after every target: the CLI writes its outputs then, so a run
-    stopped by a time limit keeps the targets it finished. ``finals``: a dict that receives every
+    stopped by a time limit keeps the targets it finished. ``compose``: also the rows of
+    ``composition`` (Guidance Enhance and core's EasyCache on the hit). ``finals``: a dict that receives every
     run's final latents under ``(section, kind, request, seed)``, the dense run's as ``("dense", "dense", ...)``.
     """
     from ..bank import MaskBank
@@ -420,6 +423,8 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             if not prior_report.mask_source.startswith("population prior"):
                 raise RuntimeError(f"the prior-mode run used {prior_report.mask_source!r}, not the population prior")
             row("natural", "population_prior", prior_final, pp.entry_maps(prior_entry), oracle_recall)
+            if compose:
+                rows.extend({**base, **r} for r in composition_rows(pp, hit, conds, seed, dense_final, final_quality))
             bank.close()
             log(f"{request_name(target)} seed {seed}: hit {report.entry_id} (similar: {report.entry_id == sim_id}), "
                 f"{time.time() - started:.0f}s")
@@ -475,13 +480,15 @@ def _next_start(starts, step: int, steps: int) -> int:
 def summarize(results: dict) -> list:
     """Mean and 95 % CI per (section, mask_kind) over requests x seeds."""
     out = []
-    for section, kinds in (("matched", MATCHED_KINDS), ("natural", NATURAL_KINDS)):
+    for section, kinds in (("matched", MATCHED_KINDS), ("natural", NATURAL_KINDS), ("composed", COMPOSED_KINDS)):
         for kind in kinds:
             group = [r for r in results["rows"] if r["section"] == section and r["mask_kind"] == kind]
             if not group:
                 continue
             entry = {"section": section, "mask_kind": kind, "N": results["N"], "n": len(group)}
-            for metric in METRICS:
+            if section == "composed":
+                entry["against"] = group[0]["against"]
+            for metric in METRICS + (("steps_skipped",) if section == "composed" else ()):
                 m, ci = mean_ci([r[metric] for r in group])
                 entry[metric], entry[f"{metric}_ci95"] = m, ci
             out.append(entry)
@@ -508,12 +515,16 @@ def markdown(doc: dict) -> str:
     if sharp:
         lines += [f"Sharpness: the oracle mask at density 0.15 keeps **{sharp['oracle_mass_at_0.15']:.3f}** of the "
                   f"attention mass (per layer {sharp['per_layer']}).", ""]
-    for section, title in (("matched", "Matched density (the hit's blocks per row)"), ("natural", "Natural density")):
+    for section, title in (("matched", "Matched density (the hit's blocks per row)"), ("natural", "Natural density"),
+                           ("composed", "Composed: Guidance Enhance and core's EasyCache, each against its control")):
         entries = [e for e in doc["summary"] if e["section"] == section]
-        table = [{"mask_kind": e["mask_kind"], **{m: _cell(e, m, 2 if m == "psnr_db" else 3) for m in METRICS},
-                  "n": e["n"]} for e in entries]
-        lines += [f"## {title}", "", md_table(table, [("mask_kind", "mask_kind")] + [(m, m) for m in METRICS] +
-                                              [("n", "n")]), ""]
+        if not entries:
+            continue
+        metrics = METRICS + (("steps_skipped",) if section == "composed" else ())
+        first = [("mask_kind", "mask_kind")] + ([("against", "against")] if section == "composed" else [])
+        table = [{"mask_kind": e["mask_kind"], "against": e.get("against"),
+                  **{m: _cell(e, m, 2 if m == "psnr_db" else 3) for m in metrics}, "n": e["n"]} for e in entries]
+        lines += [f"## {title}", "", md_table(table, first + [(m, m) for m in metrics] + [("n", "n")]), ""]
     if doc["notes"]:
         lines += ["## Notes", ""] + [f"- {n}" for n in doc["notes"]] + [""]
     return "\n".join(lines)
@@ -564,6 +575,8 @@ def main(argv=None) -> int:
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="vary one of the sampler's ReuseOptions from its shipped default (e.g. dense_last_steps=1)")
     parser.add_argument("--seed-start", type=int, default=0, help="first seed (split seeds over several runs)")
+    parser.add_argument("--compose", action="store_true",
+                        help="also Guidance Enhance and core's EasyCache on each hit, against their controls")
     parser.add_argument("--tiny", action="store_true", help="a random tiny model on the CPU, 2 targets x 2 seeds")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
                         help="combine the product_path.json of these earlier runs into --out (no sampling)")
@@ -593,7 +606,7 @@ def main(argv=None) -> int:
         progress = lambda partial: write_outputs(partial, args.out, command, targets, seeds, config)  # noqa: E731
         results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold,
                                    seed_start=args.seed_start, on_progress=progress,
-                                   options=reuse_options(args.option))
+                                   options=reuse_options(args.option), compose=args.compose)
     doc = write_outputs(results, args.out, command, targets, seeds, config)
     print(f"{len(doc['rows'])} rows in {doc['seconds']:.0f}s -> {args.out / 'product_path.md'}")
     return 0
