@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 from ..quality import psnr
 from .config import make_config
 from .product_path import latents_to_rgb, reuse_options, run_product_path, tiny_setup
-from .report import git_commit
+from .report import cpu_name, git_commit
 
 # (label, section, kind) of product_path's rows: the hit and the shipped sources at their natural
 # density, static windows at the hit's density (the pack has no natural density for them)
@@ -127,7 +126,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"the target was not served as a hit, nothing to draw: {results['notes']}")
     request = results["rows"][0]["request"]
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    doc = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "git_commit": git_commit(), "command": "python -m chorus_core.testbed.pictures " + " ".join(argv or sys.argv[1:]),
            "options": args.option, **draw_pictures(finals, request, args.seed, args.frames, args.out)}

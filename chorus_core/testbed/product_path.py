@@ -43,7 +43,6 @@ import argparse
 import datetime
 import json
 import math
-import platform
 import sys
 import tempfile
 import time
@@ -63,7 +62,7 @@ from .workload import generate_request, i2v_conditioning
 from .config import TestbedConfig, config_from_dict, make_config, tokens_of, with_overrides
 from .composition import COMPOSED_KINDS, composition_rows
 from .models import check_model_matches, process_in
-from .report import eval_requests, md_table, spread_picks, static_window_scores
+from .report import cpu_name, eval_requests, md_table, spread_picks, static_window_scores
 from .probe import git_commit
 from .sharpness import SHARPNESS_DENSITY, request_name, summarize_mass
 
@@ -532,7 +531,7 @@ def markdown(doc: dict) -> str:
 
 def write_outputs(results: dict, out: Path, command: str, targets: int, seeds: int, config: TestbedConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    doc = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "git_commit": git_commit(), "command": command, "N": results["N"], "targets": targets, "seeds": seeds, "threshold": results["threshold"],
            "options": results["options"], "seconds": round(results["seconds"], 1), "notes": results["notes"],
