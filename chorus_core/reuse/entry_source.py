@@ -42,7 +42,7 @@ def schedule_shortfall(schedule: Schedule, steps: int, run_sigmas=None) -> Optio
     An entry serves runs sampled at most as finely as it was recorded: measured on the sharp16k
     testbed weights (tests/benchmarks/results/schedule_transfer_sharp16k_cpu.md), a 4-step run
     served from a 20-step entry lost nothing, while a 20-step run served from a 4-step entry lost
-    7.1 dB against its own schedule's entry and 8.3 dB against an online miss: its low-noise
+    6.7 dB against its own schedule's entry and 8.2 dB against an online miss: its low-noise
     steps got masks recorded at high noise. With sigmas on both sides, "as finely" counts the
     entry's recorded steps inside the run's own sigma range (the later stage of a staged run
     covers part of the range); without, it compares step counts.
