@@ -71,14 +71,10 @@ def composition_rows(pp, match, conds, seed: int, dense_final, quality) -> list[
     hit; ``quality(reference, final)``: the product path's measures)."""
     from ..reuse.reuse_run import ReusePatch
 
-    def hit_model():
-        patch = ReusePatch(pp.patcher, match, pp.options, block_size=pp.bs, scheduler="simple")
-        return patch.install(), patch
-
     def sampled_hit(compose):
-        patched, patch = hit_model()
+        patch = ReusePatch(pp.patcher, match, pp.options, block_size=pp.bs, scheduler="simple")
         with easycache_log() as log:
-            final = pp.sample(compose(patched), conds, seed)
+            final = pp.sample(compose(patch.install()), conds, seed)
         if patch.last_report.mode != "hit":
             raise RuntimeError(f"a composed hit ran as a {patch.last_report.mode}: {patch.last_report.warnings}")
         return final, patch.last_report.density, log.skipped

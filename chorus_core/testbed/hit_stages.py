@@ -32,9 +32,9 @@ import torch
 from ..attention.mask_provider import MaskSource, bucket_index
 from ..attention.masks import select_blocks
 from .workload import generate_request, i2v_conditioning
-from .config import make_config, tokens_of
-from .product_path import (RECORD_THRESHOLD, CountMatchedProvider, MassObserver, ProductPath, final_quality,
-                           tiny_setup)
+from .config import tokens_of
+from .product_path import (RECORD_THRESHOLD, CountMatchedProvider, MassObserver, ProductPath, add_model_arguments,
+                           final_quality, load_model)
 from .report import eval_requests
 from .sharpness import request_name
 
@@ -244,24 +244,12 @@ def markdown(doc: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--checkpoint", type=Path)
-    parser.add_argument("--preset", default="sharp16k")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    add_model_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--requests", default="0", help="indices into the report's similar requests, e.g. 0,3")
-    parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args(argv)
-    from ..comfy.comfyui_locator import prepare_in_process
-
-    prepare_in_process(cpu=args.tiny or not torch.cuda.is_available())
     with tempfile.TemporaryDirectory(prefix="chorus-hit-stages-") as tmp:
-        if args.tiny:
-            patcher, config = tiny_setup(Path(tmp))
-        else:
-            import comfy.sd
-
-            config = make_config(args.preset, args.set)
-            patcher = comfy.sd.load_diffusion_model(str(args.checkpoint))
+        patcher, config = load_model(args, Path(tmp))
         docs = [run_stages(patcher, config, Path(tmp) / f"r{i}", args.seed, int(i)) for i in args.requests.split(",")]
     doc = {**docs[0], "rows": [r for d in docs for r in d["rows"]], "entry_id": [d["entry_id"] for d in docs]}
     doc["command"] = "python -m chorus_core.testbed.hit_stages " + " ".join(argv or sys.argv[1:])

@@ -28,8 +28,7 @@ import numpy as np
 import torch
 
 from ..quality import psnr
-from .config import make_config
-from .product_path import latents_to_rgb, reuse_options, run_product_path, tiny_setup
+from .product_path import add_model_arguments, latents_to_rgb, load_model, reuse_options, run_product_path
 from .report import cpu_name, git_commit
 
 # (label, section, kind) of product_path's rows: the hit and the shipped sources at their natural
@@ -97,29 +96,15 @@ def draw_pictures(finals: dict, request: str, seed: int, frames: int, out: Path)
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--checkpoint", type=Path, help="the trained testbed checkpoint (not with --tiny)")
-    parser.add_argument("--preset", default="sharp16k")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    add_model_arguments(parser)
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="a sampler ReuseOption (min_density=0.15 and max_density=0.15 draw density 0.15)")
     parser.add_argument("--frames", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="a random tiny model on the CPU")
     args = parser.parse_args(argv)
-    if not args.tiny and args.checkpoint is None:
-        raise SystemExit("pass --checkpoint FILE (the trained testbed), or --tiny for the CPU smoke run")
-    from ..comfy.comfyui_locator import prepare_in_process
-
-    prepare_in_process(cpu=args.tiny or not torch.cuda.is_available())
     finals: dict = {}
     with tempfile.TemporaryDirectory(prefix="chorus-pictures-") as tmp:
-        if args.tiny:
-            patcher, config = tiny_setup(Path(tmp))
-        else:
-            import comfy.sd
-
-            config = make_config(args.preset, args.set)
-            patcher = comfy.sd.load_diffusion_model(str(args.checkpoint))
+        patcher, config = load_model(args, Path(tmp))
         results = run_product_path(patcher, config, Path(tmp), 1, 1, seed_start=args.seed,
                                    options=reuse_options(args.option), finals=finals)
     if not results["rows"]:

@@ -555,6 +555,29 @@ def tiny_setup(workdir: Path):
     return comfy.sd.load_diffusion_model(str(path)), config
 
 
+def add_model_arguments(parser, tiny_help: str = "a random tiny model on the CPU") -> None:
+    """The testbed harnesses' model arguments: --checkpoint, --preset, --set and --tiny (see load_model)."""
+    parser.add_argument("--checkpoint", type=Path, help="the trained testbed checkpoint (not with --tiny)")
+    parser.add_argument("--preset", default="sharp16k")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--tiny", action="store_true", help=tiny_help)
+
+
+def load_model(args, workdir: Path):
+    """(patcher, config) for add_model_arguments' arguments: ComfyUI prepared in this process, then
+    --tiny's random model, or --checkpoint loaded as UNETLoader does under --preset and --set."""
+    if not args.tiny and args.checkpoint is None:
+        raise SystemExit("pass --checkpoint FILE (the trained testbed), or --tiny for the CPU smoke run")
+    from ..comfy.comfyui_locator import prepare_in_process
+
+    prepare_in_process(cpu=args.tiny or not torch.cuda.is_available())
+    if args.tiny:
+        return tiny_setup(workdir)
+    import comfy.sd
+
+    return comfy.sd.load_diffusion_model(str(args.checkpoint)), make_config(args.preset, args.set)
+
+
 def reuse_options(items: list[str]):
     """The shipped ReuseOptions with ``NAME=VALUE`` items replaced."""
     from ..reuse.reuse_run import ReuseOptions
@@ -565,9 +588,7 @@ def reuse_options(items: list[str]):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--checkpoint", type=Path, help="the trained testbed checkpoint (not with --tiny)")
-    parser.add_argument("--preset", default="sharp16k")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    add_model_arguments(parser, "a random tiny model on the CPU, 2 targets x 2 seeds")
     parser.add_argument("--targets", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--threshold", type=float, default=0.9)
@@ -576,7 +597,6 @@ def main(argv=None) -> int:
     parser.add_argument("--seed-start", type=int, default=0, help="first seed (split seeds over several runs)")
     parser.add_argument("--compose", action="store_true",
                         help="also Guidance Enhance and core's EasyCache on each hit, against their controls")
-    parser.add_argument("--tiny", action="store_true", help="a random tiny model on the CPU, 2 targets x 2 seeds")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
                         help="combine the product_path.json of these earlier runs into --out (no sampling)")
     args = parser.parse_args(argv)
@@ -588,20 +608,9 @@ def main(argv=None) -> int:
         write_outputs(merge_results(docs), args.out, command, targets, seeds, config_from_dict(docs[0]["config"]))
         print(f"merged {len(docs)} runs -> {args.out / 'product_path.md'}")
         return 0
-    if not args.tiny and args.checkpoint is None:
-        raise SystemExit("pass --checkpoint FILE (the trained testbed), or --tiny for the CPU smoke run")
-    from ..comfy.comfyui_locator import prepare_in_process
-
-    prepare_in_process(cpu=args.tiny or not torch.cuda.is_available())
     with tempfile.TemporaryDirectory(prefix="chorus-product-path-") as tmp:
-        if args.tiny:
-            patcher, config = tiny_setup(Path(tmp))
-            targets, seeds = 2, 2
-        else:
-            import comfy.sd
-
-            config = make_config(args.preset, args.set)
-            patcher, targets, seeds = comfy.sd.load_diffusion_model(str(args.checkpoint)), args.targets, args.seeds
+        patcher, config = load_model(args, Path(tmp))
+        targets, seeds = (2, 2) if args.tiny else (args.targets, args.seeds)
         progress = lambda partial: write_outputs(partial, args.out, command, targets, seeds, config)  # noqa: E731
         results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold,
                                    seed_start=args.seed_start, on_progress=progress,
