@@ -329,6 +329,7 @@ def join_checkpoint_parts(folder: Path, out_path: Path) -> Path:
         with safe_open(str(part), framework="pt") as f:
             metadata = metadata or f.metadata()
             state.update({k: f.get_tensor(k) for k in f.keys()})
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out_path), metadata=metadata)
     return Path(out_path)
 

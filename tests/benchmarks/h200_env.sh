@@ -1,0 +1,42 @@
+# Sourced at the start of a device call on the H200 (the `device` tool), from the repo root:
+#   source tests/benchmarks/h200_env.sh; stage1     # ComfyUI + small wheels; stages cu13 part 1
+#   source tests/benchmarks/h200_env.sh; stage2     # next call within ~30 s: FlashAttention-4
+# What each call carries (git-ignored, built here as the README's "GPU benchmarks" section says):
+#   stage1: .whl .carry/comfyui.tar.xz .carry/p1      (p1: cu13.part.aa)
+#   stage2: .whl .carry/comfyui.tar.xz .carry/p2      (p2: cu13.part.ab + the other FA4 wheels)
+# The cutlass-dsl cu13 libraries are split over two calls because together with the tree they
+# exceed one call's 64 MiB; the first part waits in /tmp/chorus-stage between the calls.
+
+STAGE=/tmp/chorus-stage
+export PYTHONUNBUFFERED=1
+
+_install_common() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || return 1
+  if [ ! -f /tmp/cui/main.py ]; then
+    mkdir -p /tmp/cui && tar -xJf .carry/comfyui.tar.xz -C /tmp/cui || return 1
+  fi
+  export COMFYUI_PATH=/tmp/cui
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
+
+stage1() {
+  _install_common || return 1
+  mkdir -p "$STAGE"
+  if [ -f .carry/p1/cu13.part.aa ]; then cp .carry/p1/cu13.part.aa "$STAGE/"; fi
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+}
+
+stage2() {
+  _install_common || return 1
+  local fa=/tmp/fa4site
+  if [ ! -d "$fa/flash_attn" ] && [ ! -d "$fa/flash_attn_4" ]; then
+    [ -f "$STAGE/cu13.part.aa" ] || { echo "stage2: $STAGE/cu13.part.aa missing: run stage1 in the call just before"; return 1; }
+    mkdir -p /tmp/cu13 && cat "$STAGE/cu13.part.aa" .carry/p2/cu13.part.ab | xz -d | tar -x -C /tmp/cu13 || return 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$fa" .carry/p2/*.whl || return 1
+    # the cu13 tree goes over the installed packages; pip --upgrade --target would remove it again
+    cp -a /tmp/cu13/. "$fa/" || return 1
+  fi
+  export PYTHONPATH=$fa:$fa/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  python3 -c "import flash_attn.cute as f; print('FA4', f.__file__)" 2>&1 | tail -1
+}
