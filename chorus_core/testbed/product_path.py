@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 import tempfile
 import time
@@ -60,6 +59,7 @@ from ..reuse.population_prior import keep_frequency
 from ..quality import mass_recall, psnr, ssim
 from .workload import generate_request, i2v_conditioning
 from .config import TestbedConfig, config_from_dict, make_config, tokens_of, with_overrides
+from .comparisons import family_rows, held_out_templates, mean_ci, paired_differences, verdict
 from .composition import COMPOSED_KINDS, composition_rows
 from .models import check_model_matches, process_in
 from .report import cpu_name, eval_requests, md_table, spread_picks, static_window_scores
@@ -101,18 +101,6 @@ def final_quality(dense: torch.Tensor, test: torch.Tensor) -> dict:
     rel = float((a - b).norm() / a.norm().clamp(min=1e-12))
     ra, rb = latents_to_rgb(dense), latents_to_rgb(test)
     return {"rel_rms": rel, "psnr_db": float(psnr(ra, rb, data_range=1.0)[0]), "ssim": float(ssim(ra, rb, data_range=1.0)[0])}
-
-
-def mean_ci(values: list) -> tuple:
-    """Mean and 95 % half-width (normal approximation; 0 for one value) of the finite values."""
-    v = [x for x in values if x is not None and math.isfinite(x)]
-    if not v:
-        return None, None
-    m = sum(v) / len(v)
-    if len(v) < 2:
-        return m, 0.0
-    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
-    return m, 1.96 * sd / math.sqrt(len(v))
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,14 +512,43 @@ def markdown(doc: dict) -> str:
         table = [{"mask_kind": e["mask_kind"], "against": e.get("against"),
                   **{m: _cell(e, m, 2 if m == "psnr_db" else 3) for m in metrics}, "n": e["n"]} for e in entries]
         lines += [f"## {title}", "", md_table(table, first + [(m, m) for m in metrics] + [("n", "n")]), ""]
+    lines += paired_markdown(doc) + family_markdown(doc)
     if doc["notes"]:
         lines += ["## Notes", ""] + [f"- {n}" for n in doc["notes"]] + [""]
     return "\n".join(lines)
 
 
-def write_outputs(results: dict, out: Path, command: str, targets: int, seeds: int, config: TestbedConfig) -> dict:
+def paired_markdown(doc: dict) -> list:
+    entries = paired_differences(doc["rows"])
+    if not entries:
+        return []
+    table = [{**e, "psnr": _cell(e, "psnr_db", 2), "rms": _cell(e, "rel_rms", 3), "verdict": verdict(e)} for e in entries]
+    columns = [("section", "section"), ("A", "a"), ("B", "b"), ("PSNR A - B (dB)", "psnr"),
+               ("rel_rms A - B", "rms"), ("in PSNR, beyond the 95 % interval", "verdict"), ("pairs", "n")]
+    return ["## Paired differences (same request and seed)", "",
+            "Each source ran on the same (request, seed) pairs: the mean of the per-pair differences and its 95 % "
+            "interval separate sources whose unpaired intervals above overlap.", "", md_table(table, columns), ""]
+
+
+def family_markdown(doc: dict) -> list:
+    held_out = held_out_templates(doc["rows"], doc.get("config", {}).get("train_templates", ()))
+    if not held_out:
+        return []
+    table = [{"mask_kind": e["mask_kind"], "trained": _cell(e, "trained_psnr_db", 2), "nt": e["trained_n"],
+              "held": _cell(e, "held_out_psnr_db", 2), "nh": e["held_out_n"]}
+             for e in family_rows(doc["rows"], "matched", MATCHED_KINDS, held_out)]
+    columns = [("mask_kind", "mask_kind"), ("PSNR, trained families (dB)", "trained"), ("n", "nt"),
+               (f"PSNR, held-out {', '.join(held_out)} (dB)", "held"), ("n ", "nh")]
+    return [f"## Held-out workload family (matched density): {', '.join(held_out)}", "",
+            f"The checkpoint never trained on {', '.join(held_out)}, and no design choice looked at it.", "",
+            md_table(table, columns), ""]
+
+
+def write_outputs(results: dict, out: Path, command: str, targets: int, seeds: int, config: TestbedConfig,
+                  machine: str | None = None) -> dict:
+    """product_path.json and .md in ``out``; ``machine`` defaults to this one (a merge names the runs')."""
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name(),
+    doc = {"machine": machine or (torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "git_commit": git_commit(), "command": command, "N": results["N"], "targets": targets, "seeds": seeds, "threshold": results["threshold"],
            "options": results["options"], "seconds": round(results["seconds"], 1), "notes": results["notes"],
@@ -605,7 +622,9 @@ def main(argv=None) -> int:
         docs = [json.loads((d / "product_path.json").read_text()) for d in args.merge]
         seeds = len({r["seed"] for d in docs for r in d["rows"]})
         targets = len({r["request"] for d in docs for r in d["rows"]})
-        write_outputs(merge_results(docs), args.out, command, targets, seeds, config_from_dict(docs[0]["config"]))
+        machines = " + ".join(sorted({d.get("machine", "?") for d in docs}))
+        write_outputs(merge_results(docs), args.out, command, targets, seeds, config_from_dict(docs[0]["config"]),
+                      machine=f"{machines} (runs); merged here")
         print(f"merged {len(docs)} runs -> {args.out / 'product_path.md'}")
         return 0
     with tempfile.TemporaryDirectory(prefix="chorus-product-path-") as tmp:

@@ -146,7 +146,7 @@ def measure(patcher, config, workdir: Path, steps_pair: tuple, targets: int, see
 
 
 def table(rows: list[dict]) -> list[str]:
-    from chorus_core.testbed.product_path import mean_ci
+    from chorus_core.testbed.comparisons import mean_ci
 
     lines = ["| run steps | mode | entry steps | hits | PSNR dB | SSIM | rel RMS | density | n |",
              "|---|---|---|---|---|---|---|---|---|"]
