@@ -19,7 +19,8 @@ import math
 PAIRS = {
     "matched": (("reused_similar_product", "oracle"), ("reused_similar_product", "reused_similar"),
                 ("reused_similar_product", "online"), ("reused_similar_product", "population_prior"),
-                ("reused_similar_product", "reused_dissimilar"), ("oracle", "reused_dissimilar"),
+                ("reused_similar_product", "reused_dissimilar"), ("reused_similar_product", "static"),
+                ("oracle", "reused_dissimilar"),
                 ("oracle", "static")),
     "natural": (("reused_similar_product", "oracle"), ("reused_similar_product", "online"),
                 ("reused_similar_product", "online_no_warmup"), ("reused_similar_product", "population_prior"),
