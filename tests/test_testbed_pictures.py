@@ -61,3 +61,25 @@ def test_the_product_path_refuses_a_preset_that_describes_another_model(comfy_ru
     ProductPath(patcher, config, tmp_path)  # its own preset: accepted
     with pytest.raises(ValueError, match=r"describes 3 layers x 1 heads, the checkpoint has 2 x 1: pass the preset"):
         ProductPath(patcher, replace(config, num_layers=3), tmp_path)
+
+
+@pytest.mark.comfy
+def test_the_product_path_samples_at_the_configs_cfg(comfy_runtime, tmp_path):
+    """sample_cfg reaches ComfyUI's sampler (cond and uncond in one batch above 1), and the oracle's
+    block mass pools the batch as the shipped recorder does."""
+    from dataclasses import replace
+
+    from chorus_core.testbed.product_path import ProductPath, tiny_setup
+    from chorus_core.testbed.report import eval_requests
+    from chorus_core.testbed.workload import generate_request, i2v_conditioning
+
+    patcher, config = tiny_setup(tmp_path, ["sample_cfg=5"])
+    assert config.sample_cfg == 5.0
+    targets, _, _, _ = eval_requests(config, config.long_size)
+    conds = i2v_conditioning(generate_request(targets[0]))
+    final5, mass5 = ProductPath(patcher, config, tmp_path).dense(conds, 0)
+    final1, mass1 = ProductPath(patcher, replace(config, sample_cfg=1.0), tmp_path).dense(conds, 0)
+    assert (final5 - final1).abs().max() > 1e-3  # the negative prompt now counts
+    assert mass5.shape == mass1.shape  # one mass per (step, layer), whatever the batch
+    rows = mass5.sum(-1)  # each query block's mass over the key blocks sums to 1
+    assert torch.allclose(rows, torch.ones_like(rows), atol=1e-3)

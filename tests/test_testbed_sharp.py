@@ -1,7 +1,6 @@
 """The sharp testbed (issue 16) at CPU size: the detailed workload, resumable training, the
 sharpness measure, and the product-path harness end to end in its tiny mode."""
 
-import hashlib
 import json
 from dataclasses import replace
 
@@ -17,18 +16,22 @@ pytestmark = pytest.mark.comfy
 
 
 def test_plain_requests_are_unchanged_by_the_texture_field():
-    """The default family renders exactly what it rendered before ``texture`` existed (the committed
-    checkpoint and the existing reports depend on it): a checksum taken before the change."""
+    """The default family renders what it rendered before ``texture`` existed (the committed
+    checkpoint and the existing reports depend on it), compared with sums taken from c1df879's code
+    (before the change). Not a checksum of the bytes: torch's CPU kernels round differently on
+    different processors (AMD EPYC against Intel Xeon gave other last bits for the same code)."""
     from chorus_core.testbed.workload import I2VRequest, generate_request
 
     t = generate_request(I2VRequest("orbit", 3, 1))
     assert I2VRequest("orbit", 3, 1) == I2VRequest("orbit", 3, 1, texture="plain")
-    digest = hashlib.sha256(t.video.numpy().tobytes() + t.clip_vision.numpy().tobytes() + t.text.numpy().tobytes())
-    assert digest.hexdigest() == PLAIN_ORBIT_3_1_SHA256
+    video = t.video.double()
+    sums = [video.abs().sum(), (video * video).sum(), t.clip_vision.double().abs().sum(), t.text.double().abs().sum()]
+    assert [float(x) for x in sums] == pytest.approx(PLAIN_ORBIT_3_1_SUMS, rel=1e-6)
+    assert t.video.shape == (16, 5, 16, 16)
 
 
-# sha256 of video + clip_vision + text bytes of I2VRequest("orbit", 3, 1), taken at c1df879 (before `texture`)
-PLAIN_ORBIT_3_1_SHA256 = "1863e4cf2b9acb182a306b3bb848b895e27342b8808e034f06c74fac72a851a3"
+# I2VRequest("orbit", 3, 1) at c1df879 (before `texture`): sum |video|, sum video^2, sum |clip_vision|, sum |text|
+PLAIN_ORBIT_3_1_SUMS = [9696.366602778435, 7415.986620950238, 121210.69839985552, 10440.626812016832]
 
 
 def test_detailed_frames_copy_the_start_frame_texture_where_the_template_moves_it():

@@ -80,6 +80,7 @@ class TestbedConfig:
     block_size: int = 128
     sample_steps: int = 10
     sample_shift: float = 8.0      # ComfyUI's WAN21 sampling shift
+    sample_cfg: float = 1.0        # the product path's cfg; above 1 ComfyUI runs cond and uncond in one batch
     step_buckets: tuple = ((0, 1, 2), (3, 4, 5, 6), (7, 8, 9))
     eval_templates: tuple = ()     # () = every template
     eval_layouts: tuple = (0, 1)   # target / similar requests use these (seen) layouts

@@ -5,7 +5,8 @@
     python -m chorus_core.testbed.product_path --tiny --out DIR     # CPU, random tiny model, ~10 s
     python -m chorus_core.testbed.product_path --merge DIR_SEED0 DIR_SEED1 ... --out DIR
 
-Every run goes through ComfyUI's sampler (``comfy.sample.sample``, euler / simple, cfg 1) on a
+Every run goes through ComfyUI's sampler (``comfy.sample.sample``, euler / simple, cfg ``sample_cfg``:
+1 by default, as step-distilled models run; ``--set sample_cfg=5 --set sample_steps=40`` for the base model) on a
 ModelPatcher of the checkpoint, with Chorus's sparse-attention patch. Per held-out target and
 seed, in a fresh SQLite bank:
 
@@ -120,7 +121,8 @@ class MassObserver(ObservedMasks):
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         bm = import_sibling("kernels.block_mass")
-        self.mass[(step, layer)] = bm.block_mass(q, k, None if skip_reshape else heads, self.block_size[0])[0].float().cpu()
+        # mean over the batch (cond and uncond when cfg > 1), as the shipped recorder pools them
+        self.mass[(step, layer)] = bm.block_mass(q, k, None if skip_reshape else heads, self.block_size[0]).mean(0).float().cpu()
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
         return None
@@ -149,7 +151,7 @@ class CountMatchedProvider(MaskSource):
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         if self.scores_of is None:
-            self._online[layer] = block_scores(q, k, None if skip_reshape else heads, self.block_size[0])[0].float()
+            self._online[layer] = block_scores(q, k, None if skip_reshape else heads, self.block_size[0]).mean(0).float()
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
         scores = self._online.pop(layer) if self.scores_of is None else self.scores_of(step, layer)
@@ -207,7 +209,7 @@ class ProductPath:
 
         positive, negative, latent = conds
         noise = comfy.sample.prepare_noise(latent["samples"], seed)
-        return comfy.sample.sample(patched, noise, self.steps, 1.0, "euler", "simple", positive, negative,
+        return comfy.sample.sample(patched, noise, self.steps, self.config.sample_cfg, "euler", "simple", positive, negative,
                                    latent["samples"], seed=seed, disable_pbar=True).float().cpu()
 
     def with_provider(self, provider, conds, seed: int, warmup: int | None = None) -> torch.Tensor:
@@ -493,10 +495,15 @@ def _cell(entry, metric, digits):
     return f"{v:.{digits}f} ± {ci:.{digits}f}" if ci else f"{v:.{digits}f}"
 
 
+def _sampling(doc: dict) -> str:
+    config = doc.get("config", {})
+    return f"{config.get('sample_steps', '?')} euler steps, cfg {config.get('sample_cfg', 1.0)}"
+
+
 def markdown(doc: dict) -> str:
     lines = [f"# Product path on the testbed ({doc['N']:,} tokens)", "", f"Command: `{doc['command']}`", "",
              f"Machine {doc.get('machine', '?')}, {doc.get('date', '?')}, commit {doc.get('git_commit', '?')}.", "",
-             f"{doc['targets']} targets x {doc['seeds']} seeds; sampler options {doc['options']}; "
+             f"{doc['targets']} targets x {doc['seeds']} seeds; {_sampling(doc)}; sampler options {doc['options']}; "
              f"match threshold {doc['threshold']}. Mean ± 95 % CI over requests x seeds.", ""]
     sharp = next((e for e in doc["summary"] if e["mask_kind"] == "sharpness"), None)
     if sharp:
@@ -519,7 +526,7 @@ def markdown(doc: dict) -> str:
 
 
 def paired_markdown(doc: dict) -> list:
-    entries = paired_differences(doc["rows"])
+    entries = paired_differences(doc.get("rows", []))
     if not entries:
         return []
     table = [{**e, "psnr": _cell(e, "psnr_db", 2), "rms": _cell(e, "rel_rms", 3), "verdict": verdict(e)} for e in entries]
@@ -531,7 +538,7 @@ def paired_markdown(doc: dict) -> list:
 
 
 def family_markdown(doc: dict) -> list:
-    held_out = held_out_templates(doc["rows"], doc.get("config", {}).get("train_templates", ()))
+    held_out = held_out_templates(doc.get("rows", []), doc.get("config", {}).get("train_templates", ()))
     if not held_out:
         return []
     table = [{"mask_kind": e["mask_kind"], "trained": _cell(e, "trained_psnr_db", 2), "nt": e["trained_n"],
@@ -559,14 +566,15 @@ def write_outputs(results: dict, out: Path, command: str, targets: int, seeds: i
     return doc
 
 
-def tiny_setup(workdir: Path):
-    """A random-weight tiny_sharp model saved as a diffusion-model file and loaded as UNETLoader does."""
+def tiny_setup(workdir: Path, overrides: list | None = None):
+    """A random-weight tiny_sharp model (``NAME=VALUE`` overrides applied) saved as a diffusion-model
+    file and loaded as UNETLoader does."""
     import comfy.sd
 
     from .models import build_model
     from .train import save_checkpoint
 
-    config = make_config("tiny_sharp")
+    config = make_config("tiny_sharp", overrides)
     torch.manual_seed(0)
     path = save_checkpoint(build_model(config), Path(workdir) / "tiny_sharp.safetensors", config, dtype=torch.float32)
     return comfy.sd.load_diffusion_model(str(path)), config
@@ -589,7 +597,7 @@ def load_model(args, workdir: Path):
 
     prepare_in_process(cpu=args.tiny or not torch.cuda.is_available())
     if args.tiny:
-        return tiny_setup(workdir)
+        return tiny_setup(workdir, args.set)
     import comfy.sd
 
     return comfy.sd.load_diffusion_model(str(args.checkpoint)), make_config(args.preset, args.set)
