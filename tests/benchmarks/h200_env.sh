@@ -6,6 +6,13 @@
 #   stage2: .whl .carry/comfyui.tar.xz .carry/p2      (p2: cu13.part.ab + the other FA4 wheels)
 # The cutlass-dsl cu13 libraries are split over two calls because together with the tree they
 # exceed one call's 64 MiB; the first part waits in /tmp/chorus-stage between the calls.
+# The tree carries the entropy16k checkpoint (32 MB, tests/testbed/entropy16k): a stage1 call that
+# also carries .carry/p1 (40 MB) goes over 64 MiB, so move that folder out of the checkout for
+# that call (mv tests/testbed/entropy16k /tmp/ ... and back after) unless the call needs it.
+# Building the carried files here: git archive of ComfyUI's pinned commit | xz -> .carry/comfyui.tar.xz;
+# pip download (cp312, manylinux) torchsde trampoline sqlite-utils sqlite-fts4 click-default-group -> .whl;
+# the FA4 wheels (README, Kernel backends) -> .carry/p2, except the cu13 libs wheel: unzip it,
+# tar | xz -9, split -b 40M -> .carry/p1/cu13.part.aa and .carry/p2/cu13.part.ab.
 
 STAGE=/tmp/chorus-stage
 export PYTHONUNBUFFERED=1
