@@ -1,7 +1,9 @@
 """The product path's paired comparisons and held-out family split (chorus_core.testbed.comparisons)."""
 
+import pytest
+
 from chorus_core.testbed.comparisons import (family_rows, held_out_templates, mean_ci, paired_differences,
-                                             template_of, verdict)
+                                             t_quantile_975, template_of, verdict)
 from chorus_core.testbed.product_path import markdown
 
 
@@ -62,6 +64,32 @@ def test_markdown_has_paired_and_held_out_sections():
            "notes": [], "rows": _rows(), "config": {"train_templates": ["pan", "zoom"]}}
     text = markdown(doc)
     assert "## Paired differences" in text and "oracle ahead" in text
-    assert "## Held-out workload family (matched density): bounce" in text
+    assert "## Workload families the checkpoint was not trained on (matched density): bounce" in text
     doc["config"]["train_templates"] = ["pan", "bounce"]
-    assert "Held-out workload family" not in markdown(doc)
+    assert "not trained on" not in markdown(doc)
+    del doc["config"]["train_templates"]  # an older result: which families trained is not known
+    assert "not trained on" not in markdown(doc)
+
+
+def test_seeds_of_one_request_count_once():
+    """Seeds of a request are not independent draws of the workload: the interval is over requests."""
+    rows = []
+    for i, gap in enumerate([1.0, 2.0, 3.0]):
+        for seed, jitter in enumerate([-0.01, 0.01]):
+            request = f"pan/s{100 + i}/l0/detailed"
+            rows += [_row("oracle", request, seed, 30.0), _row("static", request, seed, 30.0 - gap + jitter)]
+    entry = next(e for e in paired_differences(rows) if e["b"] == "static")
+    assert (entry["n"], entry["requests"]) == (6, 3)
+    assert entry["psnr_db"] == pytest.approx(2.0)
+    # per-request means 1, 2, 3: sd 1, t(2) = 4.303, half-width 4.303 / sqrt(3)
+    assert entry["psnr_db_ci95"] == pytest.approx(4.303 / 3 ** 0.5, rel=1e-3)
+    assert verdict(entry) == "not separated"  # six runs, but only three requests
+
+
+def test_t_quantiles_and_duplicate_rows():
+    assert t_quantile_975(1) == 12.706 and t_quantile_975(23) == 2.069
+    assert t_quantile_975(60) == pytest.approx(2.000, abs=0.003) and t_quantile_975(10**6) == pytest.approx(1.96, abs=1e-3)
+    assert mean_ci([1.0]) == (1.0, 0.0) and mean_ci([]) == (None, None)
+    rows = _rows()
+    with pytest.raises(ValueError, match="merge each run once"):
+        paired_differences(rows + rows[:1])

@@ -1,14 +1,18 @@
 """The product path's comparisons between mask sources, with intervals that can separate them.
 
 Every source runs on the same (request, seed) pairs, so the question "is the hit worse than the
-oracle?" is best answered by the mean of the per-pair differences and its 95 % interval: the
-requests' own spread (some targets are simply harder) cancels, and two sources whose unpaired
-intervals overlap can still differ beyond doubt. Issue 23's targets are read from these:
+oracle?" is best answered by the per-pair differences: the requests' own spread (some targets are
+simply harder) cancels, and two sources whose unpaired intervals overlap can still differ. The
+seeds of one request are not independent samples of the workload, so each request's differences
+are averaged over its seeds first and the interval is a t interval over requests. Issue 23's
+targets are read from these:
 
 - ``paired_differences``: for each pair (A, B) of one section, mean and 95 % interval of A - B
-  in PSNR (dB) and relative RMS error, over the pairs both were run on;
+  in PSNR (dB) and relative RMS error, over requests (each the mean over its seeds);
 - ``family_rows``: every source's PSNR on the workload families the checkpoint was trained on
-  and, apart, on those it never saw (the held-out family that chose nothing).
+  and, apart, on those it never saw (a held-out family).
+
+Many pairs are read at once, each at 95 %: one in twenty separations can be chance.
 """
 
 from __future__ import annotations
@@ -29,8 +33,18 @@ PAIRS = {
 DIFF_METRICS = ("psnr_db", "rel_rms")
 
 
+# two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile_975(df: int) -> float:
+    """Student's t 97.5 % quantile (beyond 30 degrees of freedom 1.96 + 2.5 / df, within 0.002)."""
+    return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.5 / df
+
+
 def mean_ci(values: list) -> tuple:
-    """Mean and 95 % half-width (normal approximation; 0 for one value) of the finite values."""
+    """Mean and 95 % half-width (t interval; 0 for one value) of the finite values."""
     v = [x for x in values if x is not None and math.isfinite(x)]
     if not v:
         return None, None
@@ -38,11 +52,26 @@ def mean_ci(values: list) -> tuple:
     if len(v) < 2:
         return m, 0.0
     sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
-    return m, 1.96 * sd / math.sqrt(len(v))
+    return m, t_quantile_975(len(v) - 1) * sd / math.sqrt(len(v))
 
 
 def _by_pair(rows: list, section: str, kind: str) -> dict:
-    return {(r["request"], r["seed"]): r for r in rows if r["section"] == section and r["mask_kind"] == kind}
+    out = {}
+    for r in rows:
+        if r["section"] == section and r["mask_kind"] == kind:
+            key = (r["request"], r["seed"])
+            if key in out:
+                raise ValueError(f"two {section} {kind} rows for {key}: merge each run once")
+            out[key] = r
+    return out
+
+
+def _per_request_means(diffs: dict) -> list:
+    """(request, seed) -> difference, as one mean per request over its seeds."""
+    by_request = {}
+    for (request, _), d in diffs.items():
+        by_request.setdefault(request, []).append(d)
+    return [sum(v) / len(v) for v in by_request.values()]
 
 
 def paired_differences(rows: list) -> list:
@@ -54,17 +83,23 @@ def paired_differences(rows: list) -> list:
             common = sorted(set(rows_a) & set(rows_b))
             if not common:
                 continue
-            entry = {"section": section, "a": a, "b": b, "n": len(common)}
+            entry = {"section": section, "a": a, "b": b}
             for metric in DIFF_METRICS:
-                diffs = [rows_a[k][metric] - rows_b[k][metric] for k in common
-                         if rows_a[k].get(metric) is not None and rows_b[k].get(metric) is not None]
-                entry[metric], entry[f"{metric}_ci95"] = mean_ci(diffs)
+                diffs = {k: rows_a[k][metric] - rows_b[k][metric] for k in common
+                         if _finite(rows_a[k].get(metric)) and _finite(rows_b[k].get(metric))}
+                entry[metric], entry[f"{metric}_ci95"] = mean_ci(_per_request_means(diffs))
+                if metric == "psnr_db":
+                    entry["n"], entry["requests"] = len(diffs), len({r for r, _ in diffs})
             out.append(entry)
     return out
 
 
+def _finite(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
 def verdict(entry: dict) -> str:
-    """'A ahead', 'B ahead' (in PSNR, beyond the 95 % interval) or 'not separated'."""
+    """'A ahead' or 'B ahead' when the 95 % interval of A - B in PSNR excludes 0, else 'not separated'."""
     m, ci = entry.get("psnr_db"), entry.get("psnr_db_ci95")
     if m is None:
         return "-"
@@ -81,12 +116,15 @@ def template_of(request_name: str) -> str:
 
 
 def held_out_templates(rows: list, train_templates) -> list:
-    """Families the rows cover that the checkpoint was not trained on."""
+    """Families the rows cover that the checkpoint was not trained on (none when that is not known)."""
+    if not train_templates:
+        return []
     return sorted({template_of(r["request"]) for r in rows} - set(train_templates))
 
 
 def family_rows(rows: list, section: str, kinds, held_out: list) -> list:
-    """Per source: PSNR mean ± 95 % interval on the trained families and on the held-out ones."""
+    """Per source: PSNR mean ± 95 % interval (over requests x seeds) on the trained families and on
+    the held-out ones, with how many requests each side has."""
     out = []
     for kind in kinds:
         group = [r for r in rows if r["section"] == section and r["mask_kind"] == kind]
@@ -97,5 +135,6 @@ def family_rows(rows: list, section: str, kinds, held_out: list) -> list:
                                ("held_out", [r for r in group if template_of(r["request"]) in held_out])):
             m, ci = mean_ci([r["psnr_db"] for r in members])
             entry[f"{label}_psnr_db"], entry[f"{label}_psnr_db_ci95"], entry[f"{label}_n"] = m, ci, len(members)
+            entry[f"{label}_requests"] = len({r["request"] for r in members})
         out.append(entry)
     return out

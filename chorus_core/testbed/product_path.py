@@ -82,6 +82,7 @@ NATURAL_KINDS = ("reused_similar_product", "reused_similar", "oracle", "reused_d
                  "online_no_warmup", "population_prior")
 METRICS = ("density", "recall", "recall_vs_oracle", "rel_rms", "psnr_db", "ssim")
 RECORD_THRESHOLD = 1.0  # recording runs must miss: only an identical request reaches similarity 1
+MERGED_SUFFIX = " (runs); merged here"
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,21 +115,26 @@ class MassObserver(ObservedMasks):
 
     def __init__(self, block_size: int):
         self.block_size = (block_size, block_size)
-        self.mass = {}
+        self.sums, self.counts = {}, {}
 
     def step_bucket(self, step: int) -> int:
         return step
 
     def observe(self, layer, step, cond_or_uncond, q, k, heads, skip_reshape) -> None:
         bm = import_sibling("kernels.block_mass")
-        # mean over the batch (cond and uncond when cfg > 1), as the shipped recorder pools them
-        self.mass[(step, layer)] = bm.block_mass(q, k, None if skip_reshape else heads, self.block_size[0]).mean(0).float().cpu()
+        # Averaged over the batch and over calls: above cfg 1, ComfyUI runs cond and uncond in one
+        # batch or, when memory is short, in two calls; the shipped recorder pools them the same way.
+        mass = bm.block_mass(q, k, None if skip_reshape else heads, self.block_size[0]).float().cpu()
+        key = (step, layer)
+        self.sums[key] = self.sums.get(key, 0) + mass.sum(0)
+        self.counts[key] = self.counts.get(key, 0) + mass.shape[0]
 
     def block_map(self, layer, step, cond_or_uncond, num_heads, seq_len, device):
         return None
 
     def stacked(self, steps: int, layers: int) -> torch.Tensor:
-        return torch.stack([torch.stack([self.mass[(s, l)] for l in range(layers)]) for s in range(steps)])
+        return torch.stack([torch.stack([self.sums[(s, l)] / self.counts[(s, l)] for l in range(layers)])
+                            for s in range(steps)])
 
 
 class CountMatchedProvider(MaskSource):
@@ -445,6 +451,10 @@ def merge_results(docs: list) -> dict:
                                       for i in range(len(sharp[0]["per_layer"]))]}
     if len({d["N"] for d in docs}) != 1 or len({d["threshold"] for d in docs}) != 1:
         raise SystemExit("--merge: the runs differ in N or threshold; merge only runs of one configuration")
+    for field in ("config", "options"):
+        if len({json.dumps(d.get(field), sort_keys=True) for d in docs}) != 1:
+            raise SystemExit(f"--merge: the runs differ in their {field} (preset, --set, steps, cfg or --option); "
+                             "merge only runs of one configuration")
     return {"rows": [r for d in docs for r in d["rows"]], "sharpness": merged_sharp,
             "notes": [n for d in docs for n in d["notes"]], "seconds": sum(d["seconds"] for d in docs),
             "options": docs[0]["options"], "threshold": docs[0]["threshold"], "N": docs[0]["N"]}
@@ -531,24 +541,28 @@ def paired_markdown(doc: dict) -> list:
         return []
     table = [{**e, "psnr": _cell(e, "psnr_db", 2), "rms": _cell(e, "rel_rms", 3), "verdict": verdict(e)} for e in entries]
     columns = [("section", "section"), ("A", "a"), ("B", "b"), ("PSNR A - B (dB)", "psnr"),
-               ("rel_rms A - B", "rms"), ("in PSNR, beyond the 95 % interval", "verdict"), ("pairs", "n")]
+               ("rel_rms A - B", "rms"), ("PSNR interval excludes 0", "verdict"), ("pairs", "n"),
+               ("requests", "requests")]
     return ["## Paired differences (same request and seed)", "",
-            "Each source ran on the same (request, seed) pairs: the mean of the per-pair differences and its 95 % "
-            "interval separate sources whose unpaired intervals above overlap.", "", md_table(table, columns), ""]
+            "Each source ran on the same (request, seed) pairs. A - B per pair, averaged over each request's seeds, "
+            "then mean and 95 % t interval over requests: sources whose unpaired intervals above overlap can still "
+            "differ. Each row is its own 95 % statement; of many rows, one in twenty can be chance.", "",
+            md_table(table, columns), ""]
 
 
 def family_markdown(doc: dict) -> list:
     held_out = held_out_templates(doc.get("rows", []), doc.get("config", {}).get("train_templates", ()))
     if not held_out:
         return []
-    table = [{"mask_kind": e["mask_kind"], "trained": _cell(e, "trained_psnr_db", 2), "nt": e["trained_n"],
-              "held": _cell(e, "held_out_psnr_db", 2), "nh": e["held_out_n"]}
+    table = [{"mask_kind": e["mask_kind"], "trained": _cell(e, "trained_psnr_db", 2),
+              "trained_runs": f"{e['trained_n']} / {e['trained_requests']}",
+              "held": _cell(e, "held_out_psnr_db", 2), "held_runs": f"{e['held_out_n']} / {e['held_out_requests']}"}
              for e in family_rows(doc["rows"], "matched", MATCHED_KINDS, held_out)]
-    columns = [("mask_kind", "mask_kind"), ("PSNR, trained families (dB)", "trained"), ("n", "nt"),
-               (f"PSNR, held-out {', '.join(held_out)} (dB)", "held"), ("n ", "nh")]
-    return [f"## Held-out workload family (matched density): {', '.join(held_out)}", "",
-            f"The checkpoint never trained on {', '.join(held_out)}, and no design choice looked at it.", "",
-            md_table(table, columns), ""]
+    families = ", ".join(held_out)
+    columns = [("mask_kind", "mask_kind"), ("PSNR, trained families (dB)", "trained"), ("runs / requests", "trained_runs"),
+               (f"PSNR, held-out {families} (dB)", "held"), (f"runs / requests, {families}", "held_runs")]
+    return [f"## Workload families the checkpoint was not trained on (matched density): {families}", "",
+            "Mean ± 95 % t interval over requests x seeds.", "", md_table(table, columns), ""]
 
 
 def write_outputs(results: dict, out: Path, command: str, targets: int, seeds: int, config: TestbedConfig,
@@ -630,9 +644,9 @@ def main(argv=None) -> int:
         docs = [json.loads((d / "product_path.json").read_text()) for d in args.merge]
         seeds = len({r["seed"] for d in docs for r in d["rows"]})
         targets = len({r["request"] for d in docs for r in d["rows"]})
-        machines = " + ".join(sorted({d.get("machine", "?") for d in docs}))
+        machines = " + ".join(sorted({d.get("machine", "?").removesuffix(MERGED_SUFFIX) for d in docs}))
         write_outputs(merge_results(docs), args.out, command, targets, seeds, config_from_dict(docs[0]["config"]),
-                      machine=f"{machines} (runs); merged here")
+                      machine=machines + MERGED_SUFFIX)
         print(f"merged {len(docs)} runs -> {args.out / 'product_path.md'}")
         return 0
     with tempfile.TemporaryDirectory(prefix="chorus-product-path-") as tmp:

@@ -253,7 +253,6 @@ class Report:
         noise = noise_for(run["request"], run["index"], self.config.seed_report, self.device).expand(e_count, -1, -1, -1, -1)
         hook = self.hook()
         state = {"step": 0}
-        nb = None
 
         def block_map_for(layer, q, k, heads):
             step = state["step"]

@@ -37,13 +37,19 @@ stage1() {
 stage2() {
   _install_common || return 1
   local fa=/tmp/fa4site
-  if [ ! -d "$fa/flash_attn" ] && [ ! -d "$fa/flash_attn_4" ]; then
-    [ -f "$STAGE/cu13.part.aa" ] || { echo "stage2: $STAGE/cu13.part.aa missing: run stage1 in the call just before"; return 1; }
-    mkdir -p /tmp/cu13 && cat "$STAGE/cu13.part.aa" .carry/p2/cu13.part.ab | xz -d | tar -x -C /tmp/cu13 || return 1
+  # the marker is written last: a stage2 that failed part-way is done again, not skipped
+  if [ ! -f "$fa/.chorus-complete" ]; then
+    local part
+    for part in "$STAGE/cu13.part.aa" .carry/p2/cu13.part.ab; do
+      [ -f "$part" ] || { echo "stage2: $part missing (stage1 must run in the call just before)"; return 1; }
+    done
+    rm -rf "$fa" /tmp/cu13 && mkdir -p /tmp/cu13 || return 1
+    cat "$STAGE/cu13.part.aa" .carry/p2/cu13.part.ab | xz -d | tar -x -C /tmp/cu13
+    [ "${PIPESTATUS[*]}" = "0 0 0" ] || { echo "stage2: unpacking the cu13 libraries failed"; return 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$fa" .carry/p2/*.whl || return 1
     # the cu13 tree goes over the installed packages; pip --upgrade --target would remove it again
-    cp -a /tmp/cu13/. "$fa/" || return 1
+    cp -a /tmp/cu13/. "$fa/" && touch "$fa/.chorus-complete" || return 1
   fi
   export PYTHONPATH=$fa:$fa/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
-  python3 -c "import flash_attn.cute as f; print('FA4', f.__file__)" 2>&1 | tail -1
+  python3 -c "import flash_attn.cute.interface as f; print('FA4', f.__file__)" || { echo "stage2: FA4 does not import"; return 1; }
 }
