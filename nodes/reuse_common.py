@@ -65,10 +65,10 @@ def reuse_option_inputs() -> list:
         MatchType.Input("match", optional=True, tooltip="From Chorus Similarity Match. Without it every run is a miss and nothing is recorded."),
         io.Int.Input("dense_warmup_steps", default=1, min=0, max=10000, tooltip="First steps of a miss run dense attention (the web view's kept density leaves them out). A hit uses hit_warmup_steps instead."),
         io.String.Input("dense_layers", default="", tooltip="Comma-separated block indices that always run dense, e.g. '0, 39'."),
-        io.Combo.Input("miss_mode", options=["online", "prior", "dense"], default="online",
-                       tooltip="On a miss: predict masks from pooled q/k each step; or use the bank's population "
-                               "prior (blocks most often kept by compatible entries, no prediction cost; online "
-                               "when the bank has none); or run dense."),
+        io.Combo.Input("miss_mode", options=["online", "prior", "dense"], default="prior",
+                       tooltip="On a miss: use the bank's population prior (blocks most often kept by compatible "
+                               "entries, no prediction cost; online when the bank has none); or predict masks from "
+                               "pooled q/k each step; or run dense."),
         io.Float.Input("top_p", default=0.9, min=0.5, max=1.0, step=0.01, tooltip="Attention mass each query block keeps (online prediction and recording)."),
         io.Float.Input("min_density", default=0.05, min=0.01, max=1.0, step=0.01, tooltip="Least share of key blocks kept per query block (0.01 to 1, not above max_density)."),
         io.Float.Input("max_density", default=0.5, min=0.01, max=1.0, step=0.01, tooltip="Most share of key blocks kept per query block (0.01 to 1, not below min_density)."),

@@ -61,7 +61,7 @@ def wan21_i2v_chorus(resolution: str) -> dict:
             "model": ["1", 0], "positive": ["9", 0], "negative": ["9", 1], "latent_image": ["9", 2],
             "match": ["11", 0], "seed": 42, "steps": 40, "cfg": 5.0, "sampler_name": "uni_pc",
             "scheduler": "simple", "denoise": 1.0, "dense_warmup_steps": 1, "dense_layers": "",
-            "miss_mode": "online", "top_p": 0.9, "min_density": 0.05, "max_density": 0.5,
+            "miss_mode": "prior", "top_p": 0.9, "min_density": 0.05, "max_density": 0.5,
             "record_on_miss": True, "tag": "my_effect_template", "dense_attention": "auto"}},
         "13": {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["8", 0]}},
         "14": {"class_type": "CreateVideo", "inputs": {"images": ["13", 0], "fps": 16.0}},
@@ -148,7 +148,7 @@ def testbed_check_install() -> dict:
         "3": {"class_type": "ChorusSparseWanSampler", "inputs": {
             "model": ["1", 0], "positive": ["2", 0], "negative": ["2", 1], "latent_image": ["2", 2],
             "match": ["6", 0], "seed": 0, "steps": 8, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple",
-            "denoise": 1.0, "dense_warmup_steps": 1, "dense_layers": "", "miss_mode": "online", "top_p": 0.9,
+            "denoise": 1.0, "dense_warmup_steps": 1, "dense_layers": "", "miss_mode": "prior", "top_p": 0.9,
             "min_density": 0.1, "max_density": 0.6, "record_on_miss": True, "tag": "pan", "dense_attention": "auto"}},
         "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "chorus_testbed"}},
         "5": {"class_type": "ChorusMaskBankLoader", "inputs": {

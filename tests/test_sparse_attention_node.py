@@ -105,6 +105,25 @@ def test_the_node_shares_the_samplers_reuse_inputs(pack):
     assert node.validate_inputs(0.1, 0.6) is True
 
 
+def test_a_miss_uses_the_population_prior_by_default(pack):
+    """The default chosen from the testbed tables (README, "Defaults"): the nodes, the options and
+    the example workflows agree."""
+    import json
+    from pathlib import Path
+
+    from chorus_core.reuse.reuse_run import ReuseOptions
+
+    node = sys.modules[pack[1].__name__.replace("sampler_nodes", "sparse_attention_node")].ChorusSparseAttention
+    for schema in (pack[1].ChorusSparseWanSampler.define_schema(), node.define_schema()):
+        miss_mode = next(i for i in schema.inputs if i.id == "miss_mode")
+        assert miss_mode.default == "prior" and set(miss_mode.options) == {"online", "prior", "dense"}
+    assert ReuseOptions().miss_mode == "prior"
+    api_files = sorted((Path(__file__).resolve().parent.parent / "example_workflows" / "api").glob("*_api.json"))
+    modes = {n["inputs"]["miss_mode"] for f in api_files for n in json.loads(f.read_text()).values()
+             if "miss_mode" in n.get("inputs", {})}
+    assert api_files and modes == {"prior"}
+
+
 def ksampler_advanced(patched, outputs, seed, start, end, add_noise, keep_noise):
     import nodes as comfy_nodes
 

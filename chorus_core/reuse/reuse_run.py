@@ -39,7 +39,9 @@ class ReuseOptions:
 
     dense_warmup_steps: int = 1
     dense_layers: tuple[int, ...] = ()
-    miss_mode: str = "online"
+    # the bank's population prior beat online prediction on every testbed table (README, "Defaults")
+    # and costs one decode instead of a prediction per step; online when the bank has no prior
+    miss_mode: str = "prior"
     top_p: float = 0.9
     min_density: float = 0.05
     max_density: float = 0.5
