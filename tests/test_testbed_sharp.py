@@ -180,6 +180,11 @@ def test_measure_sharpness_runs_on_a_checkpoint(comfy_runtime, tmp_path):
     assert len(result["per_step"]) == config.sample_steps and len(result["per_request"]) == 2
     keep = round(0.15 * 12) / 12  # 12 blocks of 32: uniform attention would keep 2 / 12
     assert keep - 1e-4 <= result["mean"] <= 1.0
+    masses = [result["mass_at_density"][str(d)] for d in (0.05, 0.1, 0.15, 0.25)]
+    assert masses == sorted(masses) and masses[2] == pytest.approx(result["mean"], abs=1e-4)  # more blocks, more mass
+    chosen = [result["top_p_density"][str(p)] for p in (0.8, 0.9, 0.95)]
+    assert [c["unclamped"] for c in chosen] == sorted(c["unclamped"] for c in chosen)  # higher top-p, more blocks
+    assert all(1 / 12 - 1e-6 <= c["shipped_bounds"] <= 0.5 + 1 / 12 + 1e-6 for c in chosen)  # clamps (+ the diagonal)
 
     torch.manual_seed(0)
     checkpoint = save_checkpoint(build_model(config), tmp_path / "tiny.safetensors", config)

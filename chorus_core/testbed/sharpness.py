@@ -46,6 +46,28 @@ def summarize_mass(step_layer_mass: torch.Tensor, density: float, seq_len: int, 
             "per_step": [round(float(v), 4) for v in kept.mean((1, 2))]}
 
 
+PROFILE_DENSITIES = (0.05, 0.10, 0.15, 0.25)
+PROFILE_TOP_PS = (0.8, 0.9, 0.95)
+SHIPPED_DENSITY_BOUNDS = (0.05, 0.5)  # ReuseOptions' min_density / max_density
+
+
+def density_profile(step_layer_mass: torch.Tensor, seq_len: int, block_size: int) -> dict:
+    """What the defaults see in a dense run's block mass ``[S, L, H, nb, nb]``: the oracle's kept
+    mass at several densities, and the density top-p selection (the recorder's and online
+    prediction's rule) keeps at several ``top_p``, without clamps and within the shipped ones."""
+    from ..attention.masks import select_blocks
+
+    profile = {"mass_at_density": {str(d): round(float(oracle_mass(step_layer_mass, d, seq_len, block_size).mean()), 4)
+                                   for d in PROFILE_DENSITIES},
+               "top_p_density": {}}
+    lo, hi = SHIPPED_DENSITY_BOUNDS
+    for top_p in PROFILE_TOP_PS:
+        free = select_blocks(step_layer_mass, top_p).float().mean()
+        clamped = select_blocks(step_layer_mass, top_p, lo, hi).float().mean()
+        profile["top_p_density"][str(top_p)] = {"unclamped": round(float(free), 4), "shipped_bounds": round(float(clamped), 4)}
+    return profile
+
+
 def measure_sharpness(model, config, device: str = "cpu", requests=None, density: float = SHARPNESS_DENSITY,
                       log=print) -> dict:
     """Sharpness of any checkpoint: dense sampling runs of ``requests`` (default: the report's targets
@@ -70,7 +92,8 @@ def measure_sharpness(model, config, device: str = "cpu", requests=None, density
     overall = summarize_mass(torch.cat(masses), density, seq_len, config.block_size)  # requests x steps as steps
     overall["per_step"] = [round(sum(r["per_step"][s] for r in per_request) / len(per_request), 4)
                            for s in range(len(per_request[0]["per_step"]))]
-    overall.update({"N": seq_len, "per_request": per_request})
+    overall.update({"N": seq_len, "per_request": per_request,
+                    **density_profile(torch.cat(masses), seq_len, config.block_size)})
     return overall
 
 
@@ -102,6 +125,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sharpness.json").write_text(json.dumps({"checkpoint": str(args.checkpoint), **result}, indent=1))
     print(f"oracle mass at {result['density']}: {result['mean']:.3f} (per layer {result['per_layer']}) at N={result['N']}")
+    print(f"oracle mass by density {result['mass_at_density']}; density top-p selects {result['top_p_density']}")
     return 0
 
 
