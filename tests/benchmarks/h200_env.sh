@@ -1,7 +1,7 @@
 # Sourced at the start of a device call on the H200 (the `device` tool), from the repo root:
 #   source tests/benchmarks/h200_env.sh; stage1     # ComfyUI + small wheels; stages cu13 part 1
 #   source tests/benchmarks/h200_env.sh; stage2     # next call within ~30 s: FlashAttention-4
-# What each call carries (git-ignored, built here as the README's "GPU benchmarks" section says):
+# What each call carries (git-ignored; how to build it: the end of this header):
 #   stage1: .whl .carry/comfyui.tar.xz .carry/p1      (p1: cu13.part.aa)
 #   stage2: .whl .carry/comfyui.tar.xz .carry/p2      (p2: cu13.part.ab + the other FA4 wheels)
 # The cutlass-dsl cu13 libraries are split over two calls because together with the tree they
