@@ -191,6 +191,7 @@ def test_measure_sharpness_runs_on_a_checkpoint(comfy_runtime, tmp_path):
     assert main(["--checkpoint", str(checkpoint), "--out", str(tmp_path), "--preset", "tiny_sharp", "--requests", "2",
                  "--device", "cpu"]) == 0
     written = json.loads((tmp_path / "sharpness.json").read_text())
+    assert {"machine", "date", "git_commit", "command"} <= set(written) and "--requests 2" in written["command"]
     assert written["N"] == 384 and [r["request"] for r in written["per_request"]] == \
         ["pan/s100/l0/detailed", "zoom/s103/l1/detailed"]
 

@@ -11,6 +11,7 @@ more than the density itself (uniform attention keeps exactly ``round(density * 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 
 from .._siblings import import_sibling
 from ..quality import mass_recall
-from .report import top_blocks
+from .report import cpu_name, git_commit, top_blocks
 
 SHARPNESS_DENSITY = 0.15
 
@@ -123,7 +124,10 @@ def main(argv=None) -> int:
     requests = [targets[i] for i in spread_picks(len(targets), min(args.requests, len(targets)))]
     result = measure_sharpness(load_checkpoint(args.checkpoint, config, args.device), config, args.device, requests)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sharpness.json").write_text(json.dumps({"checkpoint": str(args.checkpoint), **result}, indent=1))
+    run = {"machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "git_commit": git_commit(), "command": "python -m chorus_core.testbed.sharpness " + " ".join(argv or sys.argv[1:])}
+    (args.out / "sharpness.json").write_text(json.dumps({**run, "checkpoint": str(args.checkpoint), **result}, indent=1))
     print(f"oracle mass at {result['density']}: {result['mean']:.3f} (per layer {result['per_layer']}) at N={result['N']}")
     print(f"oracle mass by density {result['mass_at_density']}; density top-p selects {result['top_p_density']}")
     return 0
