@@ -89,7 +89,7 @@ def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
     from chorus_core.testbed.config import make_config
     from chorus_core.testbed.train import STATE_NAME, load_state, main, train
 
-    config = replace(make_config("tiny_sharp"), log_every=1, max_steps=6, expected_steps=6, warmup_steps=2)
+    config = replace(make_config("tiny_sharp"), log_every=1, max_steps=6, expected_steps=6, warmup_steps=2, val_every=3)
     quiet = lambda *_: None  # noqa: E731
     one = train(config, "cpu", log=quiet)
     first = train(config, "cpu", log=quiet, stop_after_steps=3)
@@ -102,6 +102,9 @@ def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
     assert second["steps"] == 6
     assert [h["loss"] for h in second["log"]] == [h["loss"] for h in one["log"]]
     assert [h["step"] for h in second["log"]] == [1, 2, 3, 4, 5, 6]
+    # the held-out loss draws no random numbers: measuring it leaves the resume exact, and it is logged
+    assert [v["step"] for v in one["val_log"]] == [3, 6] and second["val_log"] == one["val_log"]
+    assert all(0 < v["val_loss"] < 10 for v in one["val_log"])
     for (name, a), b in zip(one["model"].state_dict().items(), second["model"].state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -133,6 +136,7 @@ def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
                  "--set", "log_every=1"]) == 0
     again = json.loads((tmp_path / "again" / "train_config.json").read_text())
     assert again["steps"] == 8 and [h["step"] for h in again["log"]] == list(range(1, 9))
+    assert again["val_log"] == []  # tiny_sharp measures no held-out loss unless asked
     assert [(c["start_step"], c["end_step"]) for c in again["chunks"]][-1] == (6, 8)
     with pytest.raises(SystemExit, match="no such training state"):
         main(["--resume", str(tmp_path / "nope.pt"), "--out", str(out), "--device", "cpu"])
@@ -164,6 +168,29 @@ def test_oracle_mass_of_hand_made_attention(comfy_runtime):
     assert summary["per_layer"] == [0.15, 0.15, 1.0]
     assert summary["mean"] == pytest.approx((0.15 * 2 + 1.0) / 3)
     assert summary["per_step"] == [pytest.approx(0.4333, abs=1e-4)] * 2
+
+
+def test_the_held_out_loss_uses_unseen_subjects_and_fixed_noise(comfy_runtime):
+    from chorus_core.testbed.config import make_config
+    from chorus_core.testbed.models import build_model
+    from chorus_core.testbed.train import training_requests
+    from chorus_core.testbed.validation import ValidationSet, validation_requests
+
+    config = make_config("tiny_sharp")
+    held = validation_requests(config, config.long_size)
+    seen = {r.subject for r in training_requests(config, config.long_size)}
+    assert held and not {r.subject for r in held} & seen
+    assert {r.template for r in held} == set(config.train_templates)
+    model = build_model(config).eval()
+    a, b = ValidationSet(config, "cpu"), ValidationSet(config, "cpu")
+    state = torch.get_rng_state()
+    first = a.loss(model, {}, autocast=False)
+    assert torch.equal(torch.get_rng_state(), state)  # no random numbers drawn
+    assert first == a.loss(model, {}, autocast=False) == b.loss(model, {}, autocast=False) and first > 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    assert a.loss(model, {}, autocast=False) != first  # it measures the model
 
 
 def test_measure_sharpness_runs_on_a_checkpoint(comfy_runtime, tmp_path):

@@ -75,6 +75,7 @@ class TestbedConfig:
     train_layouts: int = 8         # layouts 0 .. n-1
     data_workers: int = 8
     log_every: int = 25
+    val_every: int = 0             # held-out loss every this many steps and at each chunk's end (0 = off)
 
     # report
     block_size: int = 128
@@ -303,7 +304,7 @@ def entropy16k_config() -> TestbedConfig:
     """The concentrated testbed (issue 23, probe h): ``probe_shift05_entropy`` trained without the
     ``bounce`` family, which stays held out for the quality table. Its attention is concentrated by
     the entropy penalty, not by the workload alone: the README's quality section says so."""
-    return replace(probe_shift05_entropy_config(), train_templates=("pan", "zoom", "orbit", "fade"))
+    return replace(probe_shift05_entropy_config(), train_templates=("pan", "zoom", "orbit", "fade"), val_every=500)
 
 
 def tiny_probe_heads_config() -> TestbedConfig:

@@ -29,6 +29,7 @@ from .workload import I2VRequest
 from .config import PRESETS, TestbedConfig, config_from_dict, config_with_overrides, make_config, size_name, tokens_of
 from .attention_entropy import with_entropy_penalty
 from .models import SDPAAttention, build_model, flow_loss, is_qk_gain, make_batch
+from .validation import ValidationSet
 
 CHECKPOINT_NAME = "chorus_testbed_wan21_i2v.safetensors"
 
@@ -134,15 +135,16 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
         if name == "long" and config.long_share <= 0:
             continue
         pools[name] = make_batch(training_requests(config, size), workers=config.data_workers).to(device)
+    validation = ValidationSet(config, device, config.data_workers) if config.val_every > 0 else None
     data_s = time.time() - t0
     log(f"data: {', '.join(f'{k} {len(v)} x {tuple(v.x0.shape[1:])}' for k, v in pools.items())} in {data_s:.1f}s")
 
     model = model if model is not None else build_model(config)
     model.to(device).train()
     opt = _optimizer(model, config)
-    history, step, trained_s, chunks = [], 0, 0.0, []
+    history, step, trained_s, chunks, val_log = [], 0, 0.0, [], []
     if resume is not None:
-        chunks = list(resume.get("chunks", []))
+        chunks, val_log = list(resume.get("chunks", [])), list(resume.get("val_log", []))
         model.load_state_dict(resume["model"])
         step, history, trained_s = resume["step"], list(resume["log"]), resume.get("train_seconds", 0.0)
         if resume.get("optimizer") is not None:  # an exact resume
@@ -193,6 +195,10 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
             log(f"step {step:5d} {which:5s} loss {value:.4f} grad {float(grad_norm):.3f} t {time.time() - start - paused:.0f}s")
         if on_checkpoint is not None and checkpoint_every > 0 and step % checkpoint_every == 0:
             paused += _paused_call(on_checkpoint, step, model, device)
+        if validation is not None and step % config.val_every == 0:
+            paused += _paused_call(_validate(validation, val_log, check["options"], autocast, log), step, model, device)
+    if validation is not None and (not val_log or val_log[-1]["step"] != step):
+        paused += _paused_call(_validate(validation, val_log, check["options"], autocast, log), step, model, device)
     if device != "cpu":
         torch.cuda.synchronize()
     model.eval()
@@ -201,12 +207,21 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
     state = {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
              "optimizer": opt.state_dict(), "step": step, "log": history, "train_seconds": trained_s + seconds,
              "rng": {"python": rng.getstate(), "generator": gen.get_state(), "torch": torch.get_rng_state()},
-             "attention": attention, "config": asdict(config),
+             "attention": attention, "config": asdict(config), "val_log": val_log,
              "chunks": chunks + [{"start_step": first_step, "end_step": step, "seconds": round(seconds, 1),
                                   "data_seconds": round(data_s, 1)}]}
     return {"model": model, "log": history, "steps": step, "seconds": seconds, "data_seconds": data_s,
             "attention": {"choice": check["choice"], "cosines": check["cosines"], "autocast_bf16": autocast},
-            "state": state, "total_train_seconds": trained_s + seconds}
+            "state": state, "total_train_seconds": trained_s + seconds, "val_log": val_log}
+
+
+def _validate(validation: ValidationSet, val_log: list, options: dict, autocast: bool, log):
+    """An on_checkpoint callback: the held-out loss at this step, appended to ``val_log``."""
+    def measure(step: int, model) -> None:
+        value = validation.loss(model, options, autocast)
+        val_log.append({"step": step, "val_loss": round(value, 6)})
+        log(f"step {step:5d} held-out loss {value:.4f} ({len(validation)} clips of unseen subjects)")
+    return measure
 
 
 def _paused_call(on_checkpoint, step: int, model, device: str) -> float:
@@ -258,6 +273,7 @@ def init_state_from_weights(folder: Path) -> dict:
     attention = info.get("training_attention") or {}
     return {"model": {k: v.float() for k, v in load_file(str(single)).items()}, "optimizer": None,
             "step": info["steps"], "log": info["log"], "train_seconds": info.get("total_train_seconds", 0.0),
+            "val_log": info.get("val_log", []),
             "chunks": info.get("chunks", []), "config": info["config"],
             "attention": {"choice": attention.get("choice", "sdpa_flash_efficient_bf16"),
                           "cosines": attention.get("cosines", {}), "autocast": attention.get("autocast_bf16", True)}}
@@ -350,7 +366,7 @@ def smoothed(values, window=10):
     return out
 
 
-def plot_loss(history: list, path: Path) -> bool:
+def plot_loss(history: list, path: Path, val_log: list = ()) -> bool:
     try:
         import matplotlib
 
@@ -364,6 +380,9 @@ def plot_loss(history: list, path: Path) -> bool:
         if rows:
             ax.plot([h["step"] for h in rows], [h["loss"] for h in rows], ".", alpha=0.3, label=f"{size} (raw)")
             ax.plot([h["step"] for h in rows], smoothed([h["loss"] for h in rows]), "-", label=f"{size} (mean of 10)")
+    if val_log:
+        ax.plot([v["step"] for v in val_log], [v["val_loss"] for v in val_log], "o-", color="black",
+                label="held-out subjects (long)")
     ax.set_xlabel("step")
     ax.set_ylabel("flow-matching loss (velocity MSE)")
     ax.set_yscale("log")
@@ -390,9 +409,10 @@ def write_outputs(result: dict, config: TestbedConfig, out: Path, device: str, c
                                "name": size_name(config.long_size)}},
             "objective": "flow matching: x_t = (1-t) x0 + t noise, t = shift*u/(1+(shift-1)*u), u~U(0,1); "
                          "target noise - x0; timestep 1000 t; inputs [x_t, 1-concat_mask (4), process_in(concat latent) (16)]",
-            "chunks": (result.get("state") or {}).get("chunks", []), "log": result["log"]}
+            "chunks": (result.get("state") or {}).get("chunks", []), "log": result["log"],
+            "val_log": result.get("val_log", [])}
     (out / "train_config.json").write_text(json.dumps(info, indent=1))
-    plot_loss(result["log"], out / "loss_curve.png")
+    plot_loss(result["log"], out / "loss_curve.png", info["val_log"])
     if parts_out is not None:  # what comes back from the device: parts, config, curve (the state stays there)
         save_checkpoint_parts(result["model"], parts_out, config)
         for name in ("train_config.json", "loss_curve.png"):
