@@ -531,3 +531,27 @@ def test_negative_dense_step_counts_are_refused(name):
 
     with pytest.raises(ValueError, match=f"{name} must be 0 or more"):
         ReuseOptions(**{name: -1})
+
+
+def test_a_waiting_request_is_released_before_the_prior_refresh():
+    """The entry's write sets ``done`` (what wait_for_similar waits for); the prior's refresh runs
+    after it, and flush waits for both."""
+    import threading
+
+    from chorus_core.reuse import bank_writer
+
+    writer = bank_writer.BankWriter()
+    release, order = threading.Event(), []
+    item = bank_writer.PendingWrite("bank", "cd" * 16, "x", None, write=lambda: order.append("entry"),
+                                    after=lambda: (release.wait(30), order.append("prior")))
+    assert writer.submit(item)
+    assert item.done.wait(30) and order == ["entry"]  # released while the refresh is still running
+    assert not item.settled.is_set() and writer.pending() == []
+    assert writer.flush(timeout=0.2) is False  # the refresh is not finished
+    release.set()
+    assert writer.flush(timeout=30) and item.settled.is_set() and order == ["entry", "prior"]
+
+    failing = bank_writer.PendingWrite("bank", "ef" * 16, "x", None, write=lambda: 1 / 0,
+                                       after=lambda: order.append("never"))
+    assert writer.submit(failing) and writer.flush(timeout=30)
+    assert failing.error.startswith("ZeroDivisionError") and "never" not in order  # no refresh without an entry

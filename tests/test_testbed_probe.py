@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from workload_sums import request_sums
+from workload_sums import assert_renders
 
 pytestmark = pytest.mark.comfy
 
@@ -132,8 +132,8 @@ def test_detailed_requests_are_unchanged_by_the_multi_family():
 
     t = generate_request(I2VRequest("zoom", 5, 1, frames=5, height=32, width=32, texture="detailed"))
     # request_sums from e36bdc7's code (see workload_sums for why not a checksum)
-    expected = [58694.505121182185, 68613.85013348755, 140185.96545619826, 10422.79644576734, 5914.144136468292]
-    assert request_sums(t) == pytest.approx(expected, rel=1e-6)
+    assert_renders(t, [58694.505121182185, 68613.85013348755, 140185.96545619826, 10422.79644576734, 5914.144136468292,
+                       84.83563568624896, 69.2343419846454, -378.1551804357706, -17.595345999060875])
 
 
 def test_multi_objects_move_differently_and_hide_behind_the_bar():

@@ -1,8 +1,9 @@
 """Recorded masks go into the bank on a background thread, so a miss never holds the queue.
 
 After a recording miss the prompt's thread only hands the recorded masks (packed bits on the
-host) to :func:`submit` and returns; one writer thread per process encodes them, adds the entry
-and refreshes that key's population prior. The queue is bounded: when it is full the new
+host) to :func:`submit` and returns; one writer thread per process encodes them and adds the
+entry, then (``after``) refreshes that key's population prior; a request waiting for the entry
+is released when the entry is in, not after the refresh. The queue is bounded: when it is full the new
 recording is dropped with a warning rather than delaying the next prompt. Crash safety comes
 from the bank itself: a process that dies before a write finishes loses that entry and never
 leaves half of it (the blob is renamed into place before its row commits).
@@ -39,7 +40,9 @@ class PendingWrite:
     compat: str
     signature: object  # chorus_core.bank.Signature
     write: Optional[Callable[[], None]]  # does the work, raises on failure; dropped when done (it holds the masks)
-    done: threading.Event = field(default_factory=threading.Event)
+    after: Optional[Callable[[], None]] = None  # follow-up work no request waits for (the prior's refresh)
+    done: threading.Event = field(default_factory=threading.Event)  # the entry is in the bank (or failed)
+    settled: threading.Event = field(default_factory=threading.Event)  # ``after`` has run too
     error: Optional[str] = None
     submitted: float = field(default_factory=time.perf_counter)
     seconds: Optional[float] = None
@@ -51,6 +54,7 @@ class BankWriter:
     def __init__(self, size: int = QUEUE_SIZE):
         self._queue: "queue.Queue[PendingWrite]" = queue.Queue(maxsize=size)
         self._pending: dict[str, PendingWrite] = {}
+        self._unsettled: dict[str, PendingWrite] = {}  # submitted, ``after`` not yet run
         self._finished: "collections.OrderedDict[str, PendingWrite]" = collections.OrderedDict()
         self._lock = threading.Lock()
         self._serial = 0  # bumps at every submit and completion: part of the bank loader's cache key
@@ -65,28 +69,46 @@ class BankWriter:
             except queue.Full:
                 return False
             self._pending[item.entry_id] = item
+            self._unsettled[item.entry_id] = item
             self._serial += 1
         return True
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            try:
-                item.write()
-            except Exception as exc:  # the generation succeeded long ago: log, never raise
-                item.error = f"{type(exc).__name__}: {exc}"
-                log.warning("Chorus: recorded masks %s were not written: %s", item.entry_id, item.error)
-            finally:
-                item.write = None  # the closure holds the recorded masks (210 MB at 720p-14B): free them
-                item.seconds = time.perf_counter() - item.submitted
-                with self._lock:
-                    self._pending.pop(item.entry_id, None)
-                    self._finished[item.entry_id] = item
-                    while len(self._finished) > HISTORY:
-                        self._finished.popitem(last=False)
-                    self._serial += 1
-                item.done.set()
-                self._queue.task_done()
+            self._write(item)
+            self._follow_up(item)
+            self._queue.task_done()
+
+    def _write(self, item: PendingWrite) -> None:
+        try:
+            item.write()
+        except Exception as exc:  # the generation succeeded long ago: log, never raise
+            item.error = f"{type(exc).__name__}: {exc}"
+            item.after = None  # nothing to refresh for an entry that is not there
+            log.warning("Chorus: recorded masks %s were not written: %s", item.entry_id, item.error)
+        finally:
+            item.write = None  # the closure holds the recorded masks (210 MB at 720p-14B): free them
+            item.seconds = time.perf_counter() - item.submitted
+            with self._lock:
+                self._pending.pop(item.entry_id, None)
+                self._finished[item.entry_id] = item
+                while len(self._finished) > HISTORY:
+                    self._finished.popitem(last=False)
+                self._serial += 1
+            item.done.set()
+
+    def _follow_up(self, item: PendingWrite) -> None:
+        try:
+            if item.after is not None:
+                item.after()
+        except Exception as exc:  # the entry is in; a stale prior is rebuilt by the next prior-mode miss
+            log.warning("Chorus: the population prior was not refreshed after %s: %s", item.entry_id, exc)
+        finally:
+            item.after = None
+            with self._lock:
+                self._unsettled.pop(item.entry_id, None)
+            item.settled.set()
 
     def pending(self, bank_key=None) -> list[PendingWrite]:
         """Writes not finished yet (for one bank, or all)."""
@@ -105,11 +127,13 @@ class BankWriter:
             return self._serial
 
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every queued write has finished; False when ``timeout`` ran out first."""
+        """Wait until every queued write and its follow-up has finished; False when ``timeout`` ran out first."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for item in self.pending():
+        with self._lock:
+            items = list(self._unsettled.values())
+        for item in items:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not item.done.wait(left):
+            if not item.settled.wait(left):
                 return False
         return True
 

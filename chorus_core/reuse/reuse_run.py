@@ -406,12 +406,16 @@ class ReuseRun(SparseRun):
                 writer_bank.add_entry(fingerprint=fingerprint, layout=request.layout, schedule=schedule,
                                       masks=masks, signature=request.signature, density=recorded.density,
                                       recall=recorded.mean_recall, tags=list(o.tags), entry_id=entry_id)
-                if o.miss_mode == "prior":  # refresh the stored prior for the next prior-mode miss
-                    load_prior(writer_bank, fingerprint, request.layout, o.min_density, o.max_density)
+
+        def refresh_prior():
+            # after the entry is in, so a similar request waiting for it is not held up by the rebuild
+            with bank.reopen() as writer_bank:
+                load_prior(writer_bank, fingerprint, request.layout, o.min_density, o.max_density)
 
         return bank_writer.PendingWrite(bank_root=bank.label, entry_id=entry_id,
                                         compat=compat_key(fingerprint, request.layout),
-                                        signature=request.signature, write=write)
+                                        signature=request.signature, write=write,
+                                        after=refresh_prior if o.miss_mode == "prior" else None)
 
 
 REUSE_KEY = "chorus_reuse"

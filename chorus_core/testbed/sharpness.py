@@ -49,7 +49,6 @@ def summarize_mass(step_layer_mass: torch.Tensor, density: float, seq_len: int, 
 
 PROFILE_DENSITIES = (0.05, 0.10, 0.15, 0.25)
 PROFILE_TOP_PS = (0.8, 0.9, 0.95)
-SHIPPED_DENSITY_BOUNDS = (0.05, 0.5)  # ReuseOptions' min_density / max_density
 
 
 def density_profile(step_layer_mass: torch.Tensor, seq_len: int, block_size: int) -> dict:
@@ -57,11 +56,13 @@ def density_profile(step_layer_mass: torch.Tensor, seq_len: int, block_size: int
     mass at several densities, and the density top-p selection (the recorder's and online
     prediction's rule) keeps at several ``top_p``, without clamps and within the shipped ones."""
     from ..attention.masks import select_blocks
+    from ..reuse.reuse_run import ReuseOptions
 
     profile = {"mass_at_density": {str(d): round(float(oracle_mass(step_layer_mass, d, seq_len, block_size).mean()), 4)
                                    for d in PROFILE_DENSITIES},
                "top_p_density": {}}
-    lo, hi = SHIPPED_DENSITY_BOUNDS
+    shipped = ReuseOptions()
+    lo, hi = shipped.min_density, shipped.max_density
     for top_p in PROFILE_TOP_PS:
         free = select_blocks(step_layer_mass, top_p).float().mean()
         clamped = select_blocks(step_layer_mass, top_p, lo, hi).float().mean()

@@ -4,8 +4,9 @@ fixed noise levels and fixed noise, so it is comparable between steps and betwee
 Training samples a fixed pool (templates x subjects x layouts, generated once per chunk), so the
 training loss keeps falling while the model learns those clips by heart (entropy16k: 0.18 at step
 2,000, 0.03 at 6,000); the held-out loss is what says when a design has reached its plateau
-(issue 23, item 2). It uses the training families and layouts with new subjects: it measures
-generalising to new pictures, not to new motions (the held-out family is the quality table's).
+(issue 23, item 2). It uses the training families with new subjects, on one training layout and
+one layout no training clip uses: it measures generalising to new pictures and placements, not
+to new motions (the held-out family is the quality table's).
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ from .models import make_batch, predict_velocity
 from .workload import I2VRequest
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
-VALIDATION_SUBJECT_BASE = 500  # training uses subjects 0.., the quality table 100-399
-VALIDATION_LAYOUTS = (0, 1)
+# Training uses subjects 0.., the quality table 100-399. The workload's seed hash is weak (subject
+# 503 renders as 260 does), so the base is the first from 500 whose subjects' seeds collide with
+# none of 0-15 and 100-499 (tests/test_testbed_sharp.py checks it).
+VALIDATION_SUBJECT_BASE = 584
 VALIDATION_SEED = 4242
 
 
 def validation_requests(config, size) -> list:
+    """One clip per training family and layout: layout 0 (trained on) and the first layout past
+    ``train_layouts`` (never trained on), each family with a subject of its own."""
     frames, height, width = size
+    layouts = (0, config.train_layouts)
     return [I2VRequest(template, VALIDATION_SUBJECT_BASE + i, layout, frames, height, width, texture=config.texture)
-            for i, template in enumerate(config.train_templates) for layout in VALIDATION_LAYOUTS]
+            for i, template in enumerate(config.train_templates) for layout in layouts]
 
 
 class ValidationSet:
