@@ -66,7 +66,8 @@ def density_profile(step_layer_mass: torch.Tensor, seq_len: int, block_size: int
     for top_p in PROFILE_TOP_PS:
         free = select_blocks(step_layer_mass, top_p).float().mean()
         clamped = select_blocks(step_layer_mass, top_p, lo, hi).float().mean()
-        profile["top_p_density"][str(top_p)] = {"unclamped": round(float(free), 4), "shipped_bounds": round(float(clamped), 4)}
+        profile["top_p_density"][str(top_p)] = {"unclamped": round(float(free), 4),
+                                                "shipped_bounds": round(float(clamped), 4)}
     return profile
 
 
@@ -127,8 +128,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     run = {"machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "git_commit": git_commit(), "command": "python -m chorus_core.testbed.sharpness " + " ".join(argv or sys.argv[1:])}
-    (args.out / "sharpness.json").write_text(json.dumps({**run, "checkpoint": str(args.checkpoint), **result}, indent=1))
+           "git_commit": git_commit(),
+           "command": "python -m chorus_core.testbed.sharpness " + " ".join(argv or sys.argv[1:])}
+    record = {**run, "checkpoint": str(args.checkpoint), **result}
+    (args.out / "sharpness.json").write_text(json.dumps(record, indent=1))
     print(f"oracle mass at {result['density']}: {result['mean']:.3f} (per layer {result['per_layer']}) at N={result['N']}")
     print(f"oracle mass by density {result['mass_at_density']}; density top-p selects {result['top_p_density']}")
     return 0
