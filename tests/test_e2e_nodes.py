@@ -136,3 +136,31 @@ def test_a_match_made_for_another_latent_grid_is_refused_with_what_to_wire(comfy
         "3", "Chorus Sparse Wan Sampler: the match was made for a latent of 9x8x8 tokens (frames x height x width), "
              "but the sampler got 5x8x8. Wire the same latent into Similarity Match's latent and the sampler's "
              "latent_image.")]
+
+
+def wait_for_entries(server, bank: str, count: int, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while server.get_json(f"/chorus/api/banks/{bank}/stats")["entries"] < count:
+        assert time.monotonic() < deadline, f"{bank} did not reach {count} entries in {timeout:.0f} s"
+        time.sleep(0.2)
+
+
+def test_the_default_prior_mode_through_the_server(comfy_server):
+    """miss_mode "prior", the nodes' default: an empty bank predicts online and records; the next
+    miss serves the population prior of what was recorded (and records, refreshing the prior after
+    its entry is in); a request similar to that one then hits it."""
+    def run(**kwargs):
+        record, _ = run_collecting_events(comfy_server, chorus_i2v_prompt(bank="e2e_prior_default", steps=STEPS,
+                                                                          miss_mode="prior", **kwargs))
+        return chorus_report(record)
+
+    first = run(template="pan", subject=0, layout=0, seed=1)
+    assert (first["mode"], first["mask_source"]) == ("miss", "online prediction") and first["recorded_entry_id"]
+    wait_for_entries(comfy_server, "e2e_prior_default", 1)  # written in the background after the prompt
+    second = run(template="orbit", subject=3, layout=5, seed=3)
+    assert (second["mode"], second["mask_source"]) == ("miss", "population prior of 1 entries")
+    assert second["recorded_entry_id"] and second["warnings"] == []
+    third = run(template="orbit", subject=4, layout=5, seed=4)
+    assert third["mode"] == "hit" and third["entry_id"] == second["recorded_entry_id"]
