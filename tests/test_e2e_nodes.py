@@ -19,6 +19,15 @@ def chorus_report(record):
     return record["outputs"]["3"]["chorus_report"][0]
 
 
+def wait_for_entries(server, bank: str, count: int, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while server.get_json(f"/chorus/api/banks/{bank}/stats")["entries"] < count:
+        assert time.monotonic() < deadline, f"{bank} did not reach {count} entries in {timeout:.0f} s"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def three_runs(comfy_server):
     """The same bank, three requests in order; results shared by the tests below."""
@@ -85,13 +94,9 @@ def test_dissimilar_request_misses(three_runs):
 
 
 def test_bank_routes_report_the_recorded_entries(comfy_server, three_runs):
-    import time
-
     assert "e2e_three_runs" in comfy_server.get_json("/chorus/api/banks")["banks"]
-    deadline = time.monotonic() + 60  # the last miss's entry is written in the background after its prompt ends
-    while (stats := comfy_server.get_json("/chorus/api/banks/e2e_three_runs/stats"))["entries"] < 2 \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for_entries(comfy_server, "e2e_three_runs", 2)  # the last miss's entry is written after its prompt ends
+    stats = comfy_server.get_json("/chorus/api/banks/e2e_three_runs/stats")
     assert stats["entries"] == 2
     recent = comfy_server.get_json("/chorus/api/banks/e2e_three_runs/recent?limit=5")["entries"]
     assert len(recent) == 2
@@ -136,15 +141,6 @@ def test_a_match_made_for_another_latent_grid_is_refused_with_what_to_wire(comfy
         "3", "Chorus Sparse Wan Sampler: the match was made for a latent of 9x8x8 tokens (frames x height x width), "
              "but the sampler got 5x8x8. Wire the same latent into Similarity Match's latent and the sampler's "
              "latent_image.")]
-
-
-def wait_for_entries(server, bank: str, count: int, timeout: float = 60.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while server.get_json(f"/chorus/api/banks/{bank}/stats")["entries"] < count:
-        assert time.monotonic() < deadline, f"{bank} did not reach {count} entries in {timeout:.0f} s"
-        time.sleep(0.2)
 
 
 def test_the_default_prior_mode_through_the_server(comfy_server):

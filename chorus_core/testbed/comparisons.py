@@ -45,7 +45,7 @@ def t_quantile_975(df: int) -> float:
 
 def mean_ci(values: list) -> tuple:
     """Mean and 95 % half-width (t interval; 0 for one value) of the finite values."""
-    v = [x for x in values if x is not None and math.isfinite(x)]
+    v = [x for x in values if _finite(x)]
     if not v:
         return None, None
     m = sum(v) / len(v)

@@ -116,10 +116,13 @@ def flow_loss(model, batch: Batch, shift: float, generator=None, transformer_opt
     """Wan's flow-matching loss: x_t = (1 - t) x0 + t noise, target noise - x0."""
     b = len(batch)
     u = torch.rand(b, generator=generator, device="cpu").to(batch.x0.device)
-    t = shifted(u, shift)
     noise = torch.randn(batch.x0.shape, generator=generator, device="cpu").to(batch.x0.device)
-    tt = t.view(b, 1, 1, 1, 1)
-    x_t = (1 - tt) * batch.x0 + tt * noise
+    return flow_loss_at(model, batch, shifted(u, shift), noise, transformer_options)
+
+
+def flow_loss_at(model, batch: Batch, t: torch.Tensor, noise: torch.Tensor, transformer_options=None) -> torch.Tensor:
+    """The flow-matching loss at given noise levels ``t [B]`` and noise (``flow_loss`` draws both)."""
+    x_t = (1 - t.view(-1, 1, 1, 1, 1)) * batch.x0 + t.view(-1, 1, 1, 1, 1) * noise
     pred = predict_velocity(model, x_t, t, batch, transformer_options)
     return torch.nn.functional.mse_loss(pred.float(), (noise - batch.x0).float())
 

@@ -23,8 +23,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -34,6 +32,7 @@ import torch
 
 from .workload import TEMPLATES
 from .config import PROBE_CANDIDATES, TestbedConfig, config_with_overrides, tokens_of
+from .run_record import git_commit
 from .sharpness import SHARPNESS_DENSITY
 
 HELD_OUT_DEFAULT = "bounce"
@@ -152,19 +151,6 @@ def run_candidate(name: str, config: TestbedConfig, device: str, every: int, req
 def _final_loss(history: list, size: str, last: int = 10):
     values = [h["loss"] for h in history if h["size"] == size][-last:]
     return round(sum(values) / len(values), 4) if values else None
-
-
-def git_commit() -> str:
-    """The checkout's commit (``CHORUS_GIT_COMMIT`` where the copy has no .git), with ``+dirty`` for local changes."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return commit + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("CHORUS_GIT_COMMIT", "unknown")
 
 
 def budget_for(seconds_each: float, time_left: float, candidates_left: int, overhead: float) -> float:

@@ -41,7 +41,6 @@ targets' dense runs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import tempfile
@@ -63,8 +62,8 @@ from .config import TestbedConfig, config_from_dict, make_config, tokens_of, wit
 from .comparisons import family_rows, held_out_templates, mean_ci, paired_differences, verdict
 from .composition import COMPOSED_KINDS, composition_rows
 from .models import check_model_matches, process_in
-from .report import cpu_name, eval_requests, md_table, spread_picks, static_window_scores
-from .probe import git_commit
+from .report import eval_requests, md_table, spread_picks, static_window_scores
+from .run_record import run_record
 from .sharpness import SHARPNESS_DENSITY, request_name, summarize_mass
 
 # comfy/latent_formats.py (ComfyUI 0.3.64) Wan21.latent_rgb_factors / latent_rgb_factors_bias: the
@@ -569,9 +568,7 @@ def write_outputs(results: dict, out: Path, command: str, targets: int, seeds: i
                   machine: str | None = None) -> dict:
     """product_path.json and .md in ``out``; ``machine`` defaults to this one (a merge names the runs')."""
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"machine": machine or (torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "git_commit": git_commit(), "command": command, "N": results["N"], "targets": targets, "seeds": seeds, "threshold": results["threshold"],
+    doc = {**run_record(command, torch.cuda.is_available(), machine), "N": results["N"], "targets": targets, "seeds": seeds, "threshold": results["threshold"],
            "options": results["options"], "seconds": round(results["seconds"], 1), "notes": results["notes"],
            "summary": summarize(results), "rows": results["rows"], "sharpness": results["sharpness"],
            "config": asdict(config)}

@@ -11,7 +11,6 @@ more than the density itself (uniform attention keeps exactly ``round(density * 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -20,7 +19,8 @@ import torch
 
 from .._siblings import import_sibling
 from ..quality import mass_recall
-from .report import cpu_name, git_commit, top_blocks
+from .report import top_blocks
+from .run_record import run_record
 
 SHARPNESS_DENSITY = 0.15
 
@@ -126,10 +126,8 @@ def main(argv=None) -> int:
     requests = [targets[i] for i in spread_picks(len(targets), min(args.requests, len(targets)))]
     result = measure_sharpness(load_checkpoint(args.checkpoint, config, args.device), config, args.device, requests)
     args.out.mkdir(parents=True, exist_ok=True)
-    run = {"machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "git_commit": git_commit(),
-           "command": "python -m chorus_core.testbed.sharpness " + " ".join(argv or sys.argv[1:])}
+    run = run_record("python -m chorus_core.testbed.sharpness " + " ".join(argv or sys.argv[1:]),
+                     on_gpu=args.device.startswith("cuda"))
     record = {**run, "checkpoint": str(args.checkpoint), **result}
     (args.out / "sharpness.json").write_text(json.dumps(record, indent=1))
     print(f"oracle mass at {result['density']}: {result['mean']:.3f} (per layer {result['per_layer']}) at N={result['N']}")

@@ -163,6 +163,7 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
         check = gradient_check(model, check_pool.select(torch.arange(min(2, len(check_pool)), device=check_pool.x0.device)),
                                config, device, log)
     options, autocast = check["options"], check["autocast"]
+    validate = _validate(validation, val_log, options, autocast, log) if validation is not None else None
     penalty = None
     if config.attn_entropy_weight > 0:
         options, penalty = with_entropy_penalty(options, config.attn_entropy_queries, gen)
@@ -195,10 +196,10 @@ def train(config: TestbedConfig, device: str = "cpu", log=print, model=None, res
             log(f"step {step:5d} {which:5s} loss {value:.4f} grad {float(grad_norm):.3f} t {time.time() - start - paused:.0f}s")
         if on_checkpoint is not None and checkpoint_every > 0 and step % checkpoint_every == 0:
             paused += _paused_call(on_checkpoint, step, model, device)
-        if validation is not None and step % config.val_every == 0:
-            paused += _paused_call(_validate(validation, val_log, check["options"], autocast, log), step, model, device)
-    if validation is not None and (not val_log or val_log[-1]["step"] != step):
-        paused += _paused_call(_validate(validation, val_log, check["options"], autocast, log), step, model, device)
+        if validate is not None and step % config.val_every == 0:
+            paused += _paused_call(validate, step, model, device)
+    if validate is not None and (not val_log or val_log[-1]["step"] != step):
+        paused += _paused_call(validate, step, model, device)
     if device != "cpu":
         torch.cuda.synchronize()
     model.eval()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .models import make_batch, predict_velocity
+from .models import flow_loss_at, make_batch
 from .workload import I2VRequest
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -56,10 +56,7 @@ class ValidationSet:
             part, noise = self.batch.select(idx), self.noise[idx]
             for sigma in VALIDATION_SIGMAS:
                 t = torch.full((len(idx),), sigma, device=device)
-                x_t = (1 - sigma) * part.x0 + sigma * noise
-                with torch.autocast(device_type="cuda" if device.type != "cpu" else "cpu", dtype=torch.bfloat16,
-                                    enabled=autocast):
-                    pred = predict_velocity(model, x_t, t, part, transformer_options)
-                total += float(torch.nn.functional.mse_loss(pred.float(), (noise - part.x0).float())) * len(idx)
+                with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                    total += float(flow_loss_at(model, part, t, noise, transformer_options)) * len(idx)
                 count += len(idx)
         return total / count
