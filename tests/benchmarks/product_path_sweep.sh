@@ -1,0 +1,29 @@
+# Several product-path runs of one checkpoint side by side on one GPU (the `device` tool's H200).
+# The testbed model is small (16 M parameters, 16,384 tokens): one run leaves most of the H200
+# idle, so runs that do not depend on each other share it. Each run has its own temporary bank
+# and writes its partial table as it goes, so a run cut off by the time limit keeps its rows.
+#   source tests/benchmarks/h200_env.sh; stage1
+#   source tests/benchmarks/product_path_sweep.sh
+#   sweep CHECKPOINT PRESET SECONDS "NAME ARGS..." "NAME ARGS..." ...    # results in $OUT/NAME/
+# e.g. sweep /tmp/train/chorus_testbed_wan21_i2v.safetensors entropy16k 500 \
+#        "natural" "d010 --option min_density=0.10 --option max_density=0.10"
+
+sweep() {
+  local checkpoint=$1 preset=$2 seconds=$3
+  shift 3
+  local arm name
+  for arm in "$@"; do
+    name=${arm%% *}
+    [ "$name" = "$arm" ] && arm=""  || arm=${arm#* }
+    mkdir -p "$OUT/$name"
+    # word splitting of $arm is wanted: it holds the run's extra arguments
+    # shellcheck disable=SC2086
+    timeout "$seconds" python3 -m chorus_core.testbed.product_path --checkpoint "$checkpoint" \
+      --preset "$preset" --targets 8 --seeds 3 --out "$OUT/$name" $arm > "$OUT/$name/run.log" 2>&1 &
+  done
+  wait
+  for arm in "$@"; do
+    name=${arm%% *}
+    echo "== $name: $(tail -n 1 "$OUT/$name/run.log")"
+  done
+}
