@@ -2,9 +2,12 @@
 # The testbed model is small (16 M parameters, 16,384 tokens): one run leaves most of the H200
 # idle, so runs that do not depend on each other share it. Each run has its own temporary bank
 # and writes its partial table as it goes, so a run cut off by the time limit keeps its rows.
+# At most 8 files come back from $OUT, so the runs' folders come back as one $OUT/sweep.tgz
+# (2026-12-03 lost four runs' tables by returning them file by file).
 #   source tests/benchmarks/h200_env.sh; stage1
 #   source tests/benchmarks/product_path_sweep.sh
-#   sweep CHECKPOINT PRESET SECONDS "NAME ARGS..." "NAME ARGS..." ...    # results in $OUT/NAME/
+#   sweep CHECKPOINT PRESET SECONDS "NAME ARGS..." "NAME ARGS..." ...
+#   (results in $OUT/sweep.tgz: NAME/product_path.json, .md, run.log)
 # e.g. sweep /tmp/train/chorus_testbed_wan21_i2v.safetensors entropy16k 500 \
 #        "natural" "d010 --option min_density=0.10 --option max_density=0.10"
 
@@ -22,8 +25,11 @@ sweep() {
       --preset "$preset" --targets 8 --seeds 3 --out "$OUT/$name" $arm > "$OUT/$name/run.log" 2>&1 &
   done
   wait
+  local names=()
   for arm in "$@"; do
     name=${arm%% *}
+    names+=("$name")
     echo "== $name: $(tail -n 1 "$OUT/$name/run.log")"
   done
+  tar -czf "$OUT/sweep.tgz" -C "$OUT" "${names[@]}" && rm -rf "${names[@]/#/$OUT/}"
 }
