@@ -9,6 +9,9 @@
 # The tree carries the entropy16k checkpoint (32 MB, tests/testbed/entropy16k): a stage1 call that
 # also carries .carry/p1 (40 MB) goes over 64 MiB, so move that folder out of the checkout for
 # that call (mv tests/testbed/entropy16k /tmp/ ... and back after) unless the call needs it.
+# product_path --compose (core's EasyCache node) imports PyAV through comfy_api; the device's Python
+# has no `av` and its wheel (35 MB) does not fit beside the checkpoint in one call: stage it in a
+# call of its own (checkpoint moved out) under /tmp, as the cu13 libraries are.
 # Building the carried files here: git archive of ComfyUI's pinned commit | xz -> .carry/comfyui.tar.xz;
 # pip download (cp312, manylinux) torchsde trampoline sqlite-utils sqlite-fts4 click-default-group -> .whl;
 # the FA4 wheels (README, Kernel backends) -> .carry/p2, except the cu13 libs wheel: unzip it,
