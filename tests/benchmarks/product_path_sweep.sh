@@ -2,6 +2,8 @@
 # The testbed model is small (16 M parameters, 16,384 tokens): one run leaves most of the H200
 # idle, so runs that do not depend on each other share it. Each run has its own temporary bank
 # and writes its partial table as it goes, so a run cut off by the time limit keeps its rows.
+# Seven 10-step runs side by side each went about 2.2x slower than one alone (8 targets x 3 seeds:
+# ~180 s alone, ~470 s in seven), so pass SECONDS to fit, or fewer arms, or split by --seed-start.
 # At most 8 files come back from $OUT, so the runs' folders come back as one $OUT/sweep.tgz
 # (2026-12-03 lost four runs' tables by returning them file by file).
 #   source tests/benchmarks/h200_env.sh; stage1
