@@ -11,7 +11,9 @@
 # that call (mv tests/testbed/entropy16k /tmp/ ... and back after) unless the call needs it.
 # product_path --compose (core's EasyCache node) imports PyAV through comfy_api; the device's Python
 # has no `av` and its wheel (35 MB) does not fit beside the checkpoint in one call: stage it in a
-# call of its own (checkpoint moved out) under /tmp, as the cu13 libraries are.
+# call of its own (checkpoint moved out) under /tmp, as the cu13 libraries are: carry .carry/av
+# (the wheel: pip download av, cp312 manylinux_2_28) and run `stage_av`; later calls within ~30 s
+# find it on PYTHONPATH.
 # Building the carried files here: git archive of ComfyUI's pinned commit | xz -> .carry/comfyui.tar.xz;
 # pip download (cp312, manylinux) torchsde trampoline sqlite-utils sqlite-fts4 click-default-group -> .whl;
 # the FA4 wheels (README, Kernel backends) -> .carry/p2, except the cu13 libs wheel: unzip it,
@@ -28,6 +30,15 @@ _install_common() {
   fi
   export COMFYUI_PATH=/tmp/cui
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if [ -d /tmp/avsite ]; then export PYTHONPATH=$PYTHONPATH:/tmp/avsite; fi
+}
+
+stage_av() {
+  _install_common || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/avsite \
+    .carry/av/*.whl || return 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/avsite
+  python3 -c "import av; print('av', av.__version__)"
 }
 
 stage1() {
