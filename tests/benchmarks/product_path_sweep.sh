@@ -16,10 +16,11 @@
 sweep() {
   local checkpoint=$1 preset=$2 seconds=$3
   shift 3
-  local arm name
+  local arm name names=()
   for arm in "$@"; do
     name=${arm%% *}
-    [ "$name" = "$arm" ] && arm=""  || arm=${arm#* }
+    names+=("$name")
+    [ "$name" = "$arm" ] && arm="" || arm=${arm#* }
     mkdir -p "$OUT/$name"
     # word splitting of $arm is wanted: it holds the run's extra arguments
     # shellcheck disable=SC2086
@@ -27,10 +28,7 @@ sweep() {
       --preset "$preset" --targets 8 --seeds 3 --out "$OUT/$name" $arm > "$OUT/$name/run.log" 2>&1 &
   done
   wait
-  local names=()
-  for arm in "$@"; do
-    name=${arm%% *}
-    names+=("$name")
+  for name in "${names[@]}"; do
     echo "== $name: $(tail -n 1 "$OUT/$name/run.log")"
   done
   tar -czf "$OUT/sweep.tgz" -C "$OUT" "${names[@]}" && rm -rf "${names[@]/#/$OUT/}"
