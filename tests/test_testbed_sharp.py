@@ -1,6 +1,7 @@
 """The sharp testbed (issue 16) at CPU size: the detailed workload, resumable training, the
 sharpness measure, and the product-path harness end to end in its tiny mode."""
 
+import argparse
 import json
 from dataclasses import replace
 
@@ -304,6 +305,19 @@ def test_the_tiny_product_path_runs_end_to_end(comfy_runtime, tmp_path):
     merged = json.loads((merged_dir / "product_path.json").read_text())
     assert merged["rows"] == rows and merged["seeds"] == 2 and merged["targets"] == 2
     assert merged["summary"] == doc["summary"]
+
+
+def test_a_run_split_by_target_samples_only_its_slice_of_the_spread_targets(comfy_runtime, tmp_path):
+    """``--picks 1:`` of two targets: only the second one (the first is another process's share)."""
+    from chorus_core.testbed.product_path import pick_slice, run_product_path, tiny_setup
+
+    patcher, config = tiny_setup(tmp_path)
+    results = run_product_path(patcher, config, tmp_path, 2, 1, log=lambda *_: None, picks=pick_slice("1:"))
+    assert {r["request"] for r in results["rows"]} == {"zoom/s103/l1/detailed"}
+    assert pick_slice("0:4") == slice(0, 4) and pick_slice(":2") == slice(None, 2)
+    for bad in ("3", "a:b", "1:2:3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--picks wants START:STOP"):
+            pick_slice(bad)
 
 
 def test_the_product_path_varies_sampler_options_by_their_own_types():

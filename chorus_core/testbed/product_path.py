@@ -301,13 +301,15 @@ def dense_prior_scores(dense_masses: list, maps_steps: dict, steps_of_bucket, op
 
 def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int, seeds: int, threshold: float = 0.9,
                      log=print, seed_start: int = 0, on_progress=None, options=None, finals=None,
-                     compose: bool = False) -> dict:
+                     compose: bool = False, picks: slice = slice(None)) -> dict:
     """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``.
 
     ``on_progress(results_so_far)`` after every target: the CLI writes its outputs then, so a run
     stopped by a time limit keeps the targets it finished. ``compose``: also the rows of
     ``composition`` (Guidance Enhance and core's EasyCache on the hit). ``finals``: a dict that receives every
     run's final latents under ``(section, kind, request, seed)``, the dense run's as ``("dense", "dense", ...)``.
+    ``picks``: which of the ``targets`` spread-out requests this run samples (a slice of them), so
+    that long runs can be split by target over several processes and merged with ``--merge``.
     """
     from ..bank import MaskBank
     from ..reuse.prior_store import load_prior
@@ -317,7 +319,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     size = config.long_size
     seq_len = tokens_of(size)
     tgts, similar, dissimilar_of, population = eval_requests(config, size)
-    picks = spread_picks(len(tgts), min(targets, len(tgts)))
+    chosen = spread_picks(len(tgts), min(targets, len(tgts)))[picks]
     o = pp.options
     static_scores = static_window_scores(size, pp.bs, config.num_heads)
     rows, sharp_masses, notes = [], [], []
@@ -329,7 +331,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
         pp.record(pop_bank, i2v_conditioning(generate_request(p)), 0)
         pop_dense.append(pp.dense(i2v_conditioning(generate_request(p)), 0)[1])
     for seed in range(seed_start, seed_start + seeds):
-        for ti in picks:
+        for ti in chosen:
             target, sim, dis = tgts[ti], similar[ti], similar[dissimilar_of[ti]]
             conds = i2v_conditioning(generate_request(target))
             bank = MaskBank.open(pp.workdir / f"bank-t{ti}-seed{seed}")
@@ -621,6 +623,17 @@ def reuse_options(items: list[str]):
     return with_overrides(ReuseOptions(), items, "sampler option")
 
 
+def pick_slice(text: str) -> slice:
+    """``--picks START:STOP`` (either side may be empty) as a slice of the spread-out targets."""
+    start, sep, stop = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError(text)
+        return slice(int(start) if start else None, int(stop) if stop else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--picks wants START:STOP such as 0:4 or 4:, not {text!r}") from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -631,6 +644,8 @@ def main(argv=None) -> int:
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="vary one of the sampler's ReuseOptions from its shipped default (e.g. dense_last_steps=1)")
     parser.add_argument("--seed-start", type=int, default=0, help="first seed (split seeds over several runs)")
+    parser.add_argument("--picks", type=pick_slice, default=slice(None), metavar="START:STOP",
+                        help="only these of the --targets spread-out requests (split targets over several runs)")
     parser.add_argument("--compose", action="store_true",
                         help="also Guidance Enhance and core's EasyCache on each hit, against their controls")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
@@ -652,7 +667,7 @@ def main(argv=None) -> int:
         progress = lambda partial: write_outputs(partial, args.out, command, targets, seeds, config)  # noqa: E731
         results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold,
                                    seed_start=args.seed_start, on_progress=progress,
-                                   options=reuse_options(args.option), compose=args.compose)
+                                   options=reuse_options(args.option), compose=args.compose, picks=args.picks)
     doc = write_outputs(results, args.out, command, targets, seeds, config)
     print(f"{len(doc['rows'])} rows in {doc['seconds']:.0f}s -> {args.out / 'product_path.md'}")
     return 0
