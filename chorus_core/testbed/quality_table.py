@@ -1,0 +1,178 @@
+"""The quality table (issue 23, items 3 and 5): every product-path run of one checkpoint in one
+table, and the comparisons between runs that choose the sampler's defaults.
+
+    python -m chorus_core.testbed.quality_table --results DIR [--compare A:B ...] [--out DIR]
+
+``DIR`` holds one folder per run (``product_path.json`` from ``product_path`` or ``--merge``);
+folders named in ``--skip`` (default ``parts``: the pieces a merged run was made of) are left out.
+Writes ``quality_table.md`` and ``quality_table.json`` into ``--out`` (default ``DIR``):
+
+- per run, its sampling (steps, cfg), the setting that differs from the shipped defaults, how many
+  (request, seed) pairs it has, the hit's density and PSNR, and the paired differences that issue
+  23's targets read (hit minus oracle, online, population prior; oracle minus static and the
+  dissimilar request), every source at the hit's kept blocks per row, each a 95 % t interval over
+  requests (``comparisons.paired_differences``);
+- per ``--compare A:B`` (two run folders), the hit's PSNR in run A minus run B on the (request,
+  seed) pairs both have, the same interval, and the settings that differ: a default is chosen by
+  such a row (the README's Defaults table cites them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .comparisons import mean_ci, paired_differences, verdict
+from .run_record import run_record
+
+HIT = "reused_similar_product"
+# (column, section, A, B): the paired differences each run's row shows, every source with the hit's
+# kept blocks per row ("matched"), so that a source is not ahead only by keeping more blocks
+RUN_COLUMNS = (("hit - oracle", "matched", HIT, "oracle"), ("hit - online", "matched", HIT, "online"),
+               ("hit - prior", "matched", HIT, "population_prior"),
+               ("oracle - dissimilar", "matched", "oracle", "reused_dissimilar"),
+               ("oracle - static", "matched", "oracle", "static"))
+SHIPPED_OPTIONS = {"top_p": 0.9, "min_density": 0.05, "max_density": 0.5, "dense_layers": [],
+                   "dense_warmup_steps": 1, "hit_warmup_steps": 0, "dense_last_steps": 0, "miss_mode": "prior"}
+
+
+def load_runs(results: Path, skip=("parts",)) -> dict:
+    """Run folder name -> its product_path.json, for every folder of ``results`` that has one."""
+    runs = {}
+    for folder in sorted(p for p in results.iterdir() if p.is_dir() and p.name not in skip):
+        doc_path = folder / "product_path.json"
+        if doc_path.is_file():
+            runs[folder.name] = json.loads(doc_path.read_text())
+    if not runs:
+        raise SystemExit(f"no product_path.json under {results}: pass the folder that holds the runs' folders")
+    return runs
+
+
+def sampling(doc: dict) -> str:
+    config = doc.get("config", {})
+    return f"{config.get('sample_steps', '?')} steps, cfg {config.get('sample_cfg', '?'):g}"
+
+
+def _normal(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def setting(doc: dict, against: dict = SHIPPED_OPTIONS) -> str:
+    """The sampler options of ``doc`` that differ from ``against`` ('shipped' when none does)."""
+    options = doc.get("options", {})
+    changed = [f"{name}={_normal(options[name])}" for name in sorted(against)
+               if name in options and _normal(options[name]) != _normal(against[name])]
+    return ", ".join(changed) or "shipped"
+
+
+def _pairs(doc: dict, section: str, kind: str) -> dict:
+    return {(r["request"], r["seed"]): r for r in doc["rows"] if r["section"] == section and r["mask_kind"] == kind}
+
+
+def run_row(name: str, doc: dict) -> dict:
+    """One run's line: its sampling and setting, the hit's density and PSNR, ``RUN_COLUMNS``."""
+    hits = _pairs(doc, "natural", HIT)
+    density, _ = mean_ci([r["density"] for r in hits.values()])
+    psnr, psnr_ci = mean_ci([r["psnr_db"] for r in hits.values()])
+    diffs = {(e["section"], e["a"], e["b"]): e for e in paired_differences(doc["rows"])}
+    row = {"run": name, "sampling": sampling(doc), "setting": setting(doc), "pairs": len(hits),
+           "requests": len({q for q, _ in hits}), "hit_density": density, "hit_psnr_db": psnr,
+           "hit_psnr_db_ci95": psnr_ci}
+    for column, section, a, b in RUN_COLUMNS:
+        entry = diffs.get((section, a, b), {})
+        row[column] = {"psnr_db": entry.get("psnr_db"), "ci95": entry.get("psnr_db_ci95"),
+                       "verdict": verdict(entry) if entry else "-"}
+    return row
+
+
+def compare_runs(name_a: str, doc_a: dict, name_b: str, doc_b: dict) -> dict:
+    """The hit's PSNR in run A minus run B, paired on their common (request, seed), as one mean per
+    request over its seeds with a 95 % t interval over requests."""
+    hits_a, hits_b = _pairs(doc_a, "natural", HIT), _pairs(doc_b, "natural", HIT)
+    common = sorted(set(hits_a) & set(hits_b))
+    if not common:
+        raise SystemExit(f"--compare {name_a}:{name_b}: the two runs share no (request, seed) pair")
+    by_request = {}
+    for key in common:
+        by_request.setdefault(key[0], []).append(hits_a[key]["psnr_db"] - hits_b[key]["psnr_db"])
+    m, ci = mean_ci([sum(v) / len(v) for v in by_request.values()])
+    entry = {"a": name_a, "b": name_b, "a_setting": setting(doc_a, doc_b["options"]),
+             "b_setting": setting(doc_b, doc_a["options"]), "psnr_db": m, "psnr_db_ci95": ci,
+             "pairs": len(common), "requests": len(by_request),
+             "a_density": sum(hits_a[k]["density"] for k in common) / len(common),
+             "b_density": sum(hits_b[k]["density"] for k in common) / len(common)}
+    if sampling(doc_a) != sampling(doc_b):
+        entry["a_setting"] += f" ({sampling(doc_a)})"
+        entry["b_setting"] += f" ({sampling(doc_b)})"
+    return entry
+
+
+def _pm(m, ci, digits=2) -> str:
+    return "-" if m is None else f"{m:+.{digits}f} ± {ci:.{digits}f}"
+
+
+def markdown(doc: dict) -> str:
+    head = ["run", "sampling", "setting", "pairs", "hit density", "hit PSNR dB"] + [c for c, *_ in RUN_COLUMNS]
+    lines = ["# Quality table", "", f"Machine {doc['machine']}, {doc['date']}, commit {doc['git_commit']}.", "",
+             f"Command: `{doc['command']}`", "",
+             "Hit = `reused_similar_product` (a similar request's recorded entry served through the bank), "
+             "at the density its setting selects; every other source in a run's row keeps the hit's blocks "
+             "per row. Differences are paired on (request, seed), averaged over each request's seeds, mean ± 95 % t "
+             "interval over requests; a verdict names the side the interval favours.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in doc["runs"]:
+        cells = [r["run"], r["sampling"], r["setting"], f"{r['pairs']} ({r['requests']} requests)",
+                 f"{r['hit_density']:.3f}", f"{r['hit_psnr_db']:.2f} ± {r['hit_psnr_db_ci95']:.2f}"]
+        cells += [f"{_pm(r[c]['psnr_db'], r[c]['ci95'])} ({r[c]['verdict']})" for c, *_ in RUN_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    if doc["comparisons"]:
+        lines += ["", "## Settings compared (the hit's PSNR, run A minus run B, same pairs)", "",
+                  "| A | B | A's setting | B's setting | density A / B | hit PSNR A - B (dB) | pairs |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in doc["comparisons"]:
+            lines.append(f"| {c['a']} | {c['b']} | {c['a_setting']} | {c['b_setting']} | "
+                         f"{c['a_density']:.3f} / {c['b_density']:.3f} | {_pm(c['psnr_db'], c['psnr_db_ci95'])} | "
+                         f"{c['pairs']} ({c['requests']} requests) |")
+    return "\n".join(lines) + "\n"
+
+
+def build(results: Path, compare: list, command: str, skip=("parts",)) -> dict:
+    runs = load_runs(results, skip)
+    for a, b in compare:
+        for name in (a, b):
+            if name not in runs:
+                raise SystemExit(f"--compare names {name!r}, which is not a run under {results}: {sorted(runs)}")
+    machines = sorted({d.get("machine", "?").split(" (")[0] for d in runs.values()})
+    return {**run_record(command, False, machine=" + ".join(machines)),
+            "runs": [run_row(name, doc) for name, doc in runs.items()],
+            "comparisons": [compare_runs(a, runs[a], b, runs[b]) for a, b in compare]}
+
+
+def compare_pair(text: str) -> tuple:
+    a, sep, b = text.partition(":")
+    if not (sep and a and b):
+        raise argparse.ArgumentTypeError(f"--compare wants RUN_A:RUN_B (two run folders), not {text!r}")
+    return a, b
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, required=True, help="the folder holding one folder per run")
+    parser.add_argument("--compare", type=compare_pair, action="append", default=[], metavar="A:B")
+    parser.add_argument("--skip", nargs="*", default=["parts"], help="folders that are not runs")
+    parser.add_argument("--out", type=Path, help="where quality_table.md/json go (default: --results)")
+    args = parser.parse_args(argv)
+    command = "python -m chorus_core.testbed.quality_table " + " ".join(argv if argv is not None else sys.argv[1:])
+    doc = build(args.results, args.compare, command, tuple(args.skip))
+    out = args.out or args.results
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality_table.json").write_text(json.dumps(doc, indent=1))
+    (out / "quality_table.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
