@@ -4,6 +4,8 @@
 # and writes its partial table as it goes, so a run cut off by the time limit keeps its rows.
 # Seven 10-step runs side by side each went about 2.2x slower than one alone (8 targets x 3 seeds:
 # ~180 s alone, ~470 s in seven), so pass SECONDS to fit, or fewer arms, or split by --seed-start.
+# A 40-step cfg 5 run is about 8x a 10-step cfg 1 one: split it by seed and by target (--picks 0:3,
+# 3:6, 6:8 with --seeds 1 --seed-start S: about 320 s each, six side by side, 2026-12-03) and --merge.
 # At most 8 files come back from $OUT, so the runs' folders come back as one $OUT/sweep.tgz
 # (2026-12-03 lost four runs' tables by returning them file by file).
 #   source tests/benchmarks/h200_env.sh; stage1
