@@ -664,11 +664,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="chorus-product-path-") as tmp:
         patcher, config = load_model(args, Path(tmp))
         targets, seeds = (2, 2) if args.tiny else (args.targets, args.seeds)
-        progress = lambda partial: write_outputs(partial, args.out, command, targets, seeds, config)  # noqa: E731
+        sampled = len(range(targets)[args.picks])  # what this run's header counts: its share of the targets
+        progress = lambda partial: write_outputs(partial, args.out, command, sampled, seeds, config)  # noqa: E731
         results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold,
                                    seed_start=args.seed_start, on_progress=progress,
                                    options=reuse_options(args.option), compose=args.compose, picks=args.picks)
-    doc = write_outputs(results, args.out, command, targets, seeds, config)
+    doc = write_outputs(results, args.out, command, sampled, seeds, config)
     print(f"{len(doc['rows'])} rows in {doc['seconds']:.0f}s -> {args.out / 'product_path.md'}")
     return 0
 
