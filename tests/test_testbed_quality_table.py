@@ -17,7 +17,7 @@ def _row(section, kind, request, seed, psnr, density=0.15):
             "rel_rms": 1 / psnr, "density": density}
 
 
-def _run(folder, hit_psnr, options=None, seeds=(0, 1), steps=10):
+def _run(folder, hit_psnr, options=None, seeds=(0, 1), steps=10, trained=()):
     """A run whose hit is ``hit_psnr(request_index, seed)`` dB, its oracle 1 dB above, online 4 below."""
     rows = []
     for i, request in enumerate(REQUESTS):
@@ -31,12 +31,13 @@ def _run(folder, hit_psnr, options=None, seeds=(0, 1), steps=10):
                      _row("matched", "reused_dissimilar", request, seed, hit - 0.5 * i)]
     folder.mkdir(parents=True)
     doc = {"rows": rows, "options": {**SHIPPED, **(options or {})}, "machine": "NVIDIA H200",
-           "config": {"sample_steps": steps, "sample_cfg": 1.0}}
+           "config": {"sample_steps": steps, "sample_cfg": 1.0, "train_templates": list(trained)}}
     (folder / "product_path.json").write_text(json.dumps(doc))
 
 
 def test_each_run_shows_the_paired_differences_its_targets_read(tmp_path):
-    _run(tmp_path / "d015", lambda i, s: 35.0 + i + 0.3 * s, {"min_density": 0.15, "max_density": 0.15})
+    _run(tmp_path / "d015", lambda i, s: 35.0 + i + 0.3 * s, {"min_density": 0.15, "max_density": 0.15},
+         trained=("pan", "zoom"))
     _run(tmp_path / "parts" / "piece", lambda i, s: 30.0)  # a merged run's pieces are not runs
     assert main(["--results", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "quality_table.json").read_text())
@@ -49,9 +50,14 @@ def test_each_run_shows_the_paired_differences_its_targets_read(tmp_path):
     assert run["hit - online"]["psnr_db"] == pytest.approx(4.2) and run["hit - online"]["ci95"] > 0
     assert run["oracle - static"]["verdict"] == "oracle ahead"
     assert run["hit - prior"]["verdict"] == "-"  # the run has no prior rows: said, not invented
+    held = run["held_out"]  # fade was never trained on: its request's two seeds
+    assert held["families"] == ["fade"] and held["runs"] == 2
+    assert held["reused_similar_product"] == pytest.approx(37.15) and held["oracle"] == pytest.approx(38.2)
+    assert "population_prior" not in held
     md = (tmp_path / "quality_table.md").read_text()
     assert "| d015 | 10 steps, cfg 1 | max_density=0.15, min_density=0.15 | 6 (3 requests) |" in md
     assert "Command: `python -m chorus_core.testbed.quality_table --results" in md
+    assert "| d015 | fade | 2 | 37.15 | 38.20 | - |" in md
 
 
 def test_a_comparison_pairs_two_runs_on_the_pairs_both_have(tmp_path):

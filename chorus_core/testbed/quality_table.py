@@ -12,6 +12,7 @@ Writes ``quality_table.md`` and ``quality_table.json`` into ``--out`` (default `
   23's targets read (hit minus oracle, online, population prior; oracle minus static and the
   dissimilar request), every source at the hit's kept blocks per row, each a 95 % t interval over
   requests (``comparisons.paired_differences``);
+- per run, the same sources' PSNR on the workload families the checkpoint never trained on;
 - per ``--compare A:B`` (two run folders), the hit's PSNR in run A minus run B on the (request,
   seed) pairs both have, the same interval, and the settings that differ: a default is chosen by
   such a row (the README's Defaults table cites them).
@@ -24,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from .comparisons import mean_ci, paired_differences, verdict
+from .comparisons import family_rows, held_out_templates, mean_ci, paired_differences, verdict
 from .run_record import run_record
 
 HIT = "reused_similar_product"
@@ -34,6 +35,7 @@ RUN_COLUMNS = (("hit - oracle", "matched", HIT, "oracle"), ("hit - online", "mat
                ("hit - prior", "matched", HIT, "population_prior"),
                ("oracle - dissimilar", "matched", "oracle", "reused_dissimilar"),
                ("oracle - static", "matched", "oracle", "static"))
+HELD_OUT_KINDS = (HIT, "oracle", "population_prior", "online")  # the held-out family's line, in this order
 SHIPPED_OPTIONS = {"top_p": 0.9, "min_density": 0.05, "max_density": 0.5, "dense_layers": [],
                    "dense_warmup_steps": 1, "hit_warmup_steps": 0, "dense_last_steps": 0, "miss_mode": "prior"}
 
@@ -84,7 +86,19 @@ def run_row(name: str, doc: dict) -> dict:
         entry = diffs.get((section, a, b), {})
         row[column] = {"psnr_db": entry.get("psnr_db"), "ci95": entry.get("psnr_db_ci95"),
                        "verdict": verdict(entry) if entry else "-"}
+    row["held_out"] = held_out_row(doc)
     return row
+
+
+def held_out_row(doc: dict) -> dict:
+    """PSNR of ``HELD_OUT_KINDS`` (matched density) on the families the checkpoint never trained on,
+    with how many (request, seed) runs that is; empty when the run names no trained families."""
+    held_out = held_out_templates(doc["rows"], doc.get("config", {}).get("train_templates", ()))
+    if not held_out:
+        return {}
+    by_kind = {e["mask_kind"]: e for e in family_rows(doc["rows"], "matched", HELD_OUT_KINDS, held_out)}
+    return {"families": held_out, "runs": by_kind.get(HIT, {}).get("held_out_n", 0),
+            **{kind: by_kind[kind]["held_out_psnr_db"] for kind in HELD_OUT_KINDS if kind in by_kind}}
 
 
 def compare_runs(name_a: str, doc_a: dict, name_b: str, doc_b: dict) -> dict:
@@ -127,6 +141,14 @@ def markdown(doc: dict) -> str:
                  f"{r['hit_density']:.3f}", f"{r['hit_psnr_db']:.2f} ± {r['hit_psnr_db_ci95']:.2f}"]
         cells += [f"{_pm(r[c]['psnr_db'], r[c]['ci95'])} ({r[c]['verdict']})" for c, *_ in RUN_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
+    held = [r for r in doc["runs"] if r.get("held_out")]
+    if held:
+        lines += ["", "## The held-out families (never trained on; matched density, PSNR dB)", "",
+                  "| run | families | runs | " + " | ".join(HELD_OUT_KINDS) + " |", "|" + "---|" * (3 + len(HELD_OUT_KINDS))]
+        for r in held:
+            h = r["held_out"]
+            values = [f"{h[k]:.2f}" if h.get(k) is not None else "-" for k in HELD_OUT_KINDS]
+            lines.append(f"| {r['run']} | {', '.join(h['families'])} | {h['runs']} | " + " | ".join(values) + " |")
     if doc["comparisons"]:
         lines += ["", "## Settings compared (the hit's PSNR, run A minus run B, same pairs)", "",
                   "| A | B | A's setting | B's setting | density A / B | hit PSNR A - B (dB) | pairs |",
