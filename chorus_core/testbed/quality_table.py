@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from .comparisons import family_rows, held_out_templates, mean_ci, paired_differences, verdict
@@ -36,8 +37,6 @@ RUN_COLUMNS = (("hit - oracle", "matched", HIT, "oracle"), ("hit - online", "mat
                ("oracle - dissimilar", "matched", "oracle", "reused_dissimilar"),
                ("oracle - static", "matched", "oracle", "static"))
 HELD_OUT_KINDS = (HIT, "oracle", "population_prior", "online")  # the held-out family's line, in this order
-SHIPPED_OPTIONS = {"top_p": 0.9, "min_density": 0.05, "max_density": 0.5, "dense_layers": [],
-                   "dense_warmup_steps": 1, "hit_warmup_steps": 0, "dense_last_steps": 0, "miss_mode": "prior"}
 
 
 def load_runs(results: Path, skip=("parts",)) -> dict:
@@ -61,9 +60,17 @@ def _normal(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
-def setting(doc: dict, against: dict = SHIPPED_OPTIONS) -> str:
-    """The sampler options of ``doc`` that differ from ``against`` ('shipped' when none does)."""
-    options = doc.get("options", {})
+def shipped_options() -> dict:
+    """The sampler's options as it ships them (``ReuseOptions``' defaults)."""
+    from ..reuse.reuse_run import ReuseOptions  # the sampler's own defaults, so this table cannot drift from them
+
+    return asdict(ReuseOptions())
+
+
+def setting(doc: dict, against: dict | None = None) -> str:
+    """The sampler options of ``doc`` that differ from ``against`` (default: as shipped; 'shipped'
+    when none does)."""
+    options, against = doc.get("options", {}), against if against is not None else shipped_options()
     changed = [f"{name}={_normal(options[name])}" for name in sorted(against)
                if name in options and _normal(options[name]) != _normal(against[name])]
     return ", ".join(changed) or "shipped"
