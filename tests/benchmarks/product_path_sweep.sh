@@ -10,10 +10,28 @@
 # (2026-12-03 lost four runs' tables by returning them file by file).
 #   source tests/benchmarks/h200_env.sh; stage1
 #   source tests/benchmarks/product_path_sweep.sh
-#   sweep CHECKPOINT PRESET SECONDS "NAME ARGS..." "NAME ARGS..." ...
+#   CK=$(joined_checkpoint tests/testbed/entropy16k) || exit 1
+#   sweep "$CK" PRESET SECONDS "NAME ARGS..." "NAME ARGS..." ...
 #   (results in $OUT/sweep.tgz: NAME/product_path.json, .md, run.log)
 # e.g. sweep /tmp/train/chorus_testbed_wan21_i2v.safetensors entropy16k 500 \
 #        "natural" "d010 --option min_density=0.10 --option max_density=0.10"
+
+# The checkpoint joined from its committed parts, once per machine: a later call on the same
+# machine (within ~30 s) finds it in /tmp; a fresh machine (the run reports warm: false) joins it
+# again, and says so plainly when the parts are not in this call's tree (moved out to make room).
+#   CK=$(joined_checkpoint tests/testbed/entropy16k) || exit 1
+joined_checkpoint() {
+  local parts=$1 out=/tmp/chorus-joined/$(basename "$1")
+  local checkpoint=$out/chorus_testbed_wan21_i2v.safetensors
+  if [ ! -f "$checkpoint" ]; then
+    if ! ls "$parts"/*.part1-of-*.safetensors > /dev/null 2>&1; then
+      echo "joined_checkpoint: no joined checkpoint in $out and no parts in $parts: carry the parts in this call" >&2
+      return 1
+    fi
+    python3 -m chorus_core.testbed.train --join-parts "$parts" --out "$out" > /dev/null || return 1
+  fi
+  echo "$checkpoint"
+}
 
 sweep() {
   local checkpoint=$1 preset=$2 seconds=$3
