@@ -38,21 +38,46 @@ class EntryMasks:
         """
         return self._decoded(bucket_index, layer, decode_block_map, validation.check_block_map)
 
+    def packed_block_map_or_reason(self, bucket_index: int, layer: int) -> tuple:
+        """``(packed, None)`` as :meth:`packed_block_map` gives, or ``(None, reason)`` when the layer
+        set is unusable, without touching the bank: safe on any thread, several at once (the
+        hit's decode pool). The caller hands a reason to :meth:`report_corrupt` on one thread.
+
+        :raises IndexError: bucket or layer out of range
+        """
+        return self._attempt(bucket_index, layer, decode_packed_block_map, validation.check_packed_block_map)
+
+    def report_corrupt(self, reason: str) -> None:
+        """Quarantine the entry for ``reason`` (or skip it, read-only) and raise BankEntryCorrupt;
+        ValueError when the entry has no bank behind it (a cached prior)."""
+        if self._on_corrupt is None:
+            raise ValueError(reason)
+        self._on_corrupt(reason)  # quarantines (or skips, read-only) and raises BankEntryCorrupt
+        raise AssertionError("on_corrupt must raise")
+
     def _decoded(self, bucket_index: int, layer: int, decode, check) -> np.ndarray:
+        if self._on_corrupt is None:  # not a bank entry (e.g. a cached prior): decode as is
+            self._check_range(bucket_index, layer)
+            return decode(self._tensors, self._meta, bucket_index, layer)
+        maps, reason = self._attempt(bucket_index, layer, decode, check)
+        if reason is not None:
+            self.report_corrupt(reason)
+        return maps
+
+    def _attempt(self, bucket_index: int, layer: int, decode, check) -> tuple:
+        self._check_range(bucket_index, layer)
+        try:
+            maps = decode(self._tensors, self._meta, bucket_index, layer)
+            check(maps, self.shape[2:])
+            return maps, None
+        except Exception as exc:  # ValueError (bounded decode, checks), zlib.error, IndexError
+            return None, f"bucket {bucket_index} layer {layer} unusable: {type(exc).__name__}: {exc}"
+
+    def _check_range(self, bucket_index: int, layer: int) -> None:
         s_count, layers = self.shape[:2]
         if not (0 <= bucket_index < s_count and 0 <= layer < layers):
             raise IndexError(f"bucket {bucket_index} / layer {layer} out of range for an entry "
                              f"with {s_count} buckets and {layers} layers.")
-        if self._on_corrupt is None:  # not a bank entry (e.g. a cached prior): decode as is
-            return decode(self._tensors, self._meta, bucket_index, layer)
-        try:
-            maps = decode(self._tensors, self._meta, bucket_index, layer)
-            check(maps, self.shape[2:])
-            return maps
-        except Exception as exc:  # ValueError (bounded decode, checks), zlib.error, IndexError
-            reason = f"bucket {bucket_index} layer {layer} unusable: {type(exc).__name__}: {exc}"
-        self._on_corrupt(reason)  # quarantines (or skips, read-only) and raises BankEntryCorrupt
-        raise AssertionError("on_corrupt must raise")
 
     def packed_block_map(self, bucket_index: int, layer: int) -> np.ndarray:
         """Packed bits uint8 ``[H, nq, ceil(nk / 8)]`` of one step bucket and layer, checked (no

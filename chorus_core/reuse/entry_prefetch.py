@@ -14,8 +14,10 @@ bucket on an H200's host, so a hit that runs sparse from its first step waited 3
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional
 
@@ -27,6 +29,10 @@ from ..attention.mask_provider import PreparedMask
 from ..attention.masks import unpack_bits
 
 _POPCOUNT = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.uint8)
+# Layer sets decoded at once by a hit's worker. Inflating (zlib), checking and counting release the
+# GIL, so a few threads cut the wait of a hit's first step, which needs every layer of bucket 0;
+# one core stays for the sampling thread, and more than four would compete with ComfyUI's own work.
+DECODE_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
 def row_counts(packed: np.ndarray) -> np.ndarray:
@@ -80,6 +86,8 @@ class DeviceBucket:
 class PrefetchTimings:
     load_ms: float = 0.0  # row, blob read, digest check, safetensors parse (worker)
     decode_ms: float = 0.0  # every bucket inflated and counted (worker)
+    first_bucket_ms: float = 0.0  # from the worker's start until bucket 0 is ready: what a hit's first step needs
+    decode_threads: int = 1
     wait_ms: float = 0.0  # what the sampling thread waited for the worker (the critical-path cost)
     upload_ms: float = 0.0  # host-side time to queue uploads and live-list ops (the GPU work is async)
     buckets: list = field(default_factory=list)  # per bucket: decode ms
@@ -92,10 +100,12 @@ class EntryPrefetch:
         :class:`~chorus_core.bank.EntryMasks` (entered in the worker, on a connection of its own,
         and left once every bucket is decoded)
     :param pin: pin host arrays (the run is on a CUDA device), so uploads are asynchronous
+    :param decode_threads: layer sets decoded at once (default :data:`DECODE_THREADS`)
     """
 
-    def __init__(self, open_entry: Callable[[], ContextManager], pin: bool = False):
+    def __init__(self, open_entry: Callable[[], ContextManager], pin: bool = False, decode_threads: int | None = None):
         self._open_entry, self._pin = open_entry, pin
+        self._decode_threads = max(1, decode_threads or DECODE_THREADS)
         self._cond = threading.Condition()
         self._entry = None
         self._host: dict[tuple[int, int], HostLayer] = {}  # (bucket, layer) -> host layer
@@ -114,18 +124,33 @@ class EntryPrefetch:
             with self._open_entry() as entry:
                 self.timings.load_ms = (time.perf_counter() - started) * 1e3
                 self._publish(entry=entry)
-                layers, nk = entry.shape[1], entry.shape[-1]
-                for bucket in range(len(entry.step_buckets)):
-                    begun = time.perf_counter()
-                    for layer in range(layers):  # published one by one: the first layers serve soonest
-                        host = HostLayer.from_packed(entry.packed_block_map(bucket, layer), nk, self._pin)
-                        self._publish(layer=((bucket, layer), host))
-                    self.timings.buckets.append(round((time.perf_counter() - begun) * 1e3, 2))
+                self.timings.decode_threads = self._decode_threads
+                with ThreadPoolExecutor(self._decode_threads, thread_name_prefix="chorus-entry-decode") as pool:
+                    for bucket in range(len(entry.step_buckets)):
+                        self._decode_bucket(entry, bucket, pool)
+                        if bucket == 0:
+                            self.timings.first_bucket_ms = round((time.perf_counter() - started) * 1e3, 2)
             self.timings.decode_ms = sum(self.timings.buckets)
         except BaseException as exc:  # handed to the sampling thread, which runs as a miss
             self._publish(error=exc)
         finally:
             self._publish(done=True)
+
+    def _decode_bucket(self, entry, bucket: int, pool: ThreadPoolExecutor) -> None:
+        """Every layer of ``bucket`` decoded on ``pool`` and published in layer order, so the first
+        layers serve soonest. A damaged layer set is reported here, on the worker's own thread:
+        the pool's threads never touch the bank."""
+        begun, nk = time.perf_counter(), entry.shape[-1]
+        decode = lambda layer: self._host_layer(entry, bucket, layer, nk)  # noqa: E731
+        for layer, (host, reason) in enumerate(pool.map(decode, range(entry.shape[1]))):
+            if reason is not None:
+                entry.report_corrupt(reason)  # raises: the entry cannot serve
+            self._publish(layer=((bucket, layer), host))
+        self.timings.buckets.append(round((time.perf_counter() - begun) * 1e3, 2))
+
+    def _host_layer(self, entry, bucket: int, layer: int, nk: int) -> tuple:
+        packed, reason = entry.packed_block_map_or_reason(bucket, layer)
+        return (None, reason) if reason is not None else (HostLayer.from_packed(packed, nk, self._pin), None)
 
     def _publish(self, entry=None, layer=None, error=None, done=False) -> None:
         with self._cond:

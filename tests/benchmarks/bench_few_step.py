@@ -275,6 +275,8 @@ def derive_rows(doc: dict) -> list[dict]:
                          kind="online_prediction" if label.startswith("online") else None,
                          run=m.get("run", 0), first_step_s=round(m["step_ms"][0] / 1e3, 2),
                          prefetch_wait_ms=(m.get("timings") or {}).get("prefetch_wait_ms"),
+                         prefetch_first_bucket_ms=(m.get("timings") or {}).get("prefetch_first_bucket_ms"),
+                         prefetch_decode_threads=(m.get("timings") or {}).get("prefetch_decode_threads"),
                          model_load_s=m.get("model_load_s"),
                          last_step_s=round(m["step_ms"][-1] / 1e3, 2)))
     for row in rows:
@@ -311,7 +313,8 @@ def targets(rows: list[dict]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 COLUMNS = ["run", "shape", "steps", "cfg", "blocks", "case", "mode", "compiled", "density", "measured_density",
-           "dense_steps", "backend", "generation_s", "first_step_s", "last_step_s", "prefetch_wait_ms", "model_load_s",
+           "dense_steps", "backend", "generation_s", "first_step_s", "last_step_s", "prefetch_wait_ms",
+           "prefetch_first_bucket_ms", "prefetch_decode_threads", "model_load_s",
            "compile_s", "graphs", "vs_best_dense", "vs_online_miss", "vs_comfyui_default"]
 
 
