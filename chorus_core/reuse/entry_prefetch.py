@@ -2,8 +2,8 @@
 
 A hit must cost nothing per request on the prompt's thread. :class:`EntryPrefetch` loads,
 verifies and inflates the matched entry in a worker thread that starts before sampling, layer by
-layer: each layer set stays packed bits on the host (an eighth of a bool map, no unpacking) with
-its row counts. At the first sparse call of a step bucket, each of its layers goes to the GPU
+layer (several layer sets at once on a small pool, handed out in layer order): each layer set
+stays packed bits on the host (an eighth of a bool map, no unpacking) with its row counts. At the first sparse call of a step bucket, each of its layers goes to the GPU
 (asynchronous copies from pinned memory) and becomes live-block lists there, with whole-tensor
 ops and no host sync; every later call of that bucket reuses the same tensors.
 
