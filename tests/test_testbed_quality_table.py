@@ -71,6 +71,27 @@ def test_a_comparison_pairs_two_runs_on_the_pairs_both_have(tmp_path):
     assert (entry["a_setting"], entry["b_setting"]) == ("dense_layers=[0]", "dense_layers=[]")
 
 
+def test_infinite_pairs_older_runs_and_runs_without_hits_are_handled(tmp_path):
+    """A pair with identical latents (PSNR +inf) is left out of a comparison and of its count;
+    a run made before the cfg setting reads as cfg 1; a run with no hit shows no numbers."""
+    _run(tmp_path / "a", lambda i, s: float("inf") if i == 0 else 30.0 + i)
+    _run(tmp_path / "b", lambda i, s: 29.0 + i)
+    old = json.loads((tmp_path / "b" / "product_path.json").read_text())
+    del old["config"]["sample_cfg"]
+    (tmp_path / "b" / "product_path.json").write_text(json.dumps(old))
+    _run(tmp_path / "c", lambda i, s: 30.0)
+    none = json.loads((tmp_path / "c" / "product_path.json").read_text())
+    none["rows"] = [r for r in none["rows"] if r["mask_kind"] != "reused_similar_product"]
+    (tmp_path / "c" / "product_path.json").write_text(json.dumps(none))
+    assert main(["--results", str(tmp_path), "--compare", "a:b"]) == 0
+    doc = json.loads((tmp_path / "quality_table.json").read_text())
+    (entry,) = doc["comparisons"]
+    assert (entry["pairs"], entry["requests"]) == (4, 2) and entry["psnr_db"] == pytest.approx(1.0)
+    runs = {r["run"]: r for r in doc["runs"]}
+    assert runs["b"]["sampling"] == "10 steps, cfg 1" and runs["c"]["hit_density"] is None
+    assert "| c | 10 steps, cfg 1 | shipped | 0 | - | - |" in (tmp_path / "quality_table.md").read_text()
+
+
 def test_the_table_refuses_what_it_cannot_compare(tmp_path):
     _run(tmp_path / "a", lambda i, s: 30.0)
     with pytest.raises(SystemExit, match="--compare names 'b', which is not a run"):

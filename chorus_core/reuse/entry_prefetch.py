@@ -32,7 +32,9 @@ _POPCOUNT = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.uin
 # Layer sets decoded at once by a hit's worker. Inflating (zlib), checking and counting release the
 # GIL, so a few threads cut the wait of a hit's first step, which needs every layer of bucket 0;
 # one core stays for the sampling thread, and more than four would compete with ComfyUI's own work.
-DECODE_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
+# Cores this process may run on (a container or taskset can allow fewer than the machine has).
+_USABLE_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+DECODE_THREADS = max(1, min(4, _USABLE_CORES - 1))
 
 
 def row_counts(packed: np.ndarray) -> np.ndarray:

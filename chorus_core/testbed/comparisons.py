@@ -45,7 +45,7 @@ def t_quantile_975(df: int) -> float:
 
 def mean_ci(values: list) -> tuple:
     """Mean and 95 % half-width (t interval; 0 for one value) of the finite values."""
-    v = [x for x in values if _finite(x)]
+    v = [x for x in values if is_finite(x)]
     if not v:
         return None, None
     m = sum(v) / len(v)
@@ -86,7 +86,7 @@ def paired_differences(rows: list) -> list:
             entry = {"section": section, "a": a, "b": b}
             for metric in DIFF_METRICS:
                 diffs = {k: rows_a[k][metric] - rows_b[k][metric] for k in common
-                         if _finite(rows_a[k].get(metric)) and _finite(rows_b[k].get(metric))}
+                         if is_finite(rows_a[k].get(metric)) and is_finite(rows_b[k].get(metric))}
                 entry[metric], entry[f"{metric}_ci95"] = mean_ci(_per_request_means(diffs))
                 if metric == "psnr_db":
                     entry["n"], entry["requests"] = len(diffs), len({r for r, _ in diffs})
@@ -94,7 +94,8 @@ def paired_differences(rows: list) -> list:
     return out
 
 
-def _finite(x) -> bool:
+def is_finite(x) -> bool:
+    """A number that is not None, inf or NaN (identical latents give a PSNR of +inf)."""
     return x is not None and math.isfinite(x)
 
 

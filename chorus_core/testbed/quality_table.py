@@ -26,7 +26,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .comparisons import family_rows, held_out_templates, mean_ci, paired_differences, verdict
+from .comparisons import family_rows, held_out_templates, is_finite, mean_ci, paired_differences, verdict
 from .run_record import run_record
 
 HIT = "reused_similar_product"
@@ -53,7 +53,8 @@ def load_runs(results: Path, skip=("parts",)) -> dict:
 
 def sampling(doc: dict) -> str:
     config = doc.get("config", {})
-    return f"{config.get('sample_steps', '?')} steps, cfg {config.get('sample_cfg', '?'):g}"
+    # runs made before the harness had a cfg setting sampled at cfg 1
+    return f"{config.get('sample_steps', '?')} steps, cfg {float(config.get('sample_cfg', 1.0)):g}"
 
 
 def _normal(value):
@@ -112,15 +113,17 @@ def compare_runs(name_a: str, doc_a: dict, name_b: str, doc_b: dict) -> dict:
     """The hit's PSNR in run A minus run B, paired on their common (request, seed), as one mean per
     request over its seeds with a 95 % t interval over requests."""
     hits_a, hits_b = _pairs(doc_a, "natural", HIT), _pairs(doc_b, "natural", HIT)
-    common = sorted(set(hits_a) & set(hits_b))
+    # a pair counts only where both runs have a finite PSNR (identical latents give +inf)
+    common = sorted(k for k in set(hits_a) & set(hits_b)
+                    if is_finite(hits_a[k].get("psnr_db")) and is_finite(hits_b[k].get("psnr_db")))
     if not common:
-        raise SystemExit(f"--compare {name_a}:{name_b}: the two runs share no (request, seed) pair")
+        raise SystemExit(f"--compare {name_a}:{name_b}: the two runs share no (request, seed) pair with finite PSNR")
     by_request = {}
     for key in common:
         by_request.setdefault(key[0], []).append(hits_a[key]["psnr_db"] - hits_b[key]["psnr_db"])
     m, ci = mean_ci([sum(v) / len(v) for v in by_request.values()])
-    entry = {"a": name_a, "b": name_b, "a_setting": setting(doc_a, doc_b["options"]),
-             "b_setting": setting(doc_b, doc_a["options"]), "psnr_db": m, "psnr_db_ci95": ci,
+    entry = {"a": name_a, "b": name_b, "a_setting": setting(doc_a, doc_b.get("options", {})),
+             "b_setting": setting(doc_b, doc_a.get("options", {})), "psnr_db": m, "psnr_db_ci95": ci,
              "pairs": len(common), "requests": len(by_request),
              "a_density": sum(hits_a[k]["density"] for k in common) / len(common),
              "b_density": sum(hits_b[k]["density"] for k in common) / len(common)}
@@ -140,10 +143,15 @@ def markdown(doc: dict) -> str:
              f"Command: `{doc['command']}`", "",
              "Hit = `reused_similar_product` (a similar request's recorded entry served through the bank), "
              "at the density its setting selects; every other source in a run's row keeps the hit's blocks "
-             "per row. Differences are paired on (request, seed), averaged over each request's seeds, mean ± 95 % t "
+             "per row. The hit's PSNR is a mean ± 95 % interval over requests x seeds, as product_path's own "
+             "tables give it (seeds of one request are not independent: read it as a spread, not a test). "
+             "Differences are paired on (request, seed), averaged over each request's seeds, mean ± 95 % t "
              "interval over requests; a verdict names the side the interval favours.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["runs"]:
+        if r["hit_density"] is None:  # no hit in this run (every target missed): nothing to compare
+            lines.append(f"| {r['run']} | {r['sampling']} | {r['setting']} | 0 | - | - |" + " - |" * len(RUN_COLUMNS))
+            continue
         cells = [r["run"], r["sampling"], r["setting"], f"{r['pairs']} ({r['requests']} requests)",
                  f"{r['hit_density']:.3f}", f"{r['hit_psnr_db']:.2f} ± {r['hit_psnr_db_ci95']:.2f}"]
         cells += [f"{_pm(r[c]['psnr_db'], r[c]['ci95'])} ({r[c]['verdict']})" for c, *_ in RUN_COLUMNS]
