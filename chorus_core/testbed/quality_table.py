@@ -139,7 +139,7 @@ def _pm(m, ci, digits=2) -> str:
 
 def markdown(doc: dict) -> str:
     head = ["run", "sampling", "setting", "pairs", "hit density", "hit PSNR dB"] + [c for c, *_ in RUN_COLUMNS]
-    lines = ["# Quality table", "", f"Machine {doc['machine']}, {doc['date']}, commit {doc['git_commit']}.", "",
+    lines = ["# Quality table", "", f"Runs on {doc['machine']}; table built {doc['date']}, commit {doc['git_commit']}.", "",
              f"Command: `{doc['command']}`", "",
              "Hit = `reused_similar_product` (a similar request's recorded entry served through the bank), "
              "at the density its setting selects; every other source in a run's row keeps the hit's blocks "
