@@ -114,7 +114,7 @@ class EntryPrefetch:
         self._error: Optional[BaseException] = None
         self._done = False
         self._device: Optional[DeviceBucket] = None
-        self.timings = PrefetchTimings()
+        self.timings = PrefetchTimings(decode_threads=self._decode_threads)
         self._thread = threading.Thread(target=self._work, name="chorus-entry-prefetch", daemon=True)
         self._thread.start()
 
@@ -126,7 +126,6 @@ class EntryPrefetch:
             with self._open_entry() as entry:
                 self.timings.load_ms = (time.perf_counter() - started) * 1e3
                 self._publish(entry=entry)
-                self.timings.decode_threads = self._decode_threads
                 with ThreadPoolExecutor(self._decode_threads, thread_name_prefix="chorus-entry-decode") as pool:
                     for bucket in range(len(entry.step_buckets)):
                         self._decode_bucket(entry, bucket, pool)

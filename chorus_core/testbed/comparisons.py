@@ -55,7 +55,8 @@ def mean_ci(values: list) -> tuple:
     return m, t_quantile_975(len(v) - 1) * sd / math.sqrt(len(v))
 
 
-def _by_pair(rows: list, section: str, kind: str) -> dict:
+def rows_by_pair(rows: list, section: str, kind: str) -> dict:
+    """(request, seed) -> the row of ``kind`` in ``section``; ValueError on a pair seen twice."""
     out = {}
     for r in rows:
         if r["section"] == section and r["mask_kind"] == kind:
@@ -66,12 +67,17 @@ def _by_pair(rows: list, section: str, kind: str) -> dict:
     return out
 
 
-def _per_request_means(diffs: dict) -> list:
-    """(request, seed) -> difference, as one mean per request over its seeds."""
+def paired_difference(rows_a: dict, rows_b: dict, metric: str) -> dict:
+    """A - B in ``metric`` over the (request, seed) pairs both have with finite values (identical
+    latents give +inf): ``mean`` and ``ci95`` over requests, each the mean over its seeds, and how
+    many ``pairs`` and ``requests`` that is."""
+    diffs = {k: rows_a[k][metric] - rows_b[k][metric] for k in sorted(set(rows_a) & set(rows_b))
+             if is_finite(rows_a[k].get(metric)) and is_finite(rows_b[k].get(metric))}
     by_request = {}
     for (request, _), d in diffs.items():
         by_request.setdefault(request, []).append(d)
-    return [sum(v) / len(v) for v in by_request.values()]
+    mean, ci = mean_ci([sum(v) / len(v) for v in by_request.values()])
+    return {"mean": mean, "ci95": ci, "pairs": len(diffs), "requests": len(by_request), "keys": list(diffs)}
 
 
 def paired_differences(rows: list) -> list:
@@ -79,17 +85,15 @@ def paired_differences(rows: list) -> list:
     out = []
     for section, pairs in PAIRS.items():
         for a, b in pairs:
-            rows_a, rows_b = _by_pair(rows, section, a), _by_pair(rows, section, b)
-            common = sorted(set(rows_a) & set(rows_b))
-            if not common:
+            rows_a, rows_b = rows_by_pair(rows, section, a), rows_by_pair(rows, section, b)
+            if not set(rows_a) & set(rows_b):
                 continue
             entry = {"section": section, "a": a, "b": b}
             for metric in DIFF_METRICS:
-                diffs = {k: rows_a[k][metric] - rows_b[k][metric] for k in common
-                         if is_finite(rows_a[k].get(metric)) and is_finite(rows_b[k].get(metric))}
-                entry[metric], entry[f"{metric}_ci95"] = mean_ci(_per_request_means(diffs))
+                diff = paired_difference(rows_a, rows_b, metric)
+                entry[metric], entry[f"{metric}_ci95"] = diff["mean"], diff["ci95"]
                 if metric == "psnr_db":
-                    entry["n"], entry["requests"] = len(diffs), len({r for r, _ in diffs})
+                    entry["n"], entry["requests"] = diff["pairs"], diff["requests"]
             out.append(entry)
     return out
 

@@ -26,7 +26,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .comparisons import family_rows, held_out_templates, is_finite, mean_ci, paired_differences, verdict
+from .comparisons import (family_rows, held_out_templates, mean_ci, paired_difference, paired_differences,
+                          rows_by_pair, verdict)
 from .run_record import run_record
 
 HIT = "reused_similar_product"
@@ -77,13 +78,9 @@ def setting(doc: dict, against: dict | None = None) -> str:
     return ", ".join(changed) or "shipped"
 
 
-def _pairs(doc: dict, section: str, kind: str) -> dict:
-    return {(r["request"], r["seed"]): r for r in doc["rows"] if r["section"] == section and r["mask_kind"] == kind}
-
-
 def run_row(name: str, doc: dict) -> dict:
     """One run's line: its sampling and setting, the hit's density and PSNR, ``RUN_COLUMNS``."""
-    hits = _pairs(doc, "natural", HIT)
+    hits = rows_by_pair(doc["rows"], "natural", HIT)
     density, _ = mean_ci([r["density"] for r in hits.values()])
     psnr, psnr_ci = mean_ci([r["psnr_db"] for r in hits.values()])
     diffs = {(e["section"], e["a"], e["b"]): e for e in paired_differences(doc["rows"])}
@@ -112,19 +109,14 @@ def held_out_row(doc: dict) -> dict:
 def compare_runs(name_a: str, doc_a: dict, name_b: str, doc_b: dict) -> dict:
     """The hit's PSNR in run A minus run B, paired on their common (request, seed), as one mean per
     request over its seeds with a 95 % t interval over requests."""
-    hits_a, hits_b = _pairs(doc_a, "natural", HIT), _pairs(doc_b, "natural", HIT)
-    # a pair counts only where both runs have a finite PSNR (identical latents give +inf)
-    common = sorted(k for k in set(hits_a) & set(hits_b)
-                    if is_finite(hits_a[k].get("psnr_db")) and is_finite(hits_b[k].get("psnr_db")))
+    hits_a, hits_b = rows_by_pair(doc_a["rows"], "natural", HIT), rows_by_pair(doc_b["rows"], "natural", HIT)
+    diff = paired_difference(hits_a, hits_b, "psnr_db")
+    common = diff["keys"]
     if not common:
         raise SystemExit(f"--compare {name_a}:{name_b}: the two runs share no (request, seed) pair with finite PSNR")
-    by_request = {}
-    for key in common:
-        by_request.setdefault(key[0], []).append(hits_a[key]["psnr_db"] - hits_b[key]["psnr_db"])
-    m, ci = mean_ci([sum(v) / len(v) for v in by_request.values()])
     entry = {"a": name_a, "b": name_b, "a_setting": setting(doc_a, doc_b.get("options", {})),
-             "b_setting": setting(doc_b, doc_a.get("options", {})), "psnr_db": m, "psnr_db_ci95": ci,
-             "pairs": len(common), "requests": len(by_request),
+             "b_setting": setting(doc_b, doc_a.get("options", {})), "psnr_db": diff["mean"],
+             "psnr_db_ci95": diff["ci95"], "pairs": diff["pairs"], "requests": diff["requests"],
              "a_density": sum(hits_a[k]["density"] for k in common) / len(common),
              "b_density": sum(hits_b[k]["density"] for k in common) / len(common)}
     if sampling(doc_a) != sampling(doc_b):

@@ -39,16 +39,16 @@ from chorus_core.bank.signature import COMPONENTS, DIM  # noqa: E402
 from chorus_core.reuse.entry_prefetch import DECODE_THREADS, EntryPrefetch  # noqa: E402
 from chorus_core.testbed.run_record import run_record  # noqa: E402
 
-HEADS, DENSITY, BUCKETS = 40, 0.15, 3
+HEADS, DENSITY, BUCKETS = 40, 0.15, 3  # what bench_codec.synthetic_maps makes
 
 
 def synthetic_entry(bank: MaskBank, shape: str, layers: int) -> str:
     """One entry of structured masks at ``shape`` with ``layers`` layers; its id."""
-    from bench_end_to_end import SHAPES, structured_block_map, token_grid
+    from bench_codec import synthetic_maps  # the codec benchmark's entry: structured masks, 40 heads, 3 buckets
+    from bench_end_to_end import SHAPES, token_grid
 
     grid = token_grid(SHAPES[shape])
-    maps = np.stack([np.stack([structured_block_map(grid, HEADS, DENSITY, seed=1000 * b + layer, device="cpu")[0].numpy()
-                               for layer in range(layers)]) for b in range(BUCKETS)])
+    maps = synthetic_maps(shape, layers)
     rng = np.random.default_rng(0)
     signature = Signature({c: (v := rng.standard_normal(DIM).astype(np.float32)) / np.linalg.norm(v) for c in COMPONENTS})
     layout = LatentLayout(grid, "thw", (128, 128))
