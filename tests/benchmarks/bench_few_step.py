@@ -259,6 +259,10 @@ def record_entry(ctx, steps: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+# a hit's prefetch timings (the run report's), kept in each row when the run had them
+PREFETCH_TIMINGS = ("prefetch_wait_ms", "prefetch_first_bucket_ms", "prefetch_decode_threads")
+
+
 def derive_rows(doc: dict) -> list[dict]:
     rows = []
     meas = doc["details"]["measurements"]
@@ -274,11 +278,9 @@ def derive_rows(doc: dict) -> list[dict]:
                          batch=1 if doc["details"]["cfg"] == 1.0 else 2,
                          kind="online_prediction" if label.startswith("online") else None,
                          run=m.get("run", 0), first_step_s=round(m["step_ms"][0] / 1e3, 2),
-                         prefetch_wait_ms=(m.get("timings") or {}).get("prefetch_wait_ms"),
-                         prefetch_first_bucket_ms=(m.get("timings") or {}).get("prefetch_first_bucket_ms"),
-                         prefetch_decode_threads=(m.get("timings") or {}).get("prefetch_decode_threads"),
                          model_load_s=m.get("model_load_s"),
-                         last_step_s=round(m["step_ms"][-1] / 1e3, 2)))
+                         last_step_s=round(m["step_ms"][-1] / 1e3, 2),
+                         **{k: (m.get("timings") or {}).get(k) for k in PREFETCH_TIMINGS}))
     for row in rows:
         same = [r for r in rows if r["steps"] == row["steps"]]
         best = min((r["generation_s"] for r in same if r["mode"] == "dense"), default=None)
