@@ -8,6 +8,7 @@ from the page show the per-layer view with the numbers the server reported. Scre
 the view are saved under tests/artifacts/.
 """
 
+import decimal
 import json
 import math
 import shutil
@@ -206,6 +207,12 @@ def _percent(value):
     return math.floor(value * 100 + 0.5)
 
 
+def _fixed2(value):
+    """``value.toFixed(2)`` as the browser writes it: the float's exact value, ties away from zero
+    (Python's format rounds an exact tie such as 0.125 to even: 0.12, where the view shows 0.13)."""
+    return str(decimal.Decimal(value).quantize(decimal.Decimal("0.01"), rounding=decimal.ROUND_HALF_UP))
+
+
 def _assert_layers_and_density(view, report):
     assert view["connected"] and view["shown"], "the view is not in the page"
     layers = report["layers"]
@@ -227,7 +234,7 @@ def _assert_layers_and_density(view, report):
         dense, which = timings["dense_step_s"], "dense step"
     change = 1 - timings["sparse_step_s"] / dense
     verdict = f"{_percent(change)}% faster" if change >= 0 else f"{_percent(-change)}% slower"
-    assert view["saved"] == f"sparse step {timings['sparse_step_s']:.2f} s vs {which} {dense:.2f} s: {verdict}"
+    assert view["saved"] == f"sparse step {_fixed2(timings['sparse_step_s'])} s vs {which} {_fixed2(dense)} s: {verdict}"
 
 
 def _assert_each_bar_answers_the_pointer_with_its_tooltip(driver, report):
