@@ -28,11 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -165,17 +161,6 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
-        cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
-    return f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} CPU"
-
-
-def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default=str(TESTBED))
@@ -187,13 +172,17 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", type=int, default=2)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "benchmarks" / "results")
+    parser.add_argument("--name", help="result file stem (default schedule_transfer_cpu, or _gpu on a GPU)")
     args = parser.parse_args(argv)
     from chorus_core.comfy.comfyui_locator import locate_comfyui, prepare_in_process
 
-    prepare_in_process(locate_comfyui(allow_clone=False), cpu=True)
+    # the GPU when there is one: entropy16k's own 16,384 tokens are too many for a 2-core CPU
+    on_gpu = torch.cuda.is_available()
+    prepare_in_process(locate_comfyui(allow_clone=False), cpu=not on_gpu)
     import comfy.sd
 
     from chorus_core.testbed.config import make_config, size_name
+    from chorus_core.testbed.run_record import run_record
 
     config = make_config(args.preset, args.set)
     started = time.time()
@@ -201,17 +190,17 @@ def main(argv=None) -> int:
         patcher = comfy.sd.load_diffusion_model(args.checkpoint)
         rows = measure(patcher, config, Path(tmp), (args.long, args.short), args.targets, args.seeds)
     command = "python tests/benchmarks/bench_schedule_transfer.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    doc = {"benchmark": "bench_schedule_transfer", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "machine": machine(), "command": command.strip(), "git_commit": git_commit(),
+    doc = {"benchmark": "bench_schedule_transfer", **run_record(command.strip(), on_gpu), "preset": args.preset,
            "shape": size_name(config.long_size), "block": config.block_size, "seconds": round(time.time() - started, 1),
            "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "schedule_transfer_cpu.json").write_text(json.dumps(doc, indent=1))
+    stem = args.name or ("schedule_transfer_gpu" if on_gpu else "schedule_transfer_cpu")
+    (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     md = [f"# A bank entry served to a run on another sigma schedule ({doc['shape']}, block {doc['block']})", "",
           f"- machine: {doc['machine']}", f"- command: `{doc['command']}`", f"- git commit: {doc['git_commit']}",
           f"- date: {doc['date']}, {doc['seconds']} s", "",
           "Final latents against the dense run of the same steps and seed (mean ± 95 % CI).", "", *table(rows)]
-    (args.out / "schedule_transfer_cpu.md").write_text("\n".join(md) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(md) + "\n")
     print("\n".join(table(rows)))
     return 0
 
