@@ -10,15 +10,20 @@ from conftest import REPO_ROOT
 
 def test_the_few_step_benchmark_times_every_mode_on_its_own_path(tmp_path, comfyui_path):
     script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
-    done = subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "2",
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "2,3",
                            "--profile", "hit_dense0_eager", "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads((tmp_path / "few_step_tiny.json").read_text())
+    # every hit row of both step counts hit: the entry is recorded on the finer schedule, which
+    # serves the coarser one by sigma (recorded on 2 steps, the 3-step hits would miss and fail)
     assert doc["details"]["errors"] == [] and doc["git_commit"]
-    rows = {r["case"]: r for r in doc["rows"]}
+    assert doc["details"]["recorded_steps"] == 3
+    assert [r["mode"] for r in doc["rows"] if r["case"].startswith("hit_")] == ["hit"] * 4
+    rows = {r["case"]: r for r in doc["rows"] if r["steps"] == 2 or r["case"].startswith("miss_recording")}
     assert set(rows) == {"dense_comfyui_eager", "dense_fa4_eager", "miss_recording_dense1_eager", "hit_dense0_eager",
                          "hit_dense1_eager", "online_dense1_eager", "online_dense0_eager"}
+    assert rows.pop("miss_recording_dense1_eager")["steps"] == 3
     for case, row in rows.items():
         assert row["steps"] == 2 and row["cfg"] == 1.0 and row["generation_s"] > 0, case
         assert len(row["step_ms_all"]) == 2 and row["batch"] == 1
