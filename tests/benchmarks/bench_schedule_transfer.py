@@ -117,7 +117,8 @@ def run_target(pps: dict, banks: dict, target, seed: int) -> list[dict]:
     return rows
 
 
-def measure(patcher, config, workdir: Path, steps_pair: tuple, targets: int, seeds: int) -> list[dict]:
+def measure(patcher, config, workdir: Path, steps_pair: tuple, targets: int, seeds: int, save=None) -> list[dict]:
+    """Every target's rows; ``save(rows)`` after each target, so a run cut off keeps what it measured."""
     from chorus_core.bank import MaskBank
     from chorus_core.testbed.config import tokens_of
     from chorus_core.testbed.product_path import ProductPath
@@ -138,7 +139,31 @@ def measure(patcher, config, workdir: Path, steps_pair: tuple, targets: int, see
             rows += run_target(pps, banks, tgts[ti], seed)
             for bank in banks.values():
                 bank.close()
+            if save is not None:
+                save(rows)
     return rows
+
+
+# (run's own entry or the served one, the source it is set against): what decides the serving rule
+PAIRED = (("hit_by_sigma", "hit_same_schedule"), ("hit_by_sigma", "online_miss"), ("hit_by_sigma", "hit_by_step_index"))
+
+
+def paired_table(rows: list[dict]) -> list[str]:
+    """A - B on the same (request, seed), averaged over each request's seeds, 95 % t over requests."""
+    from chorus_core.testbed.comparisons import paired_difference
+
+    lines = ["| run steps | A | B | PSNR A - B (dB) | pairs | requests |", "|---|---|---|---|---|---|"]
+    for steps in sorted({r["run_steps"] for r in rows}):
+        by_mode = {}
+        for r in rows:
+            if r["run_steps"] == steps:
+                by_mode.setdefault(r["mode"], {})[(r["request"], r["seed"])] = r
+        for a, b in PAIRED:
+            if a in by_mode and b in by_mode:
+                d = paired_difference(by_mode[a], by_mode[b], "psnr_db")
+                cell = "-" if d["mean"] is None else f"{d['mean']:+.2f} ± {d['ci95']:.2f}"
+                lines.append(f"| {steps} | {a} | {b} | {cell} | {d['pairs']} | {d['requests']} |")
+    return lines
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -186,23 +211,34 @@ def main(argv=None) -> int:
 
     config = make_config(args.preset, args.set)
     started = time.time()
+    command = "python tests/benchmarks/bench_schedule_transfer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    stem = args.name or ("schedule_transfer_gpu" if on_gpu else "schedule_transfer_cpu")
+
+    def save(rows: list[dict]) -> None:
+        doc = {"benchmark": "bench_schedule_transfer", **run_record(command.strip(), on_gpu), "preset": args.preset,
+               "shape": size_name(config.long_size), "block": config.block_size,
+               "seconds": round(time.time() - started, 1), "rows": rows}
+        write_results(args.out, stem, doc)
+
     with tempfile.TemporaryDirectory(prefix="chorus-schedule-transfer-") as tmp:
         patcher = comfy.sd.load_diffusion_model(args.checkpoint)
-        rows = measure(patcher, config, Path(tmp), (args.long, args.short), args.targets, args.seeds)
-    command = "python tests/benchmarks/bench_schedule_transfer.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    doc = {"benchmark": "bench_schedule_transfer", **run_record(command.strip(), on_gpu), "preset": args.preset,
-           "shape": size_name(config.long_size), "block": config.block_size, "seconds": round(time.time() - started, 1),
-           "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or ("schedule_transfer_gpu" if on_gpu else "schedule_transfer_cpu")
-    (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+        rows = measure(patcher, config, Path(tmp), (args.long, args.short), args.targets, args.seeds, save)
+    save(rows)
+    print("\n".join(table(rows) + [""] + paired_table(rows)))
+    return 0
+
+
+def write_results(out: Path, stem: str, doc: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    rows = doc["rows"]
     md = [f"# A bank entry served to a run on another sigma schedule ({doc['shape']}, block {doc['block']})", "",
           f"- machine: {doc['machine']}", f"- command: `{doc['command']}`", f"- git commit: {doc['git_commit']}",
           f"- date: {doc['date']}, {doc['seconds']} s", "",
-          "Final latents against the dense run of the same steps and seed (mean ± 95 % CI).", "", *table(rows)]
-    (args.out / f"{stem}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(table(rows)))
-    return 0
+          "Final latents against the dense run of the same steps and seed (mean ± 95 % CI).", "", *table(rows), "",
+          "Paired on (request, seed), averaged over each request's seeds, mean ± 95 % t over requests.", "",
+          *paired_table(rows)]
+    (out / f"{stem}.md").write_text("\n".join(md) + "\n")
 
 
 if __name__ == "__main__":
