@@ -8,6 +8,9 @@
 # 3:6, 6:8 with --seeds 1 --seed-start S: about 320 s each, six side by side, 2026-12-03) and --merge.
 # At most 8 files come back from $OUT, so the runs' folders come back as one $OUT/sweep.tgz
 # (2026-12-03 lost four runs' tables by returning them file by file).
+# A file over 16 MiB does not come back either: never tar checkpoint parts (15 MiB each) with
+# the tables (2026-12-03 lost a schedule-transfer table and a sharpness record that way); return
+# the parts as files of their own, the small results in one archive.
 #   source tests/benchmarks/h200_env.sh; stage1
 #   source tests/benchmarks/product_path_sweep.sh
 #   CK=$(joined_checkpoint tests/testbed/entropy16k) || exit 1
