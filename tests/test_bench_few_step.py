@@ -37,3 +37,23 @@ def test_the_few_step_benchmark_times_every_mode_on_its_own_path(tmp_path, comfy
     assert "| hit_dense0_eager |" in (tmp_path / "few_step_tiny.md").read_text()
     profiled = doc["details"]["measurements"]["hit_dense0_eager@2"]["profile"]  # item 5's tool: where time goes
     assert "aten::" in (tmp_path / profiled["file"]).read_text() and len(profiled["step_ms"]) == 2
+
+
+def test_a_kept_bank_serves_the_hits_of_a_later_call(tmp_path, comfyui_path):
+    """--bank: one call records the entry, the next (another process) is served from it, as a
+    40-step cfg 5 table split over device calls by --only needs."""
+    script, bank = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py", tmp_path / "bank"
+
+    def call(only: str, out: str) -> dict:
+        done = subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "2", "--only", only,
+                               "--bank", str(bank), "--out", str(tmp_path / out)], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=900, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((tmp_path / out / "few_step_tiny.json").read_text())
+
+    first = call("miss_recording_dense1_eager", "a")
+    assert first["details"]["errors"] == [] and first["details"]["recorded_steps"] == 2
+    later = call("miss_recording_dense1_eager,hit_dense0_eager", "b")
+    assert later["details"]["errors"] == [] and later["details"]["recorded_steps"] == 2
+    assert [r["case"] for r in later["rows"]] == ["hit_dense0_eager"] and later["rows"][0]["mode"] == "hit"
+    assert any("not run" in note and "--bank" in note for note in later["details"]["skipped"])
