@@ -19,7 +19,8 @@ def test_the_few_step_benchmark_times_every_mode_on_its_own_path(tmp_path, comfy
     # serves the coarser one by sigma (recorded on 2 steps, the 3-step hits would miss and fail)
     assert doc["details"]["errors"] == [] and doc["git_commit"]
     assert doc["details"]["recorded_steps"] == 3
-    assert [r["mode"] for r in doc["rows"] if r["case"].startswith("hit_")] == ["hit"] * 4
+    ran = doc["details"]["measurements"]
+    assert [ran[f"hit_dense{d}_eager@{n}"]["run_mode"] for d in (0, 1) for n in (2, 3)] == ["hit"] * 4
     rows = {r["case"]: r for r in doc["rows"] if r["steps"] == 2 or r["case"].startswith("miss_recording")}
     assert set(rows) == {"dense_comfyui_eager", "dense_fa4_eager", "miss_recording_dense1_eager", "hit_dense0_eager",
                          "hit_dense1_eager", "online_dense1_eager", "online_dense0_eager"}
@@ -55,5 +56,6 @@ def test_a_kept_bank_serves_the_hits_of_a_later_call(tmp_path, comfyui_path):
     assert first["details"]["errors"] == [] and first["details"]["recorded_steps"] == 2
     later = call("miss_recording_dense1_eager,hit_dense0_eager", "b")
     assert later["details"]["errors"] == [] and later["details"]["recorded_steps"] == 2
-    assert [r["case"] for r in later["rows"]] == ["hit_dense0_eager"] and later["rows"][0]["mode"] == "hit"
+    assert [r["case"] for r in later["rows"]] == ["hit_dense0_eager"]
+    assert later["details"]["measurements"]["hit_dense0_eager@2"]["run_mode"] == "hit"
     assert any("not run" in note and "--bank" in note for note in later["details"]["skipped"])

@@ -552,6 +552,7 @@ def main(argv=None):
 
 def run_all(ctx, doc, args, step_counts: list[int], save) -> None:
     plan = mode_plan(compiled=not args.no_compile, eager_hit=args.eager_hit)
+    ctx["step_counts"] = step_counts
     entry_kept = kept_entry(ctx, doc)
     for mode in [m for m in plan if args.only is None or m.label in args.only.split(",")]:
         if time.perf_counter() - e2e.T0 > args.budget_s:
@@ -585,6 +586,9 @@ def kept_entry(ctx, doc) -> bool:
         return False
     if len(entries) != 1:
         raise RuntimeError(f"--bank holds {len(entries)} entries; the hits need exactly the one recorded for them")
+    if entries[0]["steps"] < max(ctx["step_counts"]):
+        raise SystemExit(f"--bank holds an entry recorded at {entries[0]['steps']} steps; runs of "
+                         f"{max(ctx['step_counts'])} steps would not be served from it: use a new --bank folder")
     doc["details"]["recorded_steps"] = entries[0]["steps"]
     doc["details"]["skipped"].append(f"miss_recording: not run; the hits are served from entry {entries[0]['id']}, "
                                      f"recorded at {entries[0]['steps']} steps by an earlier call (--bank)")

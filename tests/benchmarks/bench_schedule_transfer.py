@@ -3,6 +3,8 @@
     .venv/bin/python tests/benchmarks/bench_schedule_transfer.py [--preset cpu2k] [--targets 2] [--long 20]
     .venv/bin/python tests/benchmarks/bench_schedule_transfer.py --checkpoint SHARP16K --preset sharp16k \
         --set long_size=[8,32,32] --set block_size=64 --targets 4     # its weights, its workload, 2,048 tokens
+    python tests/benchmarks/bench_schedule_transfer.py --checkpoint ENTROPY16K --preset entropy16k \
+        --long 40 --short 4 --targets 8 --name schedule_transfer_entropy16k_h200   # on a GPU, 16,384 tokens
 
 On the committed testbed model (``tests/testbed/``; ``--checkpoint`` for another), at the preset's
 size (cpu2k: 2,048 tokens, block 64, a 2-core CPU is enough). For each target request, its similar
@@ -21,7 +23,9 @@ product-path harness's sampling). The target then runs at both step counts:
   from this benchmark's first two modes; they serve the entry whatever its schedule);
 - ``online_miss``: online prediction with the miss's dense warm-up (what a miss runs).
 
-Writes ``schedule_transfer_cpu.json`` and ``.md`` into ``--out`` (default tests/benchmarks/results).
+Runs on the GPU when there is one. Writes ``NAME.json`` and ``.md`` into ``--out`` (default
+tests/benchmarks/results; NAME is ``--name``, else ``schedule_transfer_cpu`` or ``_gpu``) after
+every target, with a paired table (the same requests and seeds) beside the per-mode one.
 """
 
 from __future__ import annotations
@@ -144,7 +148,8 @@ def measure(patcher, config, workdir: Path, steps_pair: tuple, targets: int, see
     return rows
 
 
-# (run's own entry or the served one, the source it is set against): what decides the serving rule
+# The pairs that decide the serving rule: an entry of the other step count served by sigma, set
+# against the run's own entry, an online miss, and the same entry addressed by step index
 PAIRED = (("hit_by_sigma", "hit_same_schedule"), ("hit_by_sigma", "online_miss"), ("hit_by_sigma", "hit_by_step_index"))
 
 
@@ -161,7 +166,9 @@ def paired_table(rows: list[dict]) -> list[str]:
         for a, b in PAIRED:
             if a in by_mode and b in by_mode:
                 d = paired_difference(by_mode[a], by_mode[b], "psnr_db")
-                cell = "-" if d["mean"] is None else f"{d['mean']:+.2f} ± {d['ci95']:.2f}"
+                # one request has no interval: print none rather than a misleading ± 0.00
+                cell = ("-" if d["mean"] is None else f"{d['mean']:+.2f}" if d["requests"] < 2
+                        else f"{d['mean']:+.2f} ± {d['ci95']:.2f}")
                 lines.append(f"| {steps} | {a} | {b} | {cell} | {d['pairs']} | {d['requests']} |")
     return lines
 
@@ -199,6 +206,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "benchmarks" / "results")
     parser.add_argument("--name", help="result file stem (default schedule_transfer_cpu, or _gpu on a GPU)")
     args = parser.parse_args(argv)
+    if args.long == args.short:
+        parser.error("--long and --short must differ: the benchmark serves each one's entry to the other")
     from chorus_core.comfy.comfyui_locator import locate_comfyui, prepare_in_process
 
     # the GPU when there is one: entropy16k's own 16,384 tokens are too many for a 2-core CPU
