@@ -59,3 +59,26 @@ def test_a_kept_bank_serves_the_hits_of_a_later_call(tmp_path, comfyui_path):
     assert [r["case"] for r in later["rows"]] == ["hit_dense0_eager"]
     assert later["details"]["measurements"]["hit_dense0_eager@2"]["run_mode"] == "hit"
     assert any("not run" in note and "--bank" in note for note in later["details"]["skipped"])
+
+
+def test_the_targets_line_names_each_issue_target_met_or_not():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_few_step", REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    hit = dict(case="hit_dense0_compiled", cfg=1.0, vs_comfyui_default=None)
+    lines = bench.targets([dict(hit, shape="720p", steps=4, vs_best_dense=2.333, vs_online_miss=1.471),
+                           dict(hit, shape="480p", steps=40, cfg=5.0, vs_best_dense=2.6, vs_online_miss=1.5,
+                                vs_comfyui_default=2.9),
+                           dict(hit, shape="480p", steps=4, vs_best_dense=1.658, vs_online_miss=1.338),
+                           dict(hit, case="online_dense1_compiled", shape="720p", steps=4, vs_best_dense=1.6,
+                                vs_online_miss=1.0)])
+    assert lines == [
+        "720p 4 steps cfg 1.0, hit with no dense step, compiled: 2.333x the fastest dense run (target >= 2.4x: "
+        "NOT MET), 1.471x an online miss with one dense step (target >= 1.35x: MET)",
+        "480p 40 steps cfg 5.0, hit with no dense step, compiled: 2.6x the fastest dense run (target >= 2.5x: MET), "
+        "2.9x ComfyUI's default (target >= 3.0x: NOT MET)",
+        "480p 4 steps cfg 1.0, hit with no dense step, compiled: 1.658x the fastest dense run, 1.338x an online miss "
+        "with one dense step (no target at this shape and step count)"]
