@@ -98,6 +98,14 @@ def paired_differences(rows: list) -> list:
     return out
 
 
+def plus_minus(mean, ci, digits: int = 2) -> str:
+    """A signed difference as a table cell: ``+m ± ci``, ``+m`` when there is no interval (``ci``
+    None, e.g. one request), ``-`` when there is no value."""
+    if mean is None:
+        return "-"
+    return f"{mean:+.{digits}f}" if ci is None else f"{mean:+.{digits}f} ± {ci:.{digits}f}"
+
+
 def is_finite(x) -> bool:
     """A number that is not None, inf or NaN (identical latents give a PSNR of +inf)."""
     return x is not None and math.isfinite(x)

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .comparisons import (family_rows, held_out_templates, mean_ci, paired_difference, paired_differences,
-                          rows_by_pair, verdict)
+                          plus_minus, rows_by_pair, verdict)
 from .run_record import run_record
 
 HIT = "reused_similar_product"
@@ -125,10 +125,6 @@ def compare_runs(name_a: str, doc_a: dict, name_b: str, doc_b: dict) -> dict:
     return entry
 
 
-def _pm(m, ci, digits=2) -> str:
-    return "-" if m is None else f"{m:+.{digits}f} ± {ci:.{digits}f}"
-
-
 def markdown(doc: dict) -> str:
     head = ["run", "sampling", "setting", "pairs", "hit density", "hit PSNR dB"] + [c for c, *_ in RUN_COLUMNS]
     lines = ["# Quality table", "", f"Runs on {doc['machine']}; table built {doc['date']}, commit {doc['git_commit']}.", "",
@@ -146,7 +142,7 @@ def markdown(doc: dict) -> str:
             continue
         cells = [r["run"], r["sampling"], r["setting"], f"{r['pairs']} ({r['requests']} requests)",
                  f"{r['hit_density']:.3f}", f"{r['hit_psnr_db']:.2f} ± {r['hit_psnr_db_ci95']:.2f}"]
-        cells += [f"{_pm(r[c]['psnr_db'], r[c]['ci95'])} ({r[c]['verdict']})" for c, *_ in RUN_COLUMNS]
+        cells += [f"{plus_minus(r[c]['psnr_db'], r[c]['ci95'])} ({r[c]['verdict']})" for c, *_ in RUN_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     held = [r for r in doc["runs"] if r.get("held_out")]
     if held:
@@ -162,7 +158,7 @@ def markdown(doc: dict) -> str:
                   "|---|---|---|---|---|---|---|"]
         for c in doc["comparisons"]:
             lines.append(f"| {c['a']} | {c['b']} | {c['a_setting']} | {c['b_setting']} | "
-                         f"{c['a_density']:.3f} / {c['b_density']:.3f} | {_pm(c['psnr_db'], c['psnr_db_ci95'])} | "
+                         f"{c['a_density']:.3f} / {c['b_density']:.3f} | {plus_minus(c['psnr_db'], c['psnr_db_ci95'])} | "
                          f"{c['pairs']} ({c['requests']} requests) |")
     return "\n".join(lines) + "\n"
 

@@ -564,23 +564,17 @@ def main(argv=None):
 
 def run_all(ctx, doc, args, step_counts: list[int], save) -> None:
     plan = mode_plan(compiled=not args.no_compile, eager_hit=args.eager_hit)
-    ctx["step_counts"] = step_counts
-    entry_kept = kept_entry(ctx, doc)
+    # the finest schedule: an entry recorded on fewer steps would not serve the others
+    recorded_steps = max(step_counts)
+    entry_kept = kept_entry(ctx["bank"], doc, recorded_steps)
     for mode in [m for m in plan if args.only is None or m.label in args.only.split(",")]:
         if time.perf_counter() - e2e.T0 > args.budget_s:
             doc["details"]["skipped"].append(f"{mode.label}: skipped, time budget")
             continue
         try:
-            if mode.key == "miss_recording" and entry_kept:
-                continue
             if mode.key == "miss_recording":
-                # the finest schedule: an entry recorded on fewer steps would not serve the others
-                recorded_steps = doc["details"]["recorded_steps"] = max(step_counts)
-                m = record_entry(ctx, recorded_steps)
-                m.update(mode="miss", compiled=False, dense_steps=1, compile_s=None)
-                doc["details"]["measurements"][f"{mode.label}@{recorded_steps}"] = m
-                e2e.log(f"recorded: {m['generation_s']:.2f} s, steps {m['step_ms']}")
-                save()
+                if not entry_kept:
+                    record_mode(ctx, doc, mode, recorded_steps, save)
             else:
                 run_mode(ctx, doc, mode, step_counts, save)
         except Exception as exc:  # noqa: BLE001  (one mode's failure is a result; the others still run)
@@ -590,17 +584,27 @@ def run_all(ctx, doc, args, step_counts: list[int], save) -> None:
             torch.cuda.empty_cache()
 
 
-def kept_entry(ctx, doc) -> bool:
+def record_mode(ctx, doc, mode: Mode, steps: int, save) -> None:
+    """The recording miss as a measured row, and the step count its entry serves from."""
+    m = record_entry(ctx, steps)
+    m.update(mode="miss", compiled=False, dense_steps=1, compile_s=None)
+    doc["details"]["recorded_steps"] = steps
+    doc["details"]["measurements"][f"{mode.label}@{steps}"] = m
+    e2e.log(f"recorded: {m['generation_s']:.2f} s, steps {m['step_ms']}")
+    save()
+
+
+def kept_entry(bank, doc, needed_steps: int) -> bool:
     """Whether ``--bank`` already holds the hits' entry (an earlier call recorded it): then it is
     not recorded again, and the document says which entry its hits were served from."""
-    entries = ctx["bank"].entries()
+    entries = bank.entries()
     if not entries:
         return False
     if len(entries) != 1:
         raise RuntimeError(f"--bank holds {len(entries)} entries; the hits need exactly the one recorded for them")
-    if entries[0]["steps"] < max(ctx["step_counts"]):
+    if entries[0]["steps"] < needed_steps:
         raise SystemExit(f"--bank holds an entry recorded at {entries[0]['steps']} steps; runs of "
-                         f"{max(ctx['step_counts'])} steps would not be served from it: use a new --bank folder")
+                         f"{needed_steps} steps would not be served from it: use a new --bank folder")
     doc["details"]["recorded_steps"] = entries[0]["steps"]
     doc["details"]["skipped"].append(f"miss_recording: not run; the hits are served from entry {entries[0]['id']}, "
                                      f"recorded at {entries[0]['steps']} steps by an earlier call (--bank)")

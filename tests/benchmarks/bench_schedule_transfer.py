@@ -155,7 +155,7 @@ PAIRED = (("hit_by_sigma", "hit_same_schedule"), ("hit_by_sigma", "online_miss")
 
 def paired_table(rows: list[dict]) -> list[str]:
     """A - B on the same (request, seed), averaged over each request's seeds, 95 % t over requests."""
-    from chorus_core.testbed.comparisons import paired_difference
+    from chorus_core.testbed.comparisons import paired_difference, plus_minus
 
     lines = ["| run steps | A | B | PSNR A - B (dB) | pairs | requests |", "|---|---|---|---|---|---|"]
     for steps in sorted({r["run_steps"] for r in rows}):
@@ -167,8 +167,7 @@ def paired_table(rows: list[dict]) -> list[str]:
             if a in by_mode and b in by_mode:
                 d = paired_difference(by_mode[a], by_mode[b], "psnr_db")
                 # one request has no interval: print none rather than a misleading ± 0.00
-                cell = ("-" if d["mean"] is None else f"{d['mean']:+.2f}" if d["requests"] < 2
-                        else f"{d['mean']:+.2f} ± {d['ci95']:.2f}")
+                cell = plus_minus(d["mean"], d["ci95"] if d["requests"] >= 2 else None)
                 lines.append(f"| {steps} | {a} | {b} | {cell} | {d['pairs']} | {d['requests']} |")
     return lines
 
