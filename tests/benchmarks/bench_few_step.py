@@ -415,8 +415,10 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> N
     merged["details"]["repeats"] = {}
     meas = {}
     for i, d in enumerate(docs):
-        if d["details"]["shape"] != merged["details"]["shape"]:
-            raise SystemExit(f"{paths[i]} is {d['details']['shape']}, not {merged['details']['shape']}")
+        for what in ("shape", "cfg"):
+            if d["details"][what] != merged["details"][what]:
+                raise SystemExit(f"{paths[i]} has {what} {d['details'][what]}, not {merged['details'][what]}: "
+                                 "merge runs of one shape and one cfg")
         for key, m in d["details"]["measurements"].items():
             m = dict(m, run=i)
             if key in meas:
@@ -429,7 +431,14 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> N
     merged["command"] = command
     merged["date"] = max(d["date"] for d in docs)
     machine = "h200" if "H200" in merged["machine"] else "gpu"
-    write_results(out_dir, f"few_step_{machine}_{merged['details']['shape']}", merged)
+    write_results(out_dir, results_name(machine, merged["details"]["shape"], merged["details"]["cfg"]), merged)
+
+
+def results_name(machine: str, shape: str, cfg: float) -> str:
+    """cfg 1 (the step-distilled regime) keeps the plain name; other cfg values get their own file, as
+    a cfg 5 run's measurements would otherwise replace the cfg 1 ones of the same steps."""
+    name = f"few_step_{machine}_{shape}"
+    return name if cfg == 1.0 else f"{name}_cfg{cfg:g}"
 
 
 def new_doc(args, cuda: bool, blocks: int, shape: str) -> dict:
@@ -538,7 +547,7 @@ def main(argv=None):
         latent_thw = e2e.SHAPES[shape]
     step_counts = [int(s) for s in args.steps.split(",")]
     machine = "tiny" if args.tiny else ("h200" if "H200" in e2e.machine_name(cuda) else "gpu")
-    name = "few_step_tiny" if args.tiny else f"few_step_{machine}_{shape}"
+    name = "few_step_tiny" if args.tiny else results_name(machine, shape, args.cfg)
     doc = new_doc(args, cuda, blocks, shape)
     out_dir = Path(args.out)
     model, patcher = e2e.build_model(dim, ffn, blocks, device, dtype)
