@@ -81,3 +81,19 @@ def test_the_targets_line_names_each_issue_target_met_or_not():
         "2.9x ComfyUI's default (target >= 3.0x: NOT MET)",
         "480p 4 steps cfg 1.0, hit with no dense step, compiled: 1.658x the fastest dense run, 1.338x an online miss "
         "with one dense step (no target at this shape and step count)"]
+
+
+def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(tmp_path):
+    """Measurements are keyed by case and steps: a cfg 5 run merged into the cfg 1 table (or written
+    over its file) would replace the cfg 1 rows of the same step count."""
+    script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
+    results = REPO_ROOT / "tests" / "benchmarks" / "results"
+    cfg1 = results / "few_step_h200_480p_runs" / "run0_b6142d8.json"
+    cfg5 = results / "few_step_h200_480p_cfg5_runs" / "run1_dense_comfyui_f7fbfb5.json"
+    done = subprocess.run([sys.executable, str(script), "--merge", f"{cfg1},{cfg5}", "--out", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "has cfg 5.0, not 1.0" in done.stderr and not list(tmp_path.iterdir())
+    code = ("import sys; sys.path.insert(0, 'tests/benchmarks'); import bench_few_step as b; "
+            "print(b.results_name('h200', '480p', 1.0), b.results_name('h200', '480p', 5.0))")
+    named = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert named.stdout.split()[-2:] == ["few_step_h200_480p", "few_step_h200_480p_cfg5"], named.stderr[-3000:]
