@@ -97,3 +97,60 @@ def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(t
             "print(b.results_name('h200', '480p', 1.0), b.results_name('h200', '480p', 5.0))")
     named = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert named.stdout.split()[-2:] == ["few_step_h200_480p", "few_step_h200_480p_cfg5"], named.stderr[-3000:]
+
+
+def test_a_dense_run_longer_than_a_call_is_timed_in_two_stages_and_joined(tmp_path, comfyui_path):
+    """--stage: a 720p 40-step cfg 5 dense run (about 800 s) does not fit one 600 s device call, so
+    it runs as the two stages of a KSamplerAdvanced split, one call each, and --merge joins them."""
+    script, latents = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py", tmp_path / "latents"
+    env = {**os.environ, "COMFYUI_PATH": str(comfyui_path)}
+
+    def call(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "4",
+                               "--stage-latent", str(latents), *extra], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=900, env=env)
+
+    refused = call("--stage", "0:2", "--only", "hit_dense0_eager", "--out", str(tmp_path / "x"))
+    assert refused.returncode != 0 and "dense modes only" in refused.stderr
+    early = call("--stage", "2:4", "--only", "dense_comfyui_eager", "--out", str(tmp_path / "early"))
+    assert early.returncode == 0, early.stderr[-3000:]  # the first stage never ran: an error in the results
+    assert "run --stage 0:2 of dense_comfyui_eager first" in json.loads(
+        (tmp_path / "early" / "few_step_tiny.json").read_text())["details"]["errors"][0]
+    for stage in ("0:2", "2:4"):
+        done = call("--stage", stage, "--only", "dense_comfyui_eager", "--out", str(tmp_path / stage.replace(":", "_")))
+        assert done.returncode == 0, done.stderr[-3000:]
+    first = json.loads((tmp_path / "0_2" / "few_step_tiny.json").read_text())
+    assert first["rows"] == [] and "stage 0:2 only" in (tmp_path / "0_2" / "few_step_tiny.md").read_text()
+    assert (latents / "dense_comfyui_eager.pt").is_file()
+    files = ",".join(str(tmp_path / d / "few_step_tiny.json") for d in ("0_2", "2_4"))
+    merged = subprocess.run([sys.executable, str(script), "--merge", files, "--out", str(tmp_path / "m")],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    doc = json.loads((tmp_path / "m" / "few_step_gpu_tiny.json").read_text())
+    parts = [json.loads((tmp_path / d / "few_step_tiny.json").read_text())["details"]["measurements"]
+             ["dense_comfyui_eager@4"] for d in ("0_2", "2_4")]
+    [row] = doc["rows"]
+    assert row["steps"] == 4 and len(row["step_ms_all"]) == 4
+    assert row["generation_s"] == round(parts[0]["generation_s"] + parts[1]["generation_s"], 3)
+    assert [p["stage"] for p in doc["details"]["measurements"]["dense_comfyui_eager@4"]["stages"]] == [[0, 2], [2, 4]]
+
+
+def test_stages_join_only_when_they_cover_the_schedule():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("few_step_stages",
+                                                  REPO_ROOT / "tests" / "benchmarks" / "few_step_stages.py")
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    part = lambda a, b: dict(stage=[a, b], generation_s=1.0, step_ms=[1.0] * (b - a), run=a)  # noqa: E731
+    assert stages.join_stages([part(0, 2), part(3, 4)], 4) == "stages [(0, 2), (3, 4)] leave steps 2..2 untimed"
+    assert stages.join_stages([part(0, 2)], 4) == "stages [(0, 2)] stop at step 2 of 4"
+    joined = stages.join_stages([part(2, 4), part(0, 2)], 4)
+    assert joined["generation_s"] == 2.0 and joined["stage"] is None and [p["run"] for p in joined["stages"]] == [0, 2]
+    assert stages.parse_stage("0:20", [40]) == (0, 20)
+    for bad, steps in (("20:10", [40]), ("0:41", [40]), ("0-20", [40]), ("0:2", [4, 8])):
+        try:
+            stages.parse_stage(bad, steps)
+        except SystemExit:
+            continue
+        raise AssertionError(f"--stage {bad} with --steps {steps} was accepted")

@@ -12,7 +12,11 @@ attention and GEMMs. ``model_load_s`` is the time ComfyUI spent loading the mode
 A table longer than one device call (480p, 40 steps, cfg 5) splits by ``--only`` over calls on
 one machine with ``--bank /tmp/few-step-bank``: the first call records the entry there, later
 calls serve their hits from it (the random weights are seeded, so every call builds the same
-model) and merge with ``--merge``.
+model) and merge with ``--merge``. A dense run longer than one call (720p, 40 steps, cfg 5: about
+800 s) is timed as the two stages of a KSamplerAdvanced split, ``--stage 0:20`` then ``--stage
+20:40`` in two calls on one machine, and ``--merge`` joins them (``few_step_stages.py``). An entry
+recorded at cfg 1 (batch 1, a call's worth at 720p) serves a cfg 5 run's hits: it is the same
+request, and an entry's masks serve cond and uncond alike.
 
 What runs: ComfyUI's ``WAN21_I2V`` ``WanModel`` at Wan2.1-I2V-14B width (dim 5120, 40 heads x
 128, ffn 13824), all 40 blocks, bf16, random weights (``bench_end_to_end.build_model``), and its
@@ -70,6 +74,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import bench_end_to_end as e2e  # noqa: E402  (model, request, machine name; puts the repo root on sys.path)
 import bench_reuse_loop as loop  # noqa: E402  (the background writer's flush, the commit, the table)
+import few_step_stages as stages  # noqa: E402  (a dense run longer than one call, timed in two stages)
 
 import torch  # noqa: E402
 
@@ -162,12 +167,15 @@ def graphs_compiled() -> int:
     return int(counters["stats"].get("unique_graphs", 0))
 
 
-def generate(ctx, mode: Mode, steps: int) -> dict:
+def generate(ctx, mode: Mode, steps: int, stage: tuple[int, int] | None = None) -> dict:
+    """One timed sampling call: the whole schedule, or with ``stage`` (A, B) its steps A..B-1."""
     import comfy.sample
 
     cuda = ctx["cuda"]
     positive, negative, latent, _ = ctx["req"]
-    noise = comfy.sample.prepare_noise(latent, 0)
+    noise, staged = comfy.sample.prepare_noise(latent, 0), {}
+    if stage is not None:
+        latent, noise, staged = stages.staged_sampling(stage, steps, ctx["stage_latent"], mode.label, latent, noise)
     stamps, patch = [], None
 
     def callback(step, x0, x, total):
@@ -186,11 +194,14 @@ def generate(ctx, mode: Mode, steps: int) -> dict:
         else:
             sampled, patch = chorus_model(ctx, mode)
         out = comfy.sample.sample(sampled, noise, steps, ctx["cfg"], SAMPLER, SCHEDULER, positive, negative, latent,
-                                  callback=callback, disable_pbar=True, seed=0)
+                                  callback=callback, disable_pbar=True, seed=0, **staged)
     e2e.sync(cuda)
     end = time.perf_counter()
-    if len(stamps) != steps:
-        raise RuntimeError(f"{mode.label}: the sampler called back {len(stamps)} times for {steps} steps")
+    ran = steps if stage is None else stage[1] - stage[0]
+    if len(stamps) != ran:
+        raise RuntimeError(f"{mode.label}: the sampler called back {len(stamps)} times for {ran} steps")
+    if stage is not None:
+        stages.keep_stage_output(stage, steps, ctx["stage_latent"], mode.label, out)
     step_ms = [round((b - a) * 1e3, 1) for a, b in zip([start] + stamps[:-1], stamps)]
     m = dict(generation_s=round(end - start, 3), step_ms=step_ms, graphs=graphs_compiled() - graphs_before,
              model_load_s=round(sum(loads), 3), finite=bool(torch.isfinite(out).all()))
@@ -273,6 +284,8 @@ def derive_rows(doc: dict) -> list[dict]:
     meas = doc["details"]["measurements"]
     for key, m in meas.items():
         label, steps = key.rsplit("@", 1)
+        if stages.is_partial(m, int(steps)):
+            continue  # one stage of a split run: a row once --merge has joined its stages
         rows.append(dict(shape=doc["details"]["shape"], steps=int(steps), cfg=doc["details"]["cfg"],
                          blocks=doc["details"]["blocks"], mode=m["mode"], case=label, compiled=m["compiled"],
                          density=1.0 if m["mode"] == "dense" else doc["details"]["density"],
@@ -365,7 +378,22 @@ def caveats(doc: dict) -> list[str]:
              "dense ComfyUI compiled is not run: it was slower than dense FA4 compiled at 720p cfg 5 "
              "(fast_path_h200_720p.md: 22.6 s vs 20.4 s per 40-block step)",
              "VAE, text and CLIP-vision encoders: outside the sampler, equal in every mode"]
-            + d["skipped"] + [f"error: {e}" for e in d["errors"]])
+            + stage_notes(d["measurements"]) + d["skipped"] + [f"error: {e}" for e in d["errors"]])
+
+
+def stage_notes(meas: dict) -> list[str]:
+    """A line for each stage timed alone (no row until --merge joins it) and each joined run."""
+    notes = []
+    for key, m in meas.items():
+        steps = int(key.rsplit("@", 1)[1])
+        if stages.is_partial(m, steps):
+            notes.append(f"{key}: stage {m['stage'][0]}:{m['stage'][1]} only, {m['generation_s']} s (no row: "
+                         "--merge joins it with its other stage)")
+        elif m.get("stages"):
+            notes.append(f"{key}: timed as {len(m['stages'])} stages of a KSamplerAdvanced split in separate calls "
+                         f"(runs {[p['run'] for p in m['stages']]}), joined: "
+                         + " + ".join(f"{p['generation_s']} s" for p in m["stages"]))
+    return notes
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,6 +427,12 @@ def parse_args(argv):
                    help="after each named case's first timed generation, one more under torch.profiler: operator "
                         "tables to profile_<case>_<steps>.txt and the GPU's busy share to the results")
     p.add_argument("--note", action="append", default=[], help="a caveat to add to a merged document")
+    p.add_argument("--stage", default=None, metavar="START:END",
+                   help="time only steps START..END-1 of the --steps schedule, as one stage of a KSamplerAdvanced "
+                        "split (dense modes only): a dense run longer than one device call is timed in two calls "
+                        "on one machine, 0:N/2 then N/2:N, and --merge joins them")
+    p.add_argument("--stage-latent", default=str(Path(tempfile.gettempdir()) / "chorus-few-step-stages"),
+                   metavar="DIR", help="where a stage leaves the latent the next stage starts from")
     p.add_argument("--merge", default=None, metavar="JSON,JSON,...",
                    help="combine results files of one shape (runs of this script in separate processes on one "
                         "machine, e.g. one device call each) into --out; the first file's measurement of a mode wins, "
@@ -413,7 +447,7 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> N
     merged["details"]["runs"] = [dict(run=i, date=d["date"], command=d["command"], git_commit=d["git_commit"])
                                  for i, d in enumerate(docs)]
     merged["details"]["repeats"] = {}
-    meas = {}
+    meas, parts = {}, {}
     for i, d in enumerate(docs):
         for what in ("shape", "cfg"):
             if d["details"][what] != merged["details"][what]:
@@ -421,11 +455,21 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> N
                                  "merge runs of one shape and one cfg")
         for key, m in d["details"]["measurements"].items():
             m = dict(m, run=i)
-            if key in meas:
+            if stages.is_partial(m, int(key.rsplit("@", 1)[1])):
+                parts.setdefault(key, []).append(m)
+            elif key in meas:
                 merged["details"]["repeats"].setdefault(key, []).append(m)
             else:
                 meas[key] = m
         merged["details"]["errors"] += [e for e in d["details"]["errors"] if i]
+    for key, staged in parts.items():
+        joined = stages.join_stages(staged, int(key.rsplit("@", 1)[1]))
+        if isinstance(joined, str):
+            merged["details"]["skipped"].append(f"{key}: not joined, {joined}")
+        elif key in meas:
+            merged["details"]["repeats"].setdefault(key, []).append(joined)
+        else:
+            meas[key] = joined
     merged["details"]["measurements"] = meas
     merged["details"]["skipped"] += notes
     merged["command"] = command
@@ -519,10 +563,11 @@ def run_mode(ctx, doc, mode: Mode, step_counts: list[int], save) -> None:
         if time.perf_counter() - e2e.T0 > ctx["budget_s"]:
             doc["details"]["skipped"].append(f"{mode.label} at {steps} steps: skipped, time budget")
             continue
-        m = generate(ctx, mode, steps)
+        m = generate(ctx, mode, steps, ctx["stage"])
         check_path(mode, m, steps)
         m.update(mode=results_mode(mode), compiled=mode.compiled,
-                 dense_steps=steps if mode.key.startswith("dense") else mode.dense_steps, compile_s=compile_s)
+                 dense_steps=steps if mode.key.startswith("dense") else mode.dense_steps, compile_s=compile_s,
+                 stage=list(ctx["stage"]) if ctx["stage"] else None)
         meas[f"{mode.label}@{steps}"] = m
         e2e.log(f"{mode.label} @ {steps}: {m['generation_s']:.2f} s, steps {m['step_ms']}, graphs {m['graphs']}, "
                 f"density {m.get('measured_density')}, backend {m.get('backend')}/{m.get('dense_backend')}, "
@@ -546,6 +591,10 @@ def main(argv=None):
         dim, ffn, blocks, shape, dtype = 5120, 13824, e2e.FULL_LAYERS, args.shape, torch.bfloat16
         latent_thw = e2e.SHAPES[shape]
     step_counts = [int(s) for s in args.steps.split(",")]
+    stage = stages.parse_stage(args.stage, step_counts) if args.stage else None
+    if stage and (args.only is None or not all(label.startswith("dense") for label in args.only.split(","))):
+        raise SystemExit("--stage times dense modes only (name them with --only): the hit, online and recording "
+                         "rows of a long schedule fit one call")
     machine = "tiny" if args.tiny else ("h200" if "H200" in e2e.machine_name(cuda) else "gpu")
     name = "few_step_tiny" if args.tiny else results_name(machine, shape, args.cfg)
     doc = new_doc(args, cuda, blocks, shape)
@@ -557,7 +606,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="chorus-few-step-") as tmp:
         bank = open_bank(args.bank or tmp)
         ctx = dict(cuda=cuda, patcher=patcher, req=e2e.make_request(latent_thw), cfg=args.cfg, bank=bank,
-                   density=args.density, warmed=False,
+                   density=args.density, warmed=False, stage=stage, stage_latent=Path(args.stage_latent),
                    warmup_steps=[int(s) for s in args.warmup_steps.split(",")], budget_s=args.budget_s, dense_models={},
                    profile=set(args.profile.split(",")) if args.profile else set(), out_dir=out_dir)
         try:
