@@ -86,8 +86,8 @@ def reuse_option_inputs() -> list:
                              "dense_warmup_steps on hits too: set it to that to get the same output."),
         io.Int.Input("dense_last_steps", default=0, min=0, max=10000, optional=True,
                      tooltip="Last steps run dense on every run. 0: none (the fastest). 1 on a 4-step run: one "
-                             "dense step in four, about 36% more time, and on the testbed 58 dB instead of 47 dB "
-                             "against the dense output (README, Defaults)."),
+                             "dense step in four, about 34% more time at 720p, and on the testbed about 11 dB closer "
+                             "to the dense output (README, Defaults)."),
     ]
 
 

@@ -51,7 +51,7 @@ class ReuseOptions:
     # A hit's entry holds every step's masks, recorded from dense attention, so a hit needs no dense
     # warm-up: it runs sparse from the first step (what step-distilled 4-step runs gain most from).
     hit_warmup_steps: int = 0
-    dense_last_steps: int = 0  # last steps dense on every run (not yet chosen by measurement)
+    dense_last_steps: int = 0  # last steps dense on every run; 0 keeps a hit's speed (1: README, Defaults)
 
     def __post_init__(self):
         for name in ("dense_warmup_steps", "hit_warmup_steps", "dense_last_steps"):
