@@ -70,6 +70,7 @@ REPO_ROOT = e2e.REPO_ROOT
 GEN_STEPS, WARMUP_STEPS, FULL_LAYERS = 40, 1, 40
 FR_SKIPPED_BLOCKS = 2  # Feature Reuse's default skip_first + skip_last
 BACKEND_ENV = "CHORUS_BLOCK_SPARSE_BACKEND"
+METHOD = __doc__[__doc__.index("What runs:"):__doc__.index("Writes ``fast")].strip()  # the results files quote it
 T0 = time.perf_counter()
 
 
@@ -377,7 +378,7 @@ def rederive(path: Path, out_dir: Path, command: str) -> None:
         grid = (e2e.SHAPES | e2e.TINY_SHAPES)[shape]
         doc["rows"] += derive_rows(shape, res, math.prod(e2e.token_grid(grid)))
     doc["targets"] = targets(doc["rows"])
-    doc["method"] = __doc__[__doc__.index("What runs:"):__doc__.index("Writes ``fast")].strip()  # the rule now applied
+    doc["method"] = METHOD  # the rule now applied
     doc["details"]["rederived"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                    "command": command}
     write_results(out_dir, path.stem, doc)
@@ -429,7 +430,7 @@ def main(argv=None):
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": e2e.machine_name(cuda), "command": args.command or " ".join(["python"] + sys.argv),
            "git_commit": args.git_commit or "unknown", "rows": [], "targets": [], "skipped": [],
-           "method": __doc__[__doc__.index("What runs:"):__doc__.index("Writes ``fast")].strip(),
+           "method": METHOD,
            "details": {"torch": torch.__version__, "comfyui": getattr(comfyui_version, "__version__", None),
                        "flash_attn": fa_version, "blocks": args.blocks, "dim": dim, "steps": args.steps,
                        "measurements": {}, "errors": []}}

@@ -284,7 +284,7 @@ def derive_rows(doc: dict) -> list[dict]:
     meas = doc["details"]["measurements"]
     for key, m in meas.items():
         label, steps = key.rsplit("@", 1)
-        if stages.is_partial(m, int(steps)):
+        if stages.is_partial(m):
             continue  # one stage of a split run: a row once --merge has joined its stages
         rows.append(dict(shape=doc["details"]["shape"], steps=int(steps), cfg=doc["details"]["cfg"],
                          blocks=doc["details"]["blocks"], mode=m["mode"], case=label, compiled=m["compiled"],
@@ -385,8 +385,7 @@ def stage_notes(meas: dict) -> list[str]:
     """A line for each stage timed alone (no row until --merge joins it) and each joined run."""
     notes = []
     for key, m in meas.items():
-        steps = int(key.rsplit("@", 1)[1])
-        if stages.is_partial(m, steps):
+        if stages.is_partial(m):
             notes.append(f"{key}: stage {m['stage'][0]}:{m['stage'][1]} only, {m['generation_s']} s (no row: "
                          "--merge joins it with its other stage)")
         elif m.get("stages"):
@@ -455,7 +454,7 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> N
                                  "merge runs of one shape and one cfg")
         for key, m in d["details"]["measurements"].items():
             m = dict(m, run=i)
-            if stages.is_partial(m, int(key.rsplit("@", 1)[1])):
+            if stages.is_partial(m):
                 parts.setdefault(key, []).append(m)
             elif key in meas:
                 merged["details"]["repeats"].setdefault(key, []).append(m)

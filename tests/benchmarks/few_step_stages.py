@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def parse_stage(text: str, steps: list[int]) -> tuple[int, int]:
-    """``A:B`` -> (A, B): steps A..B-1 of the schedule; refused with what to do when it cannot run."""
+def parse_stage(text: str, steps: list[int]) -> tuple[int, int] | None:
+    """``A:B`` -> (A, B): steps A..B-1 of the schedule, or None when that is the whole schedule (a
+    whole run, so every stage kept is a part); refused with what to do when it cannot run."""
     if len(steps) != 1:
         raise SystemExit("--stage needs exactly one --steps value (the schedule it is a stage of)")
     try:
@@ -23,7 +24,7 @@ def parse_stage(text: str, steps: list[int]) -> tuple[int, int]:
         raise SystemExit(f"--stage {text!r}: write it as START:END, e.g. 0:20 then 20:40") from None
     if not 0 <= start < end <= steps[0]:
         raise SystemExit(f"--stage {text}: needs 0 <= START < END <= {steps[0]} (the --steps value)")
-    return start, end
+    return None if (start, end) == (0, steps[0]) else (start, end)
 
 
 def staged_sampling(stage: tuple[int, int], steps: int, latent_dir: Path, label: str, latent, noise):
@@ -51,9 +52,9 @@ def keep_stage_output(stage: tuple[int, int], steps: int, latent_dir: Path, labe
         torch.save(out.detach().cpu(), latent_dir / f"{label}.pt")
 
 
-def is_partial(m: dict, steps: int) -> bool:
-    stage = m.get("stage")
-    return stage is not None and tuple(stage) != (0, steps)
+def is_partial(m: dict) -> bool:
+    """One stage of a split run (``parse_stage`` keeps no stage for a whole one)."""
+    return m.get("stage") is not None
 
 
 def join_stages(parts: list[dict], steps: int):
