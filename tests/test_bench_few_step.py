@@ -1,10 +1,14 @@
 """The few-step benchmark runs end to end at a tiny size on the CPU, each row on the path it names."""
 
+import importlib.util
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO_ROOT
 
 
@@ -116,12 +120,18 @@ def test_a_dense_run_longer_than_a_call_is_timed_in_two_stages_and_joined(tmp_pa
     assert early.returncode == 0, early.stderr[-3000:]  # the first stage never ran: an error in the results
     assert "run --stage 0:2 of dense_comfyui_eager first" in json.loads(
         (tmp_path / "early" / "few_step_tiny.json").read_text())["details"]["errors"][0]
-    for stage in ("0:2", "2:4"):
-        done = call("--stage", stage, "--only", "dense_comfyui_eager", "--out", str(tmp_path / stage.replace(":", "_")))
-        assert done.returncode == 0, done.stderr[-3000:]
+    done = call("--stage", "0:2", "--only", "dense_comfyui_eager", "--out", str(tmp_path / "0_2"))
+    assert done.returncode == 0, done.stderr[-3000:]
     first = json.loads((tmp_path / "0_2" / "few_step_tiny.json").read_text())
     assert first["rows"] == [] and "stage 0:2 only" in (tmp_path / "0_2" / "few_step_tiny.md").read_text()
-    assert (latents / "dense_comfyui_eager.pt").is_file()
+    # the second stage starts from a copy of the folder, as a later session's machine gets it carried
+    carried = tmp_path / "carried"
+    shutil.copytree(latents, carried)
+    shutil.rmtree(latents)
+    done = call("--stage", "2:4", "--only", "dense_comfyui_eager", "--out", str(tmp_path / "2_4"),
+                "--stage-latent", str(carried))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "2_4" / "few_step_tiny.json").read_text())["details"]["errors"] == []
     files = ",".join(str(tmp_path / d / "few_step_tiny.json") for d in ("0_2", "2_4"))
     merged = subprocess.run([sys.executable, str(script), "--merge", files, "--out", str(tmp_path / "m")],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
@@ -135,13 +145,49 @@ def test_a_dense_run_longer_than_a_call_is_timed_in_two_stages_and_joined(tmp_pa
     assert [p["stage"] for p in doc["details"]["measurements"]["dense_comfyui_eager@4"]["stages"]] == [[0, 2], [2, 4]]
 
 
-def test_stages_join_only_when_they_cover_the_schedule():
-    import importlib.util
-
+def load_stages_module():
     spec = importlib.util.spec_from_file_location("few_step_stages",
                                                   REPO_ROOT / "tests" / "benchmarks" / "few_step_stages.py")
     stages = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stages)
+    return stages
+
+
+def test_a_stage_latent_comes_back_in_parts_the_device_returns_and_is_checked_on_load(tmp_path):
+    """A 720p latent (about 19 MB) is over the 16 MiB the device returns: kept in parts, each named
+    with letters, digits, '_' and '.', and put back together exactly; a part that is missing, or
+    belongs to another run or step, is refused with what to do instead of starting a wrong stage."""
+    import torch
+
+    stages = load_stages_module()
+    latent = torch.randn(1, 16, 3, 6, 10)  # 11,520 bytes: three parts of at most 4 KiB
+    stages.keep_stage_output((0, 2), 4, tmp_path, "dense_fa4_compiled", latent, part_bytes=4096)
+    parts = sorted(p.name for p in tmp_path.iterdir())
+    assert parts == [f"dense_fa4_compiled_steps4_at2_part{i}.safetensors" for i in range(3)]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.]+", name) for name in parts)
+    assert torch.equal(stages.load_stage_latent(tmp_path, "dense_fa4_compiled", 4, 2), latent)
+    stages.keep_stage_output((2, 4), 4, tmp_path, "dense_fa4_compiled", latent)  # the last stage keeps nothing
+    assert len(list(tmp_path.iterdir())) == 3
+    for label, steps, start in (("dense_comfyui_eager", 4, 2), ("dense_fa4_compiled", 40, 2),
+                                ("dense_fa4_compiled", 4, 3)):
+        with pytest.raises(RuntimeError, match=f"run --stage 0:{start} of {label} first"):
+            stages.load_stage_latent(tmp_path, label, steps, start)
+    (tmp_path / parts[1]).unlink()
+    with pytest.raises(RuntimeError, match="2 parts are here, .* says 3: carry every part"):
+        stages.load_stage_latent(tmp_path, "dense_fa4_compiled", 4, 2)
+    stages.keep_stage_output((0, 2), 4, tmp_path, "dense_fa4_compiled", latent[:, :8])  # a re-run: one part
+    assert [p.name for p in tmp_path.iterdir()] == ["dense_fa4_compiled_steps4_at2_part0.safetensors"]
+    assert torch.equal(stages.load_stage_latent(tmp_path, "dense_fa4_compiled", 4, 2), latent[:, :8])
+    other = tmp_path / "other"
+    stages.keep_stage_output((0, 2), 40, other, "dense_fa4_compiled", latent)  # another run's part, renamed
+    (other / "dense_fa4_compiled_steps40_at2_part0.safetensors").replace(
+        tmp_path / "dense_fa4_compiled_steps4_at2_part0.safetensors")
+    with pytest.raises(RuntimeError, match="is not part 0 of 1 of dense_fa4_compiled's 4-step run"):
+        stages.load_stage_latent(tmp_path, "dense_fa4_compiled", 4, 2)
+
+
+def test_stages_join_only_when_they_cover_the_schedule():
+    stages = load_stages_module()
     part = lambda a, b: dict(stage=[a, b], generation_s=1.0, step_ms=[1.0] * (b - a), run=a)  # noqa: E731
     assert stages.join_stages([part(0, 2), part(3, 4)], 4) == "stages [(0, 2), (3, 4)] leave steps 2..2 untimed"
     assert stages.join_stages([part(0, 2)], 4) == "stages [(0, 2)] stop at step 2 of 4"

@@ -13,8 +13,10 @@ A table longer than one device call (480p, 40 steps, cfg 5) splits by ``--only``
 one machine with ``--bank /tmp/few-step-bank``: the first call records the entry there, later
 calls serve their hits from it (the random weights are seeded, so every call builds the same
 model) and merge with ``--merge``. A dense run longer than one call (720p, 40 steps, cfg 5: about
-800 s) is timed as the two stages of a KSamplerAdvanced split, ``--stage 0:20`` then ``--stage
-20:40`` in two calls on one machine, and ``--merge`` joins them (``few_step_stages.py``). An entry
+800 s) is timed as the stages of a KSamplerAdvanced split, ``--stage 0:20`` then ``--stage
+20:40`` in two calls, and ``--merge`` joins them (``few_step_stages.py``); the latent between
+them is kept in files under ``--stage-latent``, small enough for the device to return, so the
+stages may run in different sessions. An entry
 recorded at cfg 1 (batch 1, a call's worth at 720p) serves a cfg 5 run's hits: it is the same
 request, and an entry's masks serve cond and uncond alike.
 
@@ -428,10 +430,12 @@ def parse_args(argv):
     p.add_argument("--note", action="append", default=[], help="a caveat to add to a merged document")
     p.add_argument("--stage", default=None, metavar="START:END",
                    help="time only steps START..END-1 of the --steps schedule, as one stage of a KSamplerAdvanced "
-                        "split (dense modes only): a dense run longer than one device call is timed in two calls "
-                        "on one machine, 0:N/2 then N/2:N, and --merge joins them")
+                        "split (dense modes only): a dense run longer than one device call is timed in two or more "
+                        "calls, e.g. 0:N/2 then N/2:N, and --merge joins them")
     p.add_argument("--stage-latent", default=str(Path(tempfile.gettempdir()) / "chorus-few-step-stages"),
-                   metavar="DIR", help="where a stage leaves the latent the next stage starts from")
+                   metavar="DIR", help="where a stage leaves the latent the next stage starts from, in parts "
+                        "of at most 15 MiB: a folder under the device's $OUT comes back, and carried to a later "
+                        "call (another session's machine) it starts the next stage there")
     p.add_argument("--merge", default=None, metavar="JSON,JSON,...",
                    help="combine results files of one shape (runs of this script in separate processes on one "
                         "machine, e.g. one device call each) into --out; the first file's measurement of a mode wins, "

@@ -1,11 +1,13 @@
 """Staged dense generations for ``bench_few_step``: a dense run longer than one device call
-(720p, 40 steps, cfg 5: about 800 s against a 600 s call) is timed as the two stages of a
-KSamplerAdvanced split, one call each on one machine, and the stages are joined at merge.
+(720p, 40 steps, cfg 5: about 800 s against a 600 s call) is timed as the stages of a
+KSamplerAdvanced split, one device call each, and the stages are joined at merge.
 
 The second stage starts from the first stage's output latent with no new noise, as
 KSamplerAdvanced's ``add_noise: disable`` does; the first returns with its leftover noise. Each
 stage is a whole sampling call of the 40-block model (its own model load, its own first step),
 so the joined time is what a user who splits the run would wait, a little over an unsplit run.
+The latent passes between stages as files (``--stage-latent``), so the stages may run on
+different machines of one kind, in different sessions.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ def parse_stage(text: str, steps: list[int]) -> tuple[int, int] | None:
     return None if (start, end) == (0, steps[0]) else (start, end)
 
 
+# The device returns files of up to 16 MiB and a 720p latent is about 19 MB (float32), so a stage's
+# latent is kept in parts under that: written to the call's $OUT, it comes back and can be carried
+# to a later session's machine, so the stages of one run need not share a machine.
+PART_BYTES = 15 * 2**20
+
+
 def staged_sampling(stage: tuple[int, int], steps: int, latent_dir: Path, label: str, latent, noise):
     """(latent, noise, comfy.sample.sample keyword arguments) for one stage of ``label``'s run."""
     import torch
@@ -35,21 +43,64 @@ def staged_sampling(stage: tuple[int, int], steps: int, latent_dir: Path, label:
     kwargs = dict(start_step=start, last_step=end, force_full_denoise=end == steps, disable_noise=start > 0)
     if start == 0:
         return latent, noise, kwargs
-    path = latent_dir / f"{label}.pt"
-    if not path.is_file():
-        raise RuntimeError(f"{path} is missing: run --stage 0:{start} of {label} first on this machine, "
-                           "with the same --stage-latent folder")
-    carried = torch.load(path, map_location="cpu", weights_only=True)
+    carried = load_stage_latent(latent_dir, label, steps, start)
     return carried, torch.zeros_like(carried), kwargs
 
 
-def keep_stage_output(stage: tuple[int, int], steps: int, latent_dir: Path, label: str, out) -> None:
-    """The latent the next stage of ``label`` starts from (nothing after the last stage)."""
-    import torch
+def keep_stage_output(stage: tuple[int, int], steps: int, latent_dir: Path, label: str, out,
+                      part_bytes: int = PART_BYTES) -> None:
+    """The latent the next stage of ``label`` starts from (nothing after the last stage), in parts of
+    at most ``part_bytes``, each naming the run and the step it ends at."""
+    from safetensors.torch import save_file
 
-    if stage[1] < steps:
-        latent_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(out.detach().cpu(), latent_dir / f"{label}.pt")
+    if stage[1] >= steps:
+        return
+    latent_dir.mkdir(parents=True, exist_ok=True)
+    for old in latent_dir.glob(f"{stage_stem(label, steps, stage[1])}_part*"):
+        old.unlink()  # a shorter re-run must not leave a longer run's tail behind
+    flat = out.detach().cpu().contiguous().reshape(-1)
+    per_part = max(1, part_bytes // flat.element_size())
+    chunks = flat.split(per_part)
+    for i, chunk in enumerate(chunks):
+        meta = dict(label=label, steps=str(steps), end=str(stage[1]), part=str(i), parts=str(len(chunks)),
+                    shape=",".join(str(n) for n in out.shape))
+        path = latent_dir / f"{stage_stem(label, steps, stage[1])}_part{i}.safetensors"
+        save_file({"latent": chunk.clone()}, str(path), metadata=meta)
+
+
+def load_stage_latent(latent_dir: Path, label: str, steps: int, start: int):
+    """The latent an earlier stage of ``label``'s ``steps``-step run left at step ``start``, from
+    its parts; refused, with what to do, when a part is missing or belongs to another run."""
+    import torch
+    from safetensors import safe_open
+
+    stem = stage_stem(label, steps, start)
+    paths = sorted(latent_dir.glob(f"{stem}_part*.safetensors"), key=lambda p: int(p.stem.rsplit("_part", 1)[1]))
+    if not paths:
+        raise RuntimeError(f"{latent_dir}/{stem}_part*.safetensors is missing: run --stage 0:{start} of {label} "
+                           "first with the same --stage-latent folder (on this machine, or carry that folder here)")
+    chunks, shape = [], None
+    for i, path in enumerate(paths):
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("parts") != str(len(paths)):
+                raise RuntimeError(f"{stem}: {len(paths)} parts are here, {path.name} says {meta.get('parts')}: "
+                                   f"carry every part of the folder, or run --stage 0:{start} again")
+            want = dict(label=label, steps=str(steps), end=str(start), part=str(i))
+            if any(meta.get(k) != v for k, v in want.items()):
+                raise RuntimeError(f"{path}: its metadata {meta} is not part {i} of {len(paths)} of {label}'s "
+                                   f"{steps}-step run at step {start}: run --stage 0:{start} again")
+            chunks.append(f.get_tensor("latent"))
+            shape = [int(n) for n in meta["shape"].split(",")]
+    flat = torch.cat(chunks)
+    if flat.numel() != torch.Size(shape).numel():
+        raise RuntimeError(f"{stem}: its parts hold {flat.numel()} values, not {shape}: run --stage 0:{start} again")
+    return flat.reshape(shape)
+
+
+def stage_stem(label: str, steps: int, end: int) -> str:
+    """A file name the device returns (letters, digits, '_' and '.' only)."""
+    return f"{label}_steps{steps}_at{end}"
 
 
 def is_partial(m: dict) -> bool:
