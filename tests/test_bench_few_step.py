@@ -166,6 +166,13 @@ def test_a_stage_latent_comes_back_in_parts_the_device_returns_and_is_checked_on
     assert parts == [f"dense_fa4_compiled_steps4_at2_part{i}.safetensors" for i in range(3)]
     assert all(re.fullmatch(r"[A-Za-z0-9_.]+", name) for name in parts)
     assert torch.equal(stages.load_stage_latent(tmp_path, "dense_fa4_compiled", 4, 2), latent)
+    (tmp_path / "dense_fa4_compiled_steps4_at2_partX.safetensors").write_text("not a part")  # not numbered: ignored
+    assert torch.equal(stages.load_stage_latent(tmp_path, "dense_fa4_compiled", 4, 2), latent)
+    (tmp_path / "dense_fa4_compiled_steps4_at2_partX.safetensors").unlink()
+    with pytest.raises(RuntimeError, match="another --shape"):  # a stage of this run at another shape
+        stages.staged_sampling((2, 4), 4, tmp_path, "dense_fa4_compiled", latent[:, :, :2], latent[:, :, :2])
+    carried, noise, kwargs = stages.staged_sampling((2, 4), 4, tmp_path, "dense_fa4_compiled", latent, latent)
+    assert torch.equal(carried, latent) and not noise.any() and kwargs["disable_noise"] and kwargs["force_full_denoise"]
     stages.keep_stage_output((2, 4), 4, tmp_path, "dense_fa4_compiled", latent)  # the last stage keeps nothing
     assert len(list(tmp_path.iterdir())) == 3
     for label, steps, start in (("dense_comfyui_eager", 4, 2), ("dense_fa4_compiled", 40, 2),

@@ -12,6 +12,7 @@ different machines of one kind, in different sessions.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 
@@ -44,6 +45,9 @@ def staged_sampling(stage: tuple[int, int], steps: int, latent_dir: Path, label:
     if start == 0:
         return latent, noise, kwargs
     carried = load_stage_latent(latent_dir, label, steps, start)
+    if carried.shape != latent.shape:
+        raise RuntimeError(f"the latent {label}'s stage 0:{start} left is {list(carried.shape)}, this run's is "
+                           f"{list(latent.shape)} (another --shape): run --stage 0:{start} at this shape")
     return carried, torch.zeros_like(carried), kwargs
 
 
@@ -75,7 +79,8 @@ def load_stage_latent(latent_dir: Path, label: str, steps: int, start: int):
     from safetensors import safe_open
 
     stem = stage_stem(label, steps, start)
-    paths = sorted(latent_dir.glob(f"{stem}_part*.safetensors"), key=lambda p: int(p.stem.rsplit("_part", 1)[1]))
+    numbered = (re.fullmatch(rf"{re.escape(stem)}_part(\d+)\.safetensors", p.name) for p in latent_dir.glob("*"))
+    paths = [latent_dir / m.group(0) for m in sorted(filter(None, numbered), key=lambda m: int(m.group(1)))]
     if not paths:
         raise RuntimeError(f"{latent_dir}/{stem}_part*.safetensors is missing: run --stage 0:{start} of {label} "
                            "first with the same --stage-latent folder (on this machine, or carry that folder here)")
