@@ -59,17 +59,17 @@ def keep_stage_output(stage: tuple[int, int], steps: int, latent_dir: Path, labe
 
     if stage[1] >= steps:
         return
+    stem = stage_stem(label, steps, stage[1])
     latent_dir.mkdir(parents=True, exist_ok=True)
-    for old in latent_dir.glob(f"{stage_stem(label, steps, stage[1])}_part*"):
+    for old in latent_dir.glob(f"{stem}_part*"):
         old.unlink()  # a shorter re-run must not leave a longer run's tail behind
     flat = out.detach().cpu().contiguous().reshape(-1)
-    per_part = max(1, part_bytes // flat.element_size())
-    chunks = flat.split(per_part)
+    chunks = flat.split(max(1, part_bytes // flat.element_size()))
+    shape = ",".join(str(n) for n in out.shape)
     for i, chunk in enumerate(chunks):
-        meta = dict(label=label, steps=str(steps), end=str(stage[1]), part=str(i), parts=str(len(chunks)),
-                    shape=",".join(str(n) for n in out.shape))
-        path = latent_dir / f"{stage_stem(label, steps, stage[1])}_part{i}.safetensors"
-        save_file({"latent": chunk.clone()}, str(path), metadata=meta)
+        meta = dict(label=label, steps=str(steps), end=str(stage[1]), part=str(i), parts=str(len(chunks)), shape=shape)
+        # clone: safetensors refuses tensors that share storage, as the split's views do
+        save_file({"latent": chunk.clone()}, str(latent_dir / f"{stem}_part{i}.safetensors"), metadata=meta)
 
 
 def load_stage_latent(latent_dir: Path, label: str, steps: int, start: int):
@@ -84,7 +84,7 @@ def load_stage_latent(latent_dir: Path, label: str, steps: int, start: int):
     if not paths:
         raise RuntimeError(f"{latent_dir}/{stem}_part*.safetensors is missing: run --stage 0:{start} of {label} "
                            "first with the same --stage-latent folder (on this machine, or carry that folder here)")
-    chunks, shape = [], None
+    chunks = []
     for i, path in enumerate(paths):
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -96,7 +96,7 @@ def load_stage_latent(latent_dir: Path, label: str, steps: int, start: int):
                 raise RuntimeError(f"{path}: its metadata {meta} is not part {i} of {len(paths)} of {label}'s "
                                    f"{steps}-step run at step {start}: run --stage 0:{start} again")
             chunks.append(f.get_tensor("latent"))
-            shape = [int(n) for n in meta["shape"].split(",")]
+    shape = [int(n) for n in meta["shape"].split(",")]  # checked against the parts' values below
     flat = torch.cat(chunks)
     if flat.numel() != torch.Size(shape).numel():
         raise RuntimeError(f"{stem}: its parts hold {flat.numel()} values, not {shape}: run --stage 0:{start} again")
