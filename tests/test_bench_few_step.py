@@ -87,6 +87,41 @@ def test_the_targets_line_names_each_issue_target_met_or_not():
         "with one dense step (no target at this shape and step count)"]
 
 
+def test_a_target_whose_baseline_is_in_another_call_is_not_yet_measured_not_missed():
+    rows = [dict(case="hit_dense0_compiled", shape="720p", steps=40, cfg=5.0, vs_best_dense=None,
+                 vs_online_miss=None, vs_comfyui_default=None)]
+    code = ("import json, sys; sys.path.insert(0, 'tests/benchmarks'); import bench_few_step as b; "
+            "print(json.dumps(b.targets(json.loads(sys.stdin.read()))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, input=json.dumps(rows), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line, = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "None" not in line and "NOT MET" not in line
+    assert line.endswith("the fastest dense run not in this run (target >= 2.5x: not yet measured), ComfyUI's "
+                         "default not in this run (target >= 3.0x: not yet measured)")
+
+
+def test_a_timed_generation_that_would_outlast_the_call_is_not_started():
+    """720p, 40 steps, cfg 5, online miss: its warm-up had used 200 s of a 590 s call, and 40 steps of
+    about 10.4 s would have been killed with nothing written (a lost call, 2026-12-03)."""
+    code = ("import json, sys; sys.path.insert(0, 'tests/benchmarks'); import bench_few_step as b; "
+            "b.e2e.T0 = b.time.perf_counter() - 200; "
+            "warm = [20500.0, 10400.0, 10450.0]; "
+            "online = b.Mode('online', True, 1); "
+            "eager = b.Mode('online', False, 1); "
+            "ctx = dict(call_limit_s=590.0, warm_step_ms=warm, stage=None); "
+            "print(json.dumps([b.estimated_generation_s(warm, 40), b.past_call_limit(ctx, online, 40, 150.0), "
+            "b.past_call_limit(ctx, online, 30, 150.0), b.past_call_limit(ctx, eager, 40, None), "
+            "b.past_call_limit(dict(ctx, stage=(0, 20)), online, 40, 150.0), "
+            "b.past_call_limit(dict(ctx, call_limit_s=None), online, 40, 150.0)]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    estimate, late, fits, eager, stage, unlimited = json.loads(done.stdout.strip().splitlines()[-1])
+    assert estimate == pytest.approx(20.5 + 39 * 10.425)
+    assert late.startswith("online_dense1_compiled at 40 steps: not started") and "--call-limit-s 590" in late
+    assert fits is None and eager is None and stage is None and unlimited is None
+
+
 def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(tmp_path):
     """Measurements are keyed by case and steps: a cfg 5 run merged into the cfg 1 table (or written
     over its file) would replace the cfg 1 rows of the same step count."""

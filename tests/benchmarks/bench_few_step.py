@@ -16,7 +16,12 @@ model) and merge with ``--merge``. A dense run longer than one call (720p, 40 st
 800 s) is timed as the stages of a KSamplerAdvanced split, ``--stage 0:20`` then ``--stage
 20:40`` in two calls, and ``--merge`` joins them (``few_step_stages.py``); the latent between
 them is kept in files under ``--stage-latent``, small enough for the device to return, so the
-stages may run in different sessions. An entry
+stages may run in different sessions (a compiled dense stage warms up on ``--warmup-steps 1,2``:
+a dense mode needs no sparse step in its warm-up, and three dense steps leave the call more time).
+Pass ``--call-limit-s`` a little under the device call's limit: a compiled mode's timed generation
+that its warm-up says would be killed at that limit is not started, and the results say so. Send
+the output to a file under ``$OUT`` and read its tail afterwards (``> $OUT/log 2>&1``), not through
+a pipe: a call killed at its limit returns what is in ``$OUT``, and a pipe's buffer is lost. An entry
 recorded at cfg 1 (batch 1, a call's worth at 720p) serves a cfg 5 run's hits: it is the same
 request, and an entry's masks serve cond and uncond alike.
 
@@ -336,10 +341,16 @@ def targets(rows: list[dict]) -> list[str]:
             out.append(f"{head}: {r['vs_best_dense']}x the fastest dense run, {r['vs_online_miss']}x an online "
                        "miss with one dense step (no target at this shape and step count)")
             continue
-        out.append(f"{head}: " + ", ".join(
-            f"{ratio}x {what} (target >= {goal}x: {'MET' if ratio is not None and ratio >= goal else 'NOT MET'})"
-            for what, ratio, goal in pairs))
+        out.append(f"{head}: " + ", ".join(target_status(what, ratio, goal) for what, ratio, goal in pairs))
     return out
+
+
+def target_status(what: str, ratio, goal: float) -> str:
+    """One target's verdict; a run whose baseline is not in the table (a split table's call) says
+    so rather than calling the target missed."""
+    if ratio is None:
+        return f"{what} not in this run (target >= {goal}x: not yet measured)"
+    return f"{ratio}x {what} (target >= {goal}x: {'MET' if ratio >= goal else 'NOT MET'})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,6 +428,10 @@ def parse_args(argv):
     p.add_argument("--only", default=None, help="comma-separated mode labels to run (e.g. online_dense1_eager)")
     p.add_argument("--no-compile", action="store_true", help="run every mode eager")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no generation after this many seconds")
+    p.add_argument("--call-limit-s", type=float, default=None,
+                   help="the device call's limit: a compiled mode's timed generation that its warm-up's step times "
+                        "say would end past it is not started (killed, it would leave nothing), and the results "
+                        "say so; a next call within ~30 s reuses the compile")
     p.add_argument("--extra-site", default=None, help="folder of carried pure-Python packages (appended to sys.path)")
     p.add_argument("--bank", default=None, metavar="DIR",
                    help="keep the bank in DIR (created if absent), not a temporary folder: a later call on "
@@ -527,6 +542,7 @@ def warm_up(ctx, mode: Mode) -> float:
     for steps in lengths:
         warm = generate(ctx, mode, steps)
         total += warm["generation_s"]
+        ctx["warm_step_ms"] = warm["step_ms"]
         e2e.log(f"{mode.label}: warm-up of {steps} steps {warm['generation_s']:.1f} s, steps {warm['step_ms']}, "
                 f"graphs {warm['graphs']}")
     return round(total, 3)
@@ -566,6 +582,12 @@ def run_mode(ctx, doc, mode: Mode, step_counts: list[int], save) -> None:
         if time.perf_counter() - e2e.T0 > ctx["budget_s"]:
             doc["details"]["skipped"].append(f"{mode.label} at {steps} steps: skipped, time budget")
             continue
+        late = past_call_limit(ctx, mode, steps, compile_s)
+        if late:
+            doc["details"]["skipped"].append(late)
+            e2e.log(late)
+            save()
+            continue
         m = generate(ctx, mode, steps, ctx["stage"])
         check_path(mode, m, steps)
         m.update(mode=results_mode(mode), compiled=mode.compiled,
@@ -579,6 +601,29 @@ def run_mode(ctx, doc, mode: Mode, step_counts: list[int], save) -> None:
         if mode.label in ctx["profile"] and steps == step_counts[0]:
             m["profile"] = profile_generation(ctx, mode, steps)
             save()
+
+
+def estimated_generation_s(warm_step_ms: list[float], steps: int) -> float:
+    """A generation's time from its warm-up's steps: the first step (which holds a hit's mask wait
+    or an online miss's dense step) once, then the median of the others for every further step."""
+    rest = statistics.median(warm_step_ms[1:]) if len(warm_step_ms) > 1 else warm_step_ms[0]
+    return (warm_step_ms[0] + rest * (steps - 1)) / 1e3
+
+
+def past_call_limit(ctx, mode: Mode, steps: int, compile_s) -> str | None:
+    """Why a timed generation is not started (it would be killed at the call's limit with nothing
+    written), or None when it fits or nothing says otherwise (eager modes have no warm-up)."""
+    limit, warm = ctx.get("call_limit_s"), ctx.get("warm_step_ms")
+    if limit is None or not mode.compiled or not warm:
+        return None
+    timed = ctx["stage"][1] - ctx["stage"][0] if ctx["stage"] else steps
+    now = time.perf_counter() - e2e.T0
+    estimate = estimated_generation_s(warm, timed)
+    if now + estimate <= limit:
+        return None
+    return (f"{mode.label} at {steps} steps: not started, its warm-up's steps say {estimate:.0f} s, which from "
+            f"{now:.0f} s would end past --call-limit-s {limit:.0f} (compile_s {compile_s} ran; a next call "
+            "within ~30 s reuses the compile)")
 
 
 def main(argv=None):
@@ -611,6 +656,7 @@ def main(argv=None):
         ctx = dict(cuda=cuda, patcher=patcher, req=e2e.make_request(latent_thw), cfg=args.cfg, bank=bank,
                    density=args.density, warmed=False, stage=stage, stage_latent=Path(args.stage_latent),
                    warmup_steps=[int(s) for s in args.warmup_steps.split(",")], budget_s=args.budget_s, dense_models={},
+                   call_limit_s=args.call_limit_s,
                    profile=set(args.profile.split(",")) if args.profile else set(), out_dir=out_dir)
         try:
             run_all(ctx, doc, args, step_counts, lambda: write_results(out_dir, name, doc))
