@@ -138,6 +138,25 @@ def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(t
     assert named.stdout.split()[-2:] == ["few_step_h200_480p", "few_step_h200_480p_cfg5"], named.stderr[-3000:]
 
 
+def test_a_merged_table_names_the_fa4_its_fa4_rows_ran_on_though_its_first_call_had_none(tmp_path):
+    """720p, 40 steps, cfg 5 (2026-12-04): ComfyUI's dense stages ran in calls with no FA4 installed,
+    the FA4 stage after them; the merged header took the first call's None."""
+    script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
+    runs = REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5_runs"
+    files = ",".join(str(runs / f) for f in ("run1_dense_comfyui_0-20_cdf35ee.json",
+                                             "run2_dense_comfyui_20-40_cdf35ee.json",
+                                             "run3_dense_fa4_compiled_0-16_cdf35ee.json"))
+    done = subprocess.run([sys.executable, str(script), "--merge", files, "--out", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((tmp_path / "few_step_h200_720p_cfg5.json").read_text())
+    assert [r["flash_attn"] for r in doc["details"]["runs"]] == [None, None, "installed"]
+    assert doc["details"]["flash_attn"] == "installed"
+    [row] = doc["rows"]
+    assert row["case"] == "dense_comfyui_eager" and row["generation_s"] == pytest.approx(492.213 + 490.826)
+    assert "flash-attn-4 installed\n" in (tmp_path / "few_step_h200_720p_cfg5.md").read_text()
+
+
 def test_a_dense_run_longer_than_a_call_is_timed_in_two_stages_and_joined(tmp_path, comfyui_path):
     """--stage: a 720p 40-step cfg 5 dense run (about 800 s) does not fit one 600 s device call, so
     it runs as the two stages of a KSamplerAdvanced split, one call each, and --merge joins them."""

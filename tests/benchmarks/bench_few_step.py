@@ -371,7 +371,8 @@ def write_results(out_dir: Path, name: str, doc: dict) -> None:
     lines = [f"# Few-step whole generations ({doc['machine']})", "",
              f"- date: {doc['date']}", f"- machine: {doc['machine']}", f"- command: `{doc['command']}`",
              f"- git commit: {doc['git_commit']}",
-             *[f"- run {r['run']}: {r['date']}, `{r['command']}`" for r in doc["details"].get("runs", [])],
+             *[f"- run {r['run']}: {r['date']}, `{r['command']}`, flash-attn-4 {r.get('flash_attn')}"
+               for r in doc["details"].get("runs", [])],
              f"- torch {doc['details']['torch']}, ComfyUI {doc['details']['comfyui']}, flash-attn-4 "
              f"{doc['details']['flash_attn']}", "", doc["method"], ""] + loop.table(doc["rows"], COLUMNS)
     lines += ["", "Targets:", ""] + [f"- {t}" for t in doc["targets"] or ["(no compiled hit row)"]]
@@ -462,8 +463,11 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> N
     """One results document from several runs; every measurement says which run it came from."""
     docs = [json.loads(p.read_text()) for p in paths]
     merged = docs[0]
-    merged["details"]["runs"] = [dict(run=i, date=d["date"], command=d["command"], git_commit=d["git_commit"])
-                                 for i, d in enumerate(docs)]
+    merged["details"]["runs"] = [dict(run=i, date=d["date"], command=d["command"], git_commit=d["git_commit"],
+                                      flash_attn=d["details"]["flash_attn"]) for i, d in enumerate(docs)]
+    # a ComfyUI-only call need not install FA4: the header names the version the FA4 rows ran on
+    merged["details"]["flash_attn"] = next((d["details"]["flash_attn"] for d in docs if d["details"]["flash_attn"]),
+                                           None)
     merged["details"]["repeats"] = {}
     meas, parts = {}, {}
     for i, d in enumerate(docs):
@@ -503,13 +507,22 @@ def results_name(machine: str, shape: str, cfg: float) -> str:
     return name if cfg == 1.0 else f"{name}_cfg{cfg:g}"
 
 
-def new_doc(args, cuda: bool, blocks: int, shape: str) -> dict:
+def flash_attn_version() -> str | None:
+    """The FA4 wheel's version (its module has no ``__version__``), or None when it does not import."""
     try:
-        import flash_attn
-
-        fa_version = getattr(flash_attn, "__version__", "installed")
+        import flash_attn  # noqa: F401
     except Exception:  # noqa: BLE001  (any import failure: the FA4 rows fall back, the report says so)
-        fa_version = None
+        return None
+    from importlib import metadata
+
+    try:
+        return metadata.version("flash-attn-4")
+    except metadata.PackageNotFoundError:
+        return "installed"
+
+
+def new_doc(args, cuda: bool, blocks: int, shape: str) -> dict:
+    fa_version = flash_attn_version()
     import comfyui_version
 
     return {"benchmark": "bench_few_step",
