@@ -656,6 +656,8 @@ def main(argv=None):
     if stage and (args.only is None or not all(label.startswith("dense") for label in args.only.split(","))):
         raise SystemExit("--stage times dense modes only (name them with --only): the hit, online and recording "
                          "rows of a long schedule fit one call")
+    if stage and stage[0] > 0:
+        stages.check_stage_latents(Path(args.stage_latent), args.only.split(","), step_counts[0], stage[0])
     machine = "tiny" if args.tiny else ("h200" if "H200" in e2e.machine_name(cuda) else "gpu")
     name = "few_step_tiny" if args.tiny else results_name(machine, shape, args.cfg)
     doc = new_doc(args, cuda, blocks, shape)

@@ -103,6 +103,16 @@ def load_stage_latent(latent_dir: Path, label: str, steps: int, start: int):
     return flat.reshape(shape)
 
 
+def check_stage_latents(latent_dir: Path, labels: list[str], steps: int, start: int) -> None:
+    """Refuse a later stage whose starting latent is missing or wrong before anything is built: on
+    the device the model build, the compile and the warm-up come first and take minutes of a call."""
+    for label in labels:
+        try:
+            load_stage_latent(latent_dir, label, steps, start)
+        except RuntimeError as exc:
+            raise SystemExit(f"--stage {start}:...: {exc}") from None
+
+
 def stage_stem(label: str, steps: int, end: int) -> str:
     """A file name the device returns (letters, digits, '_' and '.' only)."""
     return f"{label}_steps{steps}_at{end}"
