@@ -49,13 +49,20 @@ def test_a_kept_bank_serves_the_hits_of_a_later_call(tmp_path, comfyui_path):
     40-step cfg 5 table split over device calls by --only needs."""
     script, bank = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py", tmp_path / "bank"
 
-    def call(only: str, out: str) -> dict:
-        done = subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "2", "--only", only,
+    def run(only: str, out: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "2", "--only", only,
                                "--bank", str(bank), "--out", str(tmp_path / out)], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=900, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+
+    def call(only: str, out: str) -> dict:
+        done = run(only, out)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads((tmp_path / out / "few_step_tiny.json").read_text())
 
+    # hits with nothing to serve them (the device machine that held the bank was released) are
+    # refused before their compile, not timed as misses
+    orphan = run("hit_dense0_eager", "orphan")
+    assert orphan.returncode != 0 and "add miss_recording_dense1_eager to --only" in orphan.stderr
     first = call("miss_recording_dense1_eager", "a")
     assert first["details"]["errors"] == [] and first["details"]["recorded_steps"] == 2
     later = call("miss_recording_dense1_eager,hit_dense0_eager", "b")

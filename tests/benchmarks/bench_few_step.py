@@ -689,7 +689,13 @@ def run_all(ctx, doc, args, step_counts: list[int], save) -> None:
     # the finest schedule: an entry recorded on fewer steps would not serve the others
     recorded_steps = max(step_counts)
     entry_kept = kept_entry(ctx["bank"], doc, recorded_steps)
-    for mode in [m for m in plan if args.only is None or m.label in args.only.split(",")]:
+    chosen = [m for m in plan if args.only is None or m.label in args.only.split(",")]
+    if not entry_kept and any(m.key == "hit" for m in chosen) and not any(m.key == "miss_recording" for m in chosen):
+        # before the hits' compile: a released device machine takes its /tmp bank with it
+        raise SystemExit("the hits need the entry a recording miss puts in the bank, and this run neither records "
+                         "one nor finds one in --bank: add miss_recording_dense1_eager to --only, or pass the "
+                         "--bank folder a recording call filled on this machine")
+    for mode in chosen:
         if time.perf_counter() - e2e.T0 > args.budget_s:
             doc["details"]["skipped"].append(f"{mode.label}: skipped, time budget")
             continue
