@@ -110,7 +110,7 @@ def check_stage_latents(latent_dir: Path, labels: list[str], steps: int, start: 
         try:
             load_stage_latent(latent_dir, label, steps, start)
         except RuntimeError as exc:
-            raise SystemExit(f"--stage {start}:...: {exc}") from None
+            raise SystemExit(f"this stage starts at step {start}: {exc}") from None
 
 
 def stage_stem(label: str, steps: int, end: int) -> str:
