@@ -16,8 +16,9 @@ model) and merge with ``--merge``. A dense run longer than one call (720p, 40 st
 800 s) is timed as the stages of a KSamplerAdvanced split, ``--stage 0:20`` then ``--stage
 20:40`` in two calls, and ``--merge`` joins them (``few_step_stages.py``); the latent between
 them is kept in files under ``--stage-latent``, small enough for the device to return, so the
-stages may run in different sessions (a compiled dense stage warms up on ``--warmup-steps 1,2``:
-a dense mode needs no sparse step in its warm-up, and three dense steps leave the call more time).
+stages may run in different sessions (a compiled dense stage warms up on ``--warmup-steps 1``: a
+dense mode needs no sparse step in its warm-up, and on the H200 a dense FA4 model compiled on a
+1-step schedule compiled nothing more for 2 steps or a 16-step stage, ``few_step_h200_720p_cfg5_runs``).
 Pass ``--call-limit-s`` a little under the device call's limit: a compiled mode's timed generation
 that its warm-up says would be killed at that limit is not started, and the results say so. Send
 the output to a file under ``$OUT`` and read its tail afterwards (``> $OUT/log 2>&1``), not through
