@@ -205,7 +205,7 @@ def generate(ctx, mode: Mode, steps: int, stage: tuple[int, int] | None = None) 
                                   callback=callback, disable_pbar=True, seed=0, **staged)
     e2e.sync(cuda)
     end = time.perf_counter()
-    ran = steps if stage is None else stage[1] - stage[0]
+    ran = stages.steps_run(stage, steps)
     if len(stamps) != ran:
         raise RuntimeError(f"{mode.label}: the sampler called back {len(stamps)} times for {ran} steps")
     if stage is not None:
@@ -630,7 +630,7 @@ def past_call_limit(ctx, mode: Mode, steps: int, compile_s) -> str | None:
     limit, warm = ctx.get("call_limit_s"), ctx.get("warm_step_ms")
     if limit is None or not mode.compiled or not warm:
         return None
-    timed = ctx["stage"][1] - ctx["stage"][0] if ctx["stage"] else steps
+    timed = stages.steps_run(ctx["stage"], steps)
     now = time.perf_counter() - e2e.T0
     estimate = estimated_generation_s(warm, timed)
     if now + estimate <= limit:

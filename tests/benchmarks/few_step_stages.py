@@ -103,6 +103,11 @@ def load_stage_latent(latent_dir: Path, label: str, steps: int, start: int):
     return flat.reshape(shape)
 
 
+def steps_run(stage: tuple[int, int] | None, steps: int) -> int:
+    """How many steps a sampling call runs: the stage's, or the whole schedule's."""
+    return steps if stage is None else stage[1] - stage[0]
+
+
 def check_stage_latents(latent_dir: Path, labels: list[str], steps: int, start: int) -> None:
     """Refuse a later stage whose starting latent is missing or wrong before anything is built: on
     the device the model build, the compile and the warm-up come first and take minutes of a call."""
