@@ -129,6 +129,24 @@ def test_a_timed_generation_that_would_outlast_the_call_is_not_started():
     assert fits is None and eager is None and stage is None and unlimited is None
 
 
+def test_a_warm_up_that_compiled_is_timed_again_before_the_call_limit_check(tmp_path, comfyui_path):
+    """A 1-step warm-up's one step holds the compile: estimated from it, a 16-step dense FA4 stage
+    that fitted its call with minutes to spare was refused at "2274 s" (run 6 of
+    few_step_h200_720p_cfg5_runs). Here a compile step of tens of seconds times 40 steps would pass
+    the 400 s limit; the repeated, compile-free warm-up says the run fits, and it runs."""
+    script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "40", "--only", "dense_fa4_compiled",
+                           "--warmup-steps", "1", "--call-limit-s", "400", "--out", str(tmp_path)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    warm_ups = re.findall(r"warm-up of 1 steps ([0-9.]+) s, steps \[[0-9., ]+\], graphs (\d+)", done.stderr + done.stdout)
+    assert len(warm_ups) == 2 and int(warm_ups[0][1]) > 0 and warm_ups[1][1] == "0", warm_ups
+    doc = json.loads((tmp_path / "few_step_tiny.json").read_text())
+    assert doc["details"]["skipped"] == [] and "dense_fa4_compiled@40" in doc["details"]["measurements"]
+    compile_s = doc["details"]["measurements"]["dense_fa4_compiled@40"]["compile_s"]
+    assert compile_s == pytest.approx(sum(float(s) for s, _ in warm_ups), abs=0.2)
+
+
 def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(tmp_path):
     """Measurements are keyed by case and steps: a cfg 5 run merged into the cfg 1 table (or written
     over its file) would replace the cfg 1 rows of the same step count."""
