@@ -147,26 +147,32 @@ def test_a_warm_up_that_compiled_is_timed_again_before_the_call_limit_check(tmp_
     assert compile_s == pytest.approx(sum(float(s) for s, _ in warm_ups), abs=0.2)
 
 
+def merge_720p_cfg5_runs(out, *names: str) -> tuple[dict, str]:
+    """The committed 720p 40-step cfg 5 runs ``names``, merged by the benchmark into ``out``: its
+    results JSON and markdown."""
+    runs = REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5_runs"
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"), "--merge",
+                           ",".join(str(runs / n) for n in names), "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return (json.loads((out / "few_step_h200_720p_cfg5.json").read_text()),
+            (out / "few_step_h200_720p_cfg5.md").read_text())
+
+
 def test_a_dense_run_still_in_stages_leaves_the_fastest_dense_run_unmeasured(tmp_path):
     """720p, 40 steps, cfg 5 as measured by 2026-12-04: dense ComfyUI joined, dense FA4 compiled
     timed to step 28 of 40, the hit whole. Merged, the hit's ratio to ComfyUI is a result; its
     ratio to the fastest dense run is not yet (against ComfyUI's 983 s it would read 2.9x, MET)."""
-    script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
-    runs = REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5_runs"
-    files = [runs / f for f in ("run1_dense_comfyui_0-20_cdf35ee.json", "run2_dense_comfyui_20-40_cdf35ee.json",
-                                "run3_dense_fa4_compiled_0-16_cdf35ee.json",
-                                "run7_dense_fa4_compiled_16-28_60d37c2.json", "run5_hit_dense0_compiled_60d37c2.json")]
-    done = subprocess.run([sys.executable, str(script), "--merge", ",".join(map(str, files)), "--out", str(tmp_path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    doc = json.loads((tmp_path / "few_step_h200_720p_cfg5.json").read_text())
+    doc, md = merge_720p_cfg5_runs(tmp_path, "run1_dense_comfyui_0-20_cdf35ee.json",
+                                   "run2_dense_comfyui_20-40_cdf35ee.json", "run3_dense_fa4_compiled_0-16_cdf35ee.json",
+                                   "run7_dense_fa4_compiled_16-28_60d37c2.json", "run5_hit_dense0_compiled_60d37c2.json")
     rows = {r["case"]: r for r in doc["rows"]}
     assert set(rows) == {"dense_comfyui_eager", "hit_dense0_compiled"}
     hit = rows["hit_dense0_compiled"]
     assert hit["vs_best_dense"] is None and hit["vs_comfyui_default"] == round(983.039 / 337.46, 3)
     assert doc["details"]["unjoined"] == ["dense_fa4_compiled@40"]
     assert ("the fastest dense run not in this run (target >= 2.5x: not yet measured), 2.913x ComfyUI's default "
-            "(target >= 3.0x: NOT MET)") in (tmp_path / "few_step_h200_720p_cfg5.md").read_text()
+            "(target >= 3.0x: NOT MET)") in md
 
 
 def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(tmp_path):
@@ -188,20 +194,13 @@ def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(t
 def test_a_merged_table_names_the_fa4_its_fa4_rows_ran_on_though_its_first_call_had_none(tmp_path):
     """720p, 40 steps, cfg 5 (2026-12-04): ComfyUI's dense stages ran in calls with no FA4 installed,
     the FA4 stage after them; the merged header took the first call's None."""
-    script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
-    runs = REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5_runs"
-    files = ",".join(str(runs / f) for f in ("run1_dense_comfyui_0-20_cdf35ee.json",
-                                             "run2_dense_comfyui_20-40_cdf35ee.json",
-                                             "run3_dense_fa4_compiled_0-16_cdf35ee.json"))
-    done = subprocess.run([sys.executable, str(script), "--merge", files, "--out", str(tmp_path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    doc = json.loads((tmp_path / "few_step_h200_720p_cfg5.json").read_text())
+    doc, md = merge_720p_cfg5_runs(tmp_path, "run1_dense_comfyui_0-20_cdf35ee.json",
+                                   "run2_dense_comfyui_20-40_cdf35ee.json", "run3_dense_fa4_compiled_0-16_cdf35ee.json")
     assert [r["flash_attn"] for r in doc["details"]["runs"]] == [None, None, "installed"]
     assert doc["details"]["flash_attn"] == "installed"
     [row] = doc["rows"]
     assert row["case"] == "dense_comfyui_eager" and row["generation_s"] == pytest.approx(492.213 + 490.826)
-    assert "flash-attn-4 installed\n" in (tmp_path / "few_step_h200_720p_cfg5.md").read_text()
+    assert "flash-attn-4 installed\n" in md
 
 
 def test_a_dense_run_longer_than_a_call_is_timed_in_two_stages_and_joined(tmp_path, comfyui_path):

@@ -20,9 +20,9 @@ stages may run in different sessions (a compiled dense stage warms up on ``--war
 dense mode needs no sparse step in its warm-up, and on the H200 a dense FA4 model compiled on a
 1-step schedule compiled nothing more for 2 steps or a 16-step stage, ``few_step_h200_720p_cfg5_runs``).
 Pass ``--call-limit-s`` a little under the device call's limit: a compiled mode's timed generation
-that its warm-up says would be killed at that limit is not started, and the results say so (with
-the flag, a warm-up whose last generation compiled a graph runs once more, as the step times it
-goes by: a step that compiles times the compile). Send
+that its warm-up says would be killed at that limit is not started, and the results say so. The
+estimate needs step times without a compile in them, so with the flag a warm-up whose last
+generation compiled a graph runs once more. Send
 the output to a file under ``$OUT`` and read its tail afterwards (``> $OUT/log 2>&1``), not through
 a pipe: a call killed at its limit returns what is in ``$OUT``, and a pipe's buffer is lost. An entry
 recorded at cfg 1 (batch 1, a call's worth at 720p) serves a cfg 5 run's hits: it is the same
@@ -312,9 +312,8 @@ def derive_rows(doc: dict) -> list[dict]:
     unfinished = unfinished_dense_steps(doc["details"])
     for row in rows:
         same = [r for r in rows if r["steps"] == row["steps"]]
-        best = min((r["generation_s"] for r in same if r["mode"] == "dense"), default=None)
-        if row["steps"] in unfinished:
-            best = None
+        best = None if row["steps"] in unfinished else min(
+            (r["generation_s"] for r in same if r["mode"] == "dense"), default=None)
         base = next((r["generation_s"] for r in same if r["case"] == "dense_comfyui_eager"), None)
         online = fastest_online_miss(same)
         row["vs_best_dense"] = row["speedup_whole_generation"] = round(best / row["generation_s"], 3) if best else None
