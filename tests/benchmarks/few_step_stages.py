@@ -147,3 +147,13 @@ def join_stages(parts: list[dict], steps: int):
                   stage=None, stages=[dict(stage=m["stage"], run=m.get("run"), generation_s=m["generation_s"],
                                            compile_s=m.get("compile_s")) for m in parts])
     return joined
+
+
+def timed_floor_s(parts: list[dict]) -> float:
+    """The least time a run still in stages can take: the sum of its timed stages that do not
+    overlap (a stage timed twice, or two that share steps, would count some steps twice)."""
+    edge, total = 0, 0.0
+    for m in sorted(parts, key=lambda m: (m["stage"][0], m["generation_s"])):
+        if m["stage"][0] >= edge:
+            edge, total = m["stage"][1], total + m["generation_s"]
+    return round(total, 3)
