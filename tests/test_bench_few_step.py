@@ -72,20 +72,25 @@ def test_a_kept_bank_serves_the_hits_of_a_later_call(tmp_path, comfyui_path):
     assert any("not run" in note and "--bank" in note for note in later["details"]["skipped"])
 
 
+def in_bench_process(expression: str, setup: str = "", given=None):
+    """The JSON value of ``expression``, with ``b`` the benchmark module and ``given`` the value passed
+    here, evaluated in a process of its own: the benchmark puts the repo root first on sys.path,
+    where this pack's nodes/ would shadow ComfyUI's nodes module for the tests that run after."""
+    code = ("import json, sys; sys.path.insert(0, 'tests/benchmarks'); import bench_few_step as b; "
+            f"given = json.loads(sys.stdin.read()); {setup}print(json.dumps({expression}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, input=json.dumps(given), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_the_targets_line_names_each_issue_target_met_or_not():
     hit = dict(case="hit_dense0_compiled", cfg=1.0, vs_comfyui_default=None)
     rows = [dict(hit, shape="720p", steps=4, vs_best_dense=2.333, vs_online_miss=1.471),
             dict(hit, shape="480p", steps=40, cfg=5.0, vs_best_dense=2.6, vs_online_miss=1.5, vs_comfyui_default=2.9),
             dict(hit, shape="480p", steps=4, vs_best_dense=1.658, vs_online_miss=1.338),
             dict(hit, case="online_dense1_compiled", shape="720p", steps=4, vs_best_dense=1.6, vs_online_miss=1.0)]
-    # in a process of its own: the benchmark puts the repo root first on sys.path, where this
-    # pack's nodes/ would shadow ComfyUI's nodes module for the tests that run after this one
-    code = ("import json, sys; sys.path.insert(0, 'tests/benchmarks'); import bench_few_step as b; "
-            "print(json.dumps(b.targets(json.loads(sys.stdin.read()))))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, input=json.dumps(rows), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [
+    assert in_bench_process("b.targets(given)", given=rows) == [
         "720p 4 steps cfg 1.0, hit with no dense step, compiled: 2.333x the fastest dense run (target >= 2.4x: "
         "NOT MET), 1.471x an online miss with one dense step (target >= 1.35x: MET)",
         "480p 40 steps cfg 5.0, hit with no dense step, compiled: 2.6x the fastest dense run (target >= 2.5x: MET), "
@@ -97,12 +102,7 @@ def test_the_targets_line_names_each_issue_target_met_or_not():
 def test_a_target_whose_baseline_is_in_another_call_is_not_yet_measured_not_missed():
     rows = [dict(case="hit_dense0_compiled", shape="720p", steps=40, cfg=5.0, vs_best_dense=None,
                  vs_online_miss=None, vs_comfyui_default=None)]
-    code = ("import json, sys; sys.path.insert(0, 'tests/benchmarks'); import bench_few_step as b; "
-            "print(json.dumps(b.targets(json.loads(sys.stdin.read()))))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, input=json.dumps(rows), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line, = json.loads(done.stdout.strip().splitlines()[-1])
+    line, = in_bench_process("b.targets(given)", given=rows)
     assert "None" not in line and "NOT MET" not in line
     assert line.endswith("the fastest dense run not in this run (target >= 2.5x: not yet measured), ComfyUI's "
                          "default not in this run (target >= 3.0x: not yet measured)")
@@ -111,19 +111,14 @@ def test_a_target_whose_baseline_is_in_another_call_is_not_yet_measured_not_miss
 def test_a_timed_generation_that_would_outlast_the_call_is_not_started():
     """720p, 40 steps, cfg 5, online miss: its warm-up had used 200 s of a 590 s call, and 40 steps of
     about 10.4 s would have been killed with nothing written (a lost call, 2026-12-03)."""
-    code = ("import json, sys; sys.path.insert(0, 'tests/benchmarks'); import bench_few_step as b; "
-            "b.e2e.T0 = b.time.perf_counter() - 200; "
-            "warm = [20500.0, 10400.0, 10450.0]; "
-            "online = b.Mode('online', True, 1); "
-            "eager = b.Mode('online', False, 1); "
-            "ctx = dict(call_limit_s=590.0, warm_step_ms=warm, stage=None); "
-            "print(json.dumps([b.estimated_generation_s(warm, 40), b.past_call_limit(ctx, online, 40, 150.0), "
-            "b.past_call_limit(ctx, online, 30, 150.0), b.past_call_limit(ctx, eager, 40, None), "
-            "b.past_call_limit(dict(ctx, stage=(0, 20)), online, 40, 150.0), "
-            "b.past_call_limit(dict(ctx, call_limit_s=None), online, 40, 150.0)]))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    estimate, late, fits, eager, stage, unlimited = json.loads(done.stdout.strip().splitlines()[-1])
+    setup = ("b.e2e.T0 = b.time.perf_counter() - 200; warm = [20500.0, 10400.0, 10450.0]; "
+             "online = b.Mode('online', True, 1); eager = b.Mode('online', False, 1); "
+             "ctx = dict(call_limit_s=590.0, warm_step_ms=warm, stage=None); ")
+    estimate, late, fits, eager, stage, unlimited = in_bench_process(
+        "[b.estimated_generation_s(warm, 40), b.past_call_limit(ctx, online, 40, 150.0), "
+        "b.past_call_limit(ctx, online, 30, 150.0), b.past_call_limit(ctx, eager, 40, None), "
+        "b.past_call_limit(dict(ctx, stage=(0, 20)), online, 40, 150.0), "
+        "b.past_call_limit(dict(ctx, call_limit_s=None), online, 40, 150.0)]", setup=setup)
     assert estimate == pytest.approx(20.5 + 39 * 10.425)
     assert late.startswith("online_dense1_compiled at 40 steps: not started") and "--call-limit-s 590" in late
     assert fits is None and eager is None and stage is None and unlimited is None
@@ -197,15 +192,13 @@ def test_a_ratio_a_dense_run_in_stages_can_only_lower_is_missed_before_that_run_
 
 
 def test_a_dense_run_in_stages_already_slower_than_a_joined_one_leaves_the_fastest_decided():
-    code = ("import json, sys; sys.path.insert(0, 'tests/benchmarks'); import bench_few_step as b; "
-            "import few_step_stages as s; part = lambda a, e, t: dict(stage=[a, e], generation_s=t); "
-            "print(json.dumps([s.timed_floor_s([part(0, 20, 450.0), part(10, 30, 400.0), part(20, 30, 200.0)]), "
-            "b.decided_fastest_dense(800.0, 900.0), b.decided_fastest_dense(800.0, 450.0), "
-            "b.decided_fastest_dense(None, 450.0), b.decided_fastest_dense(800.0, None)]))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    setup = "import few_step_stages as s; part = lambda a, e, t: dict(stage=[a, e], generation_s=t); "
     # overlapping stages count once: 0-20 and 20-30, not 10-30 as well
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [650.0, 800.0, None, None, 800.0]
+    assert in_bench_process(
+        "[s.timed_floor_s([part(0, 20, 450.0), part(10, 30, 400.0), part(20, 30, 200.0)]), "
+        "b.decided_fastest_dense(800.0, 900.0), b.decided_fastest_dense(800.0, 450.0), "
+        "b.decided_fastest_dense(None, 450.0), b.decided_fastest_dense(800.0, None)]", setup=setup) == [
+        650.0, 800.0, None, None, 800.0]
 
 
 def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(tmp_path):
@@ -218,10 +211,8 @@ def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(t
     done = subprocess.run([sys.executable, str(script), "--merge", f"{cfg1},{cfg5}", "--out", str(tmp_path)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "has cfg 5.0, not 1.0" in done.stderr and not list(tmp_path.iterdir())
-    code = ("import sys; sys.path.insert(0, 'tests/benchmarks'); import bench_few_step as b; "
-            "print(b.results_name('h200', '480p', 1.0), b.results_name('h200', '480p', 5.0))")
-    named = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert named.stdout.split()[-2:] == ["few_step_h200_480p", "few_step_h200_480p_cfg5"], named.stderr[-3000:]
+    assert in_bench_process("[b.results_name('h200', '480p', 1.0), b.results_name('h200', '480p', 5.0)]") == [
+        "few_step_h200_480p", "few_step_h200_480p_cfg5"]
 
 
 def test_a_merged_table_names_the_fa4_its_fa4_rows_ran_on_though_its_first_call_had_none(tmp_path):
