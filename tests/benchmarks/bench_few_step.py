@@ -313,7 +313,7 @@ def derive_rows(doc: dict) -> list[dict]:
     for row in rows:
         same = [r for r in rows if r["steps"] == row["steps"]]
         joined = min((r["generation_s"] for r in same if r["mode"] == "dense"), default=None)
-        best = decided_fastest_dense(joined, floors.get(row["steps"]))
+        best = fastest_dense_s_if_decided(joined, floors.get(row["steps"]))
         base = next((r["generation_s"] for r in same if r["case"] == "dense_comfyui_eager"), None)
         online = fastest_online_miss(same)
         row["vs_best_dense"] = row["speedup_whole_generation"] = round(best / row["generation_s"], 3) if best else None
@@ -340,11 +340,11 @@ def unfinished_dense_floor_s(details: dict) -> dict[int, float]:
     return out
 
 
-def decided_fastest_dense(joined_best, unfinished_floor):
-    """The fastest dense generation, or None while a dense mode still in stages could beat it: one
-    whose timed stages alone already take longer cannot."""
-    if unfinished_floor is None or (joined_best is not None and unfinished_floor >= joined_best):
-        return joined_best
+def fastest_dense_s_if_decided(joined_best_s: float | None, unfinished_floor_s: float | None) -> float | None:
+    """The fastest dense generation's seconds, or None while a dense mode still in stages could
+    beat it: one whose timed stages alone already take as long cannot."""
+    if unfinished_floor_s is None or (joined_best_s is not None and unfinished_floor_s >= joined_best_s):
+        return joined_best_s
     return None
 
 
@@ -394,7 +394,7 @@ def target_status(what: str, ratio, goal: float, at_most=None) -> str:
 COLUMNS = ["run", "shape", "steps", "cfg", "blocks", "case", "mode", "compiled", "density", "measured_density",
            "dense_steps", "backend", "generation_s", "first_step_s", "last_step_s", "prefetch_wait_ms",
            "prefetch_first_bucket_ms", "prefetch_decode_threads", "model_load_s",
-           "compile_s", "graphs", "vs_best_dense", "vs_online_miss", "vs_comfyui_default"]
+           "compile_s", "graphs", "vs_best_dense", "vs_best_dense_at_most", "vs_online_miss", "vs_comfyui_default"]
 
 
 def write_results(out_dir: Path, name: str, doc: dict) -> None:
@@ -496,6 +496,9 @@ def parse_args(argv):
 def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> None:
     """One results document from several runs; every measurement says which run it came from."""
     docs = [json.loads(p.read_text()) for p in paths]
+    for path, d in zip(paths, docs):
+        if "runs" in d["details"]:  # its skipped notes and bounds would carry over as this merge's
+            raise SystemExit(f"{path} is a merged table: merge the run files its command names instead")
     merged = docs[0]
     merged["details"]["runs"] = [dict(run=i, date=d["date"], command=d["command"], git_commit=d["git_commit"],
                                       flash_attn=d["details"]["flash_attn"]) for i, d in enumerate(docs)]
@@ -504,7 +507,7 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> N
                                            None)
     merged["details"]["repeats"] = {}
     meas, parts = {}, {}
-    merged["details"]["unjoined"] = []
+    merged["details"]["unjoined"], merged["details"]["unjoined_floor_s"] = [], {}
     for i, d in enumerate(docs):
         for what in ("shape", "cfg"):
             if d["details"][what] != merged["details"][what]:
@@ -520,21 +523,33 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> N
                 meas[key] = m
         merged["details"]["errors"] += [e for e in d["details"]["errors"] if i]
     for key, staged in parts.items():
-        joined = stages.join_stages(staged, int(key.rsplit("@", 1)[1]))
-        if isinstance(joined, str):
-            merged["details"]["skipped"].append(f"{key}: not joined, {joined}")
-            merged["details"]["unjoined"].append(key)
-            merged["details"].setdefault("unjoined_floor_s", {})[key] = stages.timed_floor_s(staged)
-        elif key in meas:
-            merged["details"]["repeats"].setdefault(key, []).append(joined)
-        else:
-            meas[key] = joined
+        join_staged(merged["details"], meas, key, staged)
     merged["details"]["measurements"] = meas
     merged["details"]["skipped"] += notes
     merged["command"] = command
     merged["date"] = max(d["date"] for d in docs)
     machine = "h200" if "H200" in merged["machine"] else "gpu"
     write_results(out_dir, results_name(machine, merged["details"]["shape"], merged["details"]["cfg"]), merged)
+
+
+def join_staged(details: dict, meas: dict, key: str, staged: list[dict]) -> None:
+    """One mode's stages joined into ``meas`` (a repeat if its whole run is in); stages that do not
+    cover the schedule leave the mode unjoined, with the least time it can still take."""
+    firsts, again = stages.first_of_each_stage(staged)
+    if again:
+        details["repeats"].setdefault(key, []).extend(again)
+    joined = stages.join_stages(firsts, int(key.rsplit("@", 1)[1]))
+    if not isinstance(joined, str):
+        if key in meas:
+            details["repeats"].setdefault(key, []).append(joined)
+        else:
+            meas[key] = joined
+    elif key in meas:  # its floor would undercut the whole run's own time
+        details["skipped"].append(f"{key}: stages not joined, {joined}; its whole run is in")
+    else:
+        details["skipped"].append(f"{key}: not joined, {joined}")
+        details["unjoined"].append(key)
+        details["unjoined_floor_s"][key] = stages.timed_floor_s(firsts)
 
 
 def results_name(machine: str, shape: str, cfg: float) -> str:

@@ -149,11 +149,22 @@ def join_stages(parts: list[dict], steps: int):
     return joined
 
 
+def first_of_each_stage(parts: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The first measurement of each stage, and those that timed a stage again (a merge keeps
+    them as repeats, as it keeps a whole run timed twice: the first file wins)."""
+    seen, firsts, again = set(), [], []
+    for m in parts:
+        (again if tuple(m["stage"]) in seen else firsts).append(m)
+        seen.add(tuple(m["stage"]))
+    return firsts, again
+
+
 def timed_floor_s(parts: list[dict]) -> float:
-    """The least time a run still in stages can take: the sum of its timed stages that do not
-    overlap (a stage timed twice, or two that share steps, would count some steps twice)."""
-    edge, total = 0, 0.0
-    for m in sorted(parts, key=lambda m: (m["stage"][0], m["generation_s"])):
-        if m["stage"][0] >= edge:
-            edge, total = m["stage"][1], total + m["generation_s"]
-    return round(total, 3)
+    """The least time a run still in stages can take: the largest sum of timed stages that share
+    no step (two stages that overlap would count their shared steps twice)."""
+    best = {0: 0.0}  # a stage's end -> the largest sum of stages that end by it
+    for m in sorted(parts, key=lambda m: m["stage"][1]):
+        start, end = m["stage"]
+        before = max(v for e, v in best.items() if e <= start)
+        best[end] = max(max(best.values()), before + m["generation_s"])
+    return round(max(best.values()), 3)
