@@ -320,6 +320,9 @@ def test_a_dense_run_longer_than_a_call_is_timed_in_two_stages_and_joined(tmp_pa
     assert row["steps"] == 4 and len(row["step_ms_all"]) == 4
     assert row["generation_s"] == round(parts[0]["generation_s"] + parts[1]["generation_s"], 3)
     assert [p["stage"] for p in doc["details"]["measurements"]["dense_comfyui_eager@4"]["stages"]] == [[0, 2], [2, 4]]
+    # the later stage warmed up on one step first, as a whole run's first step holds FA4's compile once
+    assert parts[0]["compile_s"] is None and parts[1]["compile_s"] > 0
+    assert "dense_comfyui_eager: warm-up of 1 steps" in done.stderr + done.stdout
 
 
 def load_stages_module():
