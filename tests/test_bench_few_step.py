@@ -142,13 +142,19 @@ def test_a_warm_up_that_compiled_is_timed_again_before_the_call_limit_check(tmp_
     assert compile_s == pytest.approx(sum(float(s) for s, _ in warm_ups), abs=0.2)
 
 
-def merge_720p_cfg5_runs(out, *names: str, runs=None) -> tuple[dict, str]:
-    """The 720p 40-step cfg 5 runs ``names`` (the committed ones unless ``runs`` names a folder),
-    merged by the benchmark into ``out``: its results JSON and markdown."""
-    runs = runs or REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5_runs"
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"), "--merge",
-                           ",".join(str(runs / n) for n in names), "--out", str(out)],
+RUNS_720P_CFG5 = REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5_runs"
+
+
+def run_merge(paths, out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"), "--merge",
+                           ",".join(str(p) for p in paths), "--out", str(out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+
+
+def merge_720p_cfg5_runs(out, *names) -> tuple[dict, str]:
+    """The 720p 40-step cfg 5 runs ``names`` (committed file names, or paths of other files),
+    merged by the benchmark into ``out``: its results JSON and markdown."""
+    done = run_merge([RUNS_720P_CFG5 / n for n in names], out)
     assert done.returncode == 0, done.stderr[-3000:]
     return (json.loads((out / "few_step_h200_720p_cfg5.json").read_text()),
             (out / "few_step_h200_720p_cfg5.md").read_text())
@@ -193,13 +199,13 @@ def test_a_ratio_a_dense_run_in_stages_can_only_lower_is_missed_before_that_run_
 
 
 def test_a_run_in_stages_is_bounded_by_the_most_it_has_timed_without_counting_a_step_twice():
-    setup = "import few_step_stages as s; part = lambda a, e, t: dict(stage=[a, e], generation_s=t); "
-    assert in_bench_process(
-        "[s.timed_floor_s([part(0, 20, 450.0), part(10, 30, 400.0), part(20, 30, 200.0)]), "
-        "s.timed_floor_s([part(0, 10, 100.0), part(5, 40, 500.0)]), "
-        "s.timed_floor_s([part(0, 20, 450.0), part(0, 30, 600.0)]), "
-        "[len(x) for x in s.first_of_each_stage([part(0, 20, 450.0), part(20, 40, 9.0), part(0, 20, 400.0)])]]",
-        setup=setup) == [650.0, 500.0, 600.0, [2, 1]]
+    stages = load_stages_module()
+    part = lambda a, e, t: dict(stage=[a, e], generation_s=t)  # noqa: E731
+    assert [stages.timed_floor_s([part(0, 20, 450.0), part(10, 30, 400.0), part(20, 30, 200.0)]),
+            stages.timed_floor_s([part(0, 10, 100.0), part(5, 40, 500.0)]),
+            stages.timed_floor_s([part(0, 20, 450.0), part(0, 30, 600.0)]),
+            [len(x) for x in stages.first_of_each_stage([part(0, 20, 450.0), part(20, 40, 9.0),
+                                                         part(0, 20, 400.0)])]] == [650.0, 500.0, 600.0, [2, 1]]
 
 
 def few_step_doc(**measured) -> dict:
@@ -225,18 +231,13 @@ def test_a_dense_run_in_stages_already_slower_than_a_joined_one_leaves_the_faste
 
 
 def test_a_merge_keeps_a_stage_timed_twice_as_a_repeat_and_a_whole_run_over_its_leftover_stages(tmp_path):
-    runs = REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5_runs"
-    whole = json.loads((runs / "run8_dense_fa4_compiled_28-40_7acbd88.json").read_text())
+    whole = json.loads((RUNS_720P_CFG5 / "run8_dense_fa4_compiled_28-40_7acbd88.json").read_text())
     whole["details"]["measurements"]["dense_fa4_compiled@40"].update(stage=None, generation_s=814.646)
     (tmp_path / "whole.json").write_text(json.dumps(whole))
-    shutil.copy(runs / "run3_dense_fa4_compiled_0-16_cdf35ee.json", tmp_path)
-    for name in ("run1_dense_comfyui_0-20_cdf35ee.json", "run2_dense_comfyui_20-40_cdf35ee.json",
-                 "run5_hit_dense0_compiled_60d37c2.json"):
-        shutil.copy(runs / name, tmp_path)
-    doc, md = merge_720p_cfg5_runs(tmp_path, "run1_dense_comfyui_0-20_cdf35ee.json",
+    doc, md = merge_720p_cfg5_runs(tmp_path / "m", "run1_dense_comfyui_0-20_cdf35ee.json",
                                    "run1_dense_comfyui_0-20_cdf35ee.json", "run2_dense_comfyui_20-40_cdf35ee.json",
-                                   "whole.json", "run3_dense_fa4_compiled_0-16_cdf35ee.json",
-                                   "run5_hit_dense0_compiled_60d37c2.json", runs=tmp_path)
+                                   tmp_path / "whole.json", "run3_dense_fa4_compiled_0-16_cdf35ee.json",
+                                   "run5_hit_dense0_compiled_60d37c2.json")
     rows = {r["case"]: r for r in doc["rows"]}
     assert rows["dense_comfyui_eager"]["generation_s"] == pytest.approx(983.039)
     assert [m["stage"] for m in doc["details"]["repeats"]["dense_comfyui_eager@40"]] == [[0, 20]]
@@ -247,22 +248,17 @@ def test_a_merge_keeps_a_stage_timed_twice_as_a_repeat_and_a_whole_run_over_its_
 
 def test_a_merged_table_is_not_merged_again(tmp_path):
     """Its details would carry over (the first file is the merge's base): merge its run files."""
-    merged = REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5.json"
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"), "--merge",
-                           str(merged), "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = run_merge([REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5.json"], tmp_path)
     assert done.returncode != 0 and "is a merged table" in done.stderr and not list(tmp_path.iterdir())
 
 
 def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(tmp_path):
     """Measurements are keyed by case and steps: a cfg 5 run merged into the cfg 1 table (or written
     over its file) would replace the cfg 1 rows of the same step count."""
-    script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
     results = REPO_ROOT / "tests" / "benchmarks" / "results"
     cfg1 = results / "few_step_h200_480p_runs" / "run0_b6142d8.json"
     cfg5 = results / "few_step_h200_480p_cfg5_runs" / "run1_dense_comfyui_f7fbfb5.json"
-    done = subprocess.run([sys.executable, str(script), "--merge", f"{cfg1},{cfg5}", "--out", str(tmp_path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    done = run_merge([cfg1, cfg5], tmp_path)
     assert done.returncode != 0 and "has cfg 5.0, not 1.0" in done.stderr and not list(tmp_path.iterdir())
     assert in_bench_process("[b.results_name('h200', '480p', 1.0), b.results_name('h200', '480p', 5.0)]") == [
         "few_step_h200_480p", "few_step_h200_480p_cfg5"]

@@ -665,6 +665,20 @@ def machine_name(cuda):
     return f"{cpu}, {cores} cores (CPU only)"
 
 
+def flash_attn_version() -> str | None:
+    """The FA4 wheel's version (its module has no ``__version__``), or None when it does not import."""
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:  # noqa: BLE001  (any import failure: the FA4 rows fall back, the report says so)
+        return None
+    from importlib import metadata
+
+    try:
+        return metadata.version("flash-attn-4")
+    except metadata.PackageNotFoundError:
+        return "installed"
+
+
 COLUMNS = ["shape", "N", "batch", "density", "mode", "kind", "attention", "step_ms", "step_ms_measured",
            "generation_s", "speedup_whole_generation", "overhead_share", "extra_vram_gb"]
 OVERHEAD_COLUMNS = ["shape", "mode", "kind", "ms", "overhead_share", "scope"]

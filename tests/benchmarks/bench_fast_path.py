@@ -418,12 +418,7 @@ def main(argv=None):
         dim, ffn, dtype, shapes, shape_table = 5120, 13824, torch.bfloat16, args.shapes.split(","), e2e.SHAPES
     densities = [float(d) for d in args.densities.split(",")]
     name = args.name or ("fast_path_tiny" if args.tiny else "fast_path_h200")
-    try:
-        import flash_attn
-
-        fa_version = getattr(flash_attn, "__version__", "installed")
-    except Exception:  # noqa: BLE001
-        fa_version = None
+    fa_version = e2e.flash_attn_version()
     import comfyui_version
 
     doc = {"benchmark": "bench_fast_path",

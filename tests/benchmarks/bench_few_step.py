@@ -562,22 +562,8 @@ def results_name(machine: str, shape: str, cfg: float) -> str:
     return name if cfg == 1.0 else f"{name}_cfg{cfg:g}"
 
 
-def flash_attn_version() -> str | None:
-    """The FA4 wheel's version (its module has no ``__version__``), or None when it does not import."""
-    try:
-        import flash_attn  # noqa: F401
-    except Exception:  # noqa: BLE001  (any import failure: the FA4 rows fall back, the report says so)
-        return None
-    from importlib import metadata
-
-    try:
-        return metadata.version("flash-attn-4")
-    except metadata.PackageNotFoundError:
-        return "installed"
-
-
 def new_doc(args, cuda: bool, blocks: int, shape: str) -> dict:
-    fa_version = flash_attn_version()
+    fa_version = e2e.flash_attn_version()
     import comfyui_version
 
     return {"benchmark": "bench_few_step",
