@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
@@ -142,7 +143,8 @@ def test_a_warm_up_that_compiled_is_timed_again_before_the_call_limit_check(tmp_
     assert compile_s == pytest.approx(sum(float(s) for s, _ in warm_ups), abs=0.2)
 
 
-RUNS_720P_CFG5 = REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5_runs"
+RESULTS = REPO_ROOT / "tests" / "benchmarks" / "results"
+RUNS_720P_CFG5 = RESULTS / "few_step_h200_720p_cfg5_runs"
 
 
 def run_merge(paths, out) -> subprocess.CompletedProcess:
@@ -198,15 +200,16 @@ def test_a_ratio_a_dense_run_in_stages_can_only_lower_is_missed_before_that_run_
             "(target >= 2.5x: NOT MET), 2.913x ComfyUI's default (target >= 3.0x: NOT MET)") in md
 
 
+def committed_merge_paths(table: str) -> list[Path]:
+    """The run files a committed merged table was made from, as its own command names them."""
+    words = json.loads((RESULTS / f"{table}.json").read_text())["command"].split()
+    return [REPO_ROOT / p for p in words[words.index("--merge") + 1].split(",")]
+
+
 def test_every_720p_cfg5_dense_run_joined_decides_the_fastest_and_the_hit_misses_2_5x(tmp_path):
     """720p, 40 steps, cfg 5 after 2026-12-04's fourth session: dense FA4 eager joined (898.8 s)
     is slower than dense FA4 compiled (814.6 s), so the hit's 2.414x is the ratio, not a bound."""
-    doc, md = merge_720p_cfg5_runs(tmp_path, "run1_dense_comfyui_0-20_cdf35ee.json",
-                                   "run2_dense_comfyui_20-40_cdf35ee.json", "run3_dense_fa4_compiled_0-16_cdf35ee.json",
-                                   "run7_dense_fa4_compiled_16-28_60d37c2.json",
-                                   "run8_dense_fa4_compiled_28-40_7acbd88.json", "run10_dense_fa4_eager_0-20_7acbd88.json",
-                                   "run12_dense_fa4_eager_20-40_b1dcd9d.json", "run5_hit_dense0_compiled_60d37c2.json",
-                                   "run9_online_dense1_compiled_7acbd88.json", "run11_online_dense0_compiled_b1dcd9d.json")
+    doc, md = merge_720p_cfg5_runs(tmp_path, *committed_merge_paths("few_step_h200_720p_cfg5"))
     rows = {r["case"]: r for r in doc["rows"]}
     assert rows["dense_fa4_eager"]["generation_s"] == pytest.approx(453.852 + 444.922)
     assert doc["details"]["unjoined"] == [] and doc["details"]["unjoined_floor_s"] == {}
@@ -220,9 +223,8 @@ def test_every_720p_cfg5_dense_run_joined_decides_the_fastest_and_the_hit_misses
 @pytest.mark.parametrize("table", ["few_step_h200_720p_cfg5", "few_step_h200_480p_cfg5"])
 def test_a_committed_cfg5_table_is_the_merge_of_the_run_files_its_command_names(tmp_path, table):
     """The README quotes these tables: merging their committed run files again gives the same rows."""
-    committed = json.loads((REPO_ROOT / "tests" / "benchmarks" / "results" / f"{table}.json").read_text())
-    words = committed["command"].split()
-    done = run_merge([REPO_ROOT / p for p in words[words.index("--merge") + 1].split(",")], tmp_path)
+    committed = json.loads((RESULTS / f"{table}.json").read_text())
+    done = run_merge(committed_merge_paths(table), tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     again = json.loads((tmp_path / f"{table}.json").read_text())
     assert again["rows"] == committed["rows"]
@@ -278,16 +280,15 @@ def test_a_merge_keeps_a_stage_timed_twice_as_a_repeat_and_a_whole_run_over_its_
 
 def test_a_merged_table_is_not_merged_again(tmp_path):
     """Its details would carry over (the first file is the merge's base): merge its run files."""
-    done = run_merge([REPO_ROOT / "tests" / "benchmarks" / "results" / "few_step_h200_720p_cfg5.json"], tmp_path)
+    done = run_merge([RESULTS / "few_step_h200_720p_cfg5.json"], tmp_path)
     assert done.returncode != 0 and "is a merged table" in done.stderr and not list(tmp_path.iterdir())
 
 
 def test_a_cfg5_table_gets_a_file_of_its_own_and_runs_of_two_cfgs_do_not_merge(tmp_path):
     """Measurements are keyed by case and steps: a cfg 5 run merged into the cfg 1 table (or written
     over its file) would replace the cfg 1 rows of the same step count."""
-    results = REPO_ROOT / "tests" / "benchmarks" / "results"
-    cfg1 = results / "few_step_h200_480p_runs" / "run0_b6142d8.json"
-    cfg5 = results / "few_step_h200_480p_cfg5_runs" / "run1_dense_comfyui_f7fbfb5.json"
+    cfg1 = RESULTS / "few_step_h200_480p_runs" / "run0_b6142d8.json"
+    cfg5 = RESULTS / "few_step_h200_480p_cfg5_runs" / "run1_dense_comfyui_f7fbfb5.json"
     done = run_merge([cfg1, cfg5], tmp_path)
     assert done.returncode != 0 and "has cfg 5.0, not 1.0" in done.stderr and not list(tmp_path.iterdir())
     assert in_bench_process("[b.results_name('h200', '480p', 1.0), b.results_name('h200', '480p', 5.0)]") == [

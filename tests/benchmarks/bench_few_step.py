@@ -291,14 +291,24 @@ def record_entry(ctx, steps: int) -> dict:
 PREFETCH_TIMINGS = ("prefetch_wait_ms", "prefetch_first_bucket_ms", "prefetch_decode_threads")
 
 
+def measurement_key(label: str, steps: int) -> str:
+    """A measurement's key in ``details.measurements``: its mode's label and step count."""
+    return f"{label}@{steps}"
+
+
+def split_measurement_key(key: str) -> tuple[str, int]:
+    label, steps = key.rsplit("@", 1)
+    return label, int(steps)
+
+
 def derive_rows(doc: dict) -> list[dict]:
     rows = []
     meas = doc["details"]["measurements"]
     for key, m in meas.items():
-        label, steps = key.rsplit("@", 1)
+        label, steps = split_measurement_key(key)
         if stages.is_partial(m):
             continue  # one stage of a split run: a row once --merge has joined its stages
-        rows.append(dict(shape=doc["details"]["shape"], steps=int(steps), cfg=doc["details"]["cfg"],
+        rows.append(dict(shape=doc["details"]["shape"], steps=steps, cfg=doc["details"]["cfg"],
                          blocks=doc["details"]["blocks"], mode=m["mode"], case=label, compiled=m["compiled"],
                          density=1.0 if m["mode"] == "dense" else doc["details"]["density"],
                          measured_density=m.get("measured_density"), dense_steps=m["dense_steps"],
@@ -337,7 +347,7 @@ def unfinished_dense_floor_s(details: dict) -> dict[int, float]:
     floors.update(details.get("unjoined_floor_s", {}))
     out: dict[int, float] = {}
     for key, floor in floors.items():
-        steps = int(key.rsplit("@", 1)[1])
+        _, steps = split_measurement_key(key)
         out[steps] = min(floor, out.get(steps, floor))
     return out
 
@@ -541,7 +551,7 @@ def join_staged(details: dict, meas: dict, key: str, staged: list[dict]) -> None
     firsts, again = stages.first_of_each_stage(staged)
     if again:
         details["repeats"].setdefault(key, []).extend(again)
-    joined = stages.join_stages(firsts, int(key.rsplit("@", 1)[1]))
+    joined = stages.join_stages(firsts, split_measurement_key(key)[1])
     if not isinstance(joined, str):
         if key in meas:
             details["repeats"].setdefault(key, []).append(joined)
@@ -670,7 +680,7 @@ def run_mode(ctx, doc, mode: Mode, step_counts: list[int], save) -> None:
         m.update(mode=results_mode(mode), compiled=mode.compiled,
                  dense_steps=steps if mode.key.startswith("dense") else mode.dense_steps, compile_s=compile_s,
                  stage=list(ctx["stage"]) if ctx["stage"] else None)
-        meas[f"{mode.label}@{steps}"] = m
+        meas[measurement_key(mode.label, steps)] = m
         e2e.log(f"{mode.label} @ {steps}: {m['generation_s']:.2f} s, steps {m['step_ms']}, graphs {m['graphs']}, "
                 f"density {m.get('measured_density')}, backend {m.get('backend')}/{m.get('dense_backend')}, "
                 f"timings {m.get('timings')}")
@@ -781,7 +791,7 @@ def record_mode(ctx, doc, mode: Mode, steps: int, save) -> None:
     m = record_entry(ctx, steps)
     m.update(mode="miss", compiled=False, dense_steps=1, compile_s=None)
     doc["details"]["recorded_steps"] = steps
-    doc["details"]["measurements"][f"{mode.label}@{steps}"] = m
+    doc["details"]["measurements"][measurement_key(mode.label, steps)] = m
     e2e.log(f"recorded: {m['generation_s']:.2f} s, steps {m['step_ms']}")
     save()
 
