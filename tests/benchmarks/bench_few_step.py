@@ -73,6 +73,7 @@ import contextlib
 import datetime
 import gc
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -716,7 +717,9 @@ def past_call_limit(ctx, mode: Mode, steps: int, compile_s) -> str | None:
 def main(argv=None):
     args = parse_args(argv)
     if args.merge:
-        return merge([Path(p) for p in args.merge.split(",")], Path(args.out), " ".join(["python"] + sys.argv), args.note)
+        # quoted, so that the command a merged table records runs again as it stands (its notes have spaces)
+        command = shlex.join(["python"] + sys.argv)
+        return merge([Path(p) for p in args.merge.split(",")], Path(args.out), command, args.note)
     cuda = torch.cuda.is_available() and not args.tiny
     device = "cuda" if cuda else "cpu"
     e2e.setup_comfy(cuda, args.extra_site)
