@@ -13,12 +13,22 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 
+BENCH = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
+RESULTS = REPO_ROOT / "tests" / "benchmarks" / "results"
+RUNS_720P_CFG5 = RESULTS / "few_step_h200_720p_cfg5_runs"
+
+
+def run_bench(*args, comfyui_path=None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """bench_few_step.py in a process of its own, from the repo root as on the device; ComfyUI's
+    folder where the run generates (a merge needs none)."""
+    env = {**os.environ, "COMFYUI_PATH": str(comfyui_path)} if comfyui_path else None
+    return subprocess.run([sys.executable, str(BENCH), *map(str, args)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
 
 def test_the_few_step_benchmark_times_every_mode_on_its_own_path(tmp_path, comfyui_path):
-    script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
-    done = subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "2,3",
-                           "--profile", "hit_dense0_eager", "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    done = run_bench("--tiny", "--no-compile", "--steps", "2,3", "--profile", "hit_dense0_eager", "--out", tmp_path,
+                     comfyui_path=comfyui_path)
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads((tmp_path / "few_step_tiny.json").read_text())
     # every hit row of both step counts hit: the entry is recorded on the finer schedule, which
@@ -49,12 +59,11 @@ def test_the_few_step_benchmark_times_every_mode_on_its_own_path(tmp_path, comfy
 def test_a_kept_bank_serves_the_hits_of_a_later_call(tmp_path, comfyui_path):
     """--bank: one call records the entry, the next (another process) is served from it, as a
     40-step cfg 5 table split over device calls by --only needs."""
-    script, bank = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py", tmp_path / "bank"
+    bank = tmp_path / "bank"
 
     def run(only: str, out: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "2", "--only", only,
-                               "--bank", str(bank), "--out", str(tmp_path / out)], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=900, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+        return run_bench("--tiny", "--no-compile", "--steps", "2", "--only", only, "--bank", bank,
+                         "--out", tmp_path / out, comfyui_path=comfyui_path)
 
     def call(only: str, out: str) -> dict:
         done = run(only, out)
@@ -131,10 +140,8 @@ def test_a_warm_up_that_compiled_is_timed_again_before_the_call_limit_check(tmp_
     that fitted its call with minutes to spare was refused at "2274 s" (run 6 of
     few_step_h200_720p_cfg5_runs). Here a compile step of tens of seconds times 40 steps would pass
     the 400 s limit; the repeated, compile-free warm-up says the run fits, and it runs."""
-    script = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"
-    done = subprocess.run([sys.executable, str(script), "--tiny", "--steps", "40", "--only", "dense_fa4_compiled",
-                           "--warmup-steps", "1", "--call-limit-s", "400", "--out", str(tmp_path)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    done = run_bench("--tiny", "--steps", "40", "--only", "dense_fa4_compiled", "--warmup-steps", "1",
+                     "--call-limit-s", "400", "--out", tmp_path, comfyui_path=comfyui_path)
     assert done.returncode == 0, done.stderr[-3000:]
     warm_ups = re.findall(r"warm-up of 1 steps ([0-9.]+) s, steps \[[0-9., ]+\], graphs (\d+)", done.stderr + done.stdout)
     assert len(warm_ups) == 2 and int(warm_ups[0][1]) > 0 and warm_ups[1][1] == "0", warm_ups
@@ -144,14 +151,8 @@ def test_a_warm_up_that_compiled_is_timed_again_before_the_call_limit_check(tmp_
     assert compile_s == pytest.approx(sum(float(s) for s, _ in warm_ups), abs=0.2)
 
 
-RESULTS = REPO_ROOT / "tests" / "benchmarks" / "results"
-RUNS_720P_CFG5 = RESULTS / "few_step_h200_720p_cfg5_runs"
-
-
 def run_merge(paths, out) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py"), "--merge",
-                           ",".join(str(p) for p in paths), "--out", str(out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    return run_bench("--merge", ",".join(str(p) for p in paths), "--out", out, timeout=300)
 
 
 def merge_720p_cfg5_runs(out, *names) -> tuple[dict, str]:
@@ -201,9 +202,14 @@ def test_a_ratio_a_dense_run_in_stages_can_only_lower_is_missed_before_that_run_
             "(target >= 2.5x: NOT MET), 2.913x ComfyUI's default (target >= 3.0x: NOT MET)") in md
 
 
+def committed_merge_command(table: str) -> list[str]:
+    """The words of the merge command a committed table records (quoted: its notes have spaces)."""
+    return shlex.split(json.loads((RESULTS / f"{table}.json").read_text())["command"])
+
+
 def committed_merge_paths(table: str) -> list[Path]:
     """The run files a committed merged table was made from, as its own command names them."""
-    words = json.loads((RESULTS / f"{table}.json").read_text())["command"].split()
+    words = committed_merge_command(table)
     return [REPO_ROOT / p for p in words[words.index("--merge") + 1].split(",")]
 
 
@@ -226,10 +232,10 @@ def test_a_committed_cfg5_table_is_what_its_own_command_makes_again(tmp_path, ta
     """The README quotes these tables: running the merge command each one records (its run files
     and its notes), with only ``--out`` changed, gives the same rows, targets and caveats."""
     committed = json.loads((RESULTS / f"{table}.json").read_text())
-    words = shlex.split(committed["command"])
+    words = committed_merge_command(table)
     assert words[:3] == ["python", "tests/benchmarks/bench_few_step.py", "--merge"]
     words[words.index("--out") + 1] = str(tmp_path)
-    done = subprocess.run([sys.executable] + words[1:], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    done = run_bench(*words[2:], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     again = json.loads((tmp_path / f"{table}.json").read_text())
     assert [again[k] for k in ("rows", "targets")] == [committed[k] for k in ("rows", "targets")]
@@ -316,13 +322,11 @@ def test_a_merged_table_names_the_fa4_its_fa4_rows_ran_on_though_its_first_call_
 def test_a_dense_run_longer_than_a_call_is_timed_in_two_stages_and_joined(tmp_path, comfyui_path):
     """--stage: a 720p 40-step cfg 5 dense run (about 800 s) does not fit one 600 s device call, so
     it runs as the two stages of a KSamplerAdvanced split, one call each, and --merge joins them."""
-    script, latents = REPO_ROOT / "tests" / "benchmarks" / "bench_few_step.py", tmp_path / "latents"
-    env = {**os.environ, "COMFYUI_PATH": str(comfyui_path)}
+    latents = tmp_path / "latents"
 
     def call(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--steps", "4",
-                               "--stage-latent", str(latents), *extra], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=900, env=env)
+        return run_bench("--tiny", "--no-compile", "--steps", "4", "--stage-latent", latents, *extra,
+                         comfyui_path=comfyui_path)
 
     refused = call("--stage", "0:2", "--only", "hit_dense0_eager", "--out", str(tmp_path / "x"))
     assert refused.returncode != 0 and "dense modes only" in refused.stderr
@@ -342,9 +346,7 @@ def test_a_dense_run_longer_than_a_call_is_timed_in_two_stages_and_joined(tmp_pa
                 "--stage-latent", str(carried))
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "2_4" / "few_step_tiny.json").read_text())["details"]["errors"] == []
-    files = ",".join(str(tmp_path / d / "few_step_tiny.json") for d in ("0_2", "2_4"))
-    merged = subprocess.run([sys.executable, str(script), "--merge", files, "--out", str(tmp_path / "m")],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    merged = run_merge([tmp_path / d / "few_step_tiny.json" for d in ("0_2", "2_4")], tmp_path / "m")
     assert merged.returncode == 0, merged.stderr[-3000:]
     doc = json.loads((tmp_path / "m" / "few_step_gpu_tiny.json").read_text())
     parts = [json.loads((tmp_path / d / "few_step_tiny.json").read_text())["details"]["measurements"]

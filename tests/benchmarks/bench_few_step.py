@@ -718,7 +718,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.merge:
         # quoted, so that the command a merged table records runs again as it stands (its notes have spaces)
-        command = shlex.join(["python"] + sys.argv)
+        command = shlex.join(["python", sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
         return merge([Path(p) for p in args.merge.split(",")], Path(args.out), command, args.note)
     cuda = torch.cuda.is_available() and not args.tiny
     device = "cuda" if cuda else "cpu"
