@@ -53,7 +53,7 @@ class BankStorage:
 
     Public API (the same on every backend): ``open`` (usually through
     :func:`chorus_core.bank.open_bank`, which picks the backend from the location),
-    ``add_entry``, ``match``, ``load_masks``, ``compatible_entries``, ``quarantine``,
+    ``add_entry``, ``has_entry``, ``match``, ``load_masks``, ``compatible_entries``, ``quarantine``,
     ``verify``, ``delete``, ``prune``, ``eviction_order``, ``stats``, ``entries``, ``recent``,
     ``show``, ``export``, ``import_file``, ``content_token``, ``close``, ``reopen``; for
     export and import (:mod:`.transfer`) also ``check_writable``, ``read_entry_blob``,
@@ -368,6 +368,11 @@ class BankStorage:
     def recent(self, n: int = 20) -> list[dict]:
         """The ``n`` most recently added entries, newest first."""
         return self.entries(limit=n)
+
+    @guarded
+    def has_entry(self, entry_id: str) -> bool:
+        """Whether the bank holds a row of this id, healthy or quarantined (a spool replay asks)."""
+        return self._has_entry(str(entry_id))
 
     @guarded
     def entry_schedule(self, entry_id: str) -> Schedule:
