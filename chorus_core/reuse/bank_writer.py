@@ -1,12 +1,14 @@
 """Recorded masks go into the bank on a background thread, so a miss never holds the queue.
 
-After a recording miss the prompt's thread only hands the recorded masks (packed bits on the
-host) to :func:`submit` and returns; one writer thread per process encodes them and adds the
-entry, then (``after``) refreshes that key's population prior; a request waiting for the entry
-is released when the entry is in, not after the refresh. The queue is bounded: when it is full the new
-recording is dropped with a warning rather than delaying the next prompt. Crash safety comes
-from the bank itself: a process that dies before a write finishes loses that entry and never
-leaves half of it (the blob is renamed into place before its row commits).
+After a recording miss the prompt's thread writes the recording to the bank's spool
+(:mod:`chorus_core.bank.spool`: fsynced before the report says ``queued``) and hands it to
+:func:`submit`; one writer thread per process adds the entry and removes the spool file, then
+(``after``) refreshes that key's population prior; a request waiting for the entry is released
+when the entry is in, not after the refresh. The queue is bounded: when it is full the new
+recording is dropped with a warning rather than delaying the next prompt. Nothing reported
+``queued`` is lost when the process stops: :func:`drain` (run by the pack's SIGTERM and SIGINT
+handlers and at exit) waits up to :data:`DRAIN_S` for the queue, and what is left stays spooled
+for the next process that opens the bank to replay.
 
 A request that arrives while a similar entry is still being written waits for that write
 (:func:`wait_for_similar`) and then hits it, instead of missing and recording the same masks again.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,7 +30,12 @@ from typing import Callable, Optional
 log = logging.getLogger("chorus")
 QUEUE_SIZE = 4  # recordings waiting to be written; more are dropped (each holds its masks in RAM)
 HISTORY = 64  # finished writes remembered for outcome()
-EXIT_FLUSH_S = 120.0  # at interpreter exit, how long pending writes may finish
+# When the process is told to stop (SIGTERM, SIGINT, exit), how long queued writes may go on:
+# well under Docker's 10 s and Kubernetes' 30 s grace periods; what is left stays spooled.
+DRAIN_S = float(os.environ.get("CHORUS_DRAIN_SECONDS", "5"))
+# Tests only: seconds the writer sleeps before each write, so a test can stop a server while a
+# recording is certainly still queued. Never set it in production.
+TEST_ONLY_DELAY_ENV = "CHORUS_TEST_ONLY_WRITER_DELAY_S"
 SIMILAR_WAIT_S = 60.0  # longest a request waits for a similar pending entry before it misses
 
 
@@ -44,6 +52,7 @@ class PendingWrite:
     done: threading.Event = field(default_factory=threading.Event)  # the entry is in the bank (or failed)
     settled: threading.Event = field(default_factory=threading.Event)  # ``after`` has run too
     error: Optional[str] = None
+    spool_path: Optional[object] = None  # the recording's spool file (a Path) until the entry is in
     submitted: float = field(default_factory=time.perf_counter)
     seconds: Optional[float] = None
 
@@ -82,11 +91,13 @@ class BankWriter:
 
     def _write(self, item: PendingWrite) -> None:
         try:
+            _test_only_delay()
             item.write()
         except Exception as exc:  # the generation succeeded long ago: log, never raise
             item.error = f"{type(exc).__name__}: {exc}"
             item.after = None  # nothing to refresh for an entry that is not there
-            log.warning("Chorus: recorded masks %s were not written: %s", item.entry_id, item.error)
+            kept = "; it stays spooled and is replayed at the next start" if item.spool_path else ""
+            log.warning("Chorus: recorded masks %s were not written: %s%s", item.entry_id, item.error, kept)
         finally:
             item.write = None  # the closure holds the recorded masks (210 MB at 720p-14B): free them
             item.seconds = time.perf_counter() - item.submitted
@@ -137,6 +148,22 @@ class BankWriter:
                 return False
         return True
 
+    def drain(self, timeout: float) -> tuple[list[str], list[str]]:
+        """Wait up to ``timeout`` s until every queued entry is in its bank (prior refreshes are
+        not waited for); returns (ids written meanwhile, ids still pending)."""
+        deadline = time.monotonic() + timeout
+        items = self.pending()
+        for item in items:
+            item.done.wait(max(0.0, deadline - time.monotonic()))
+        written = [i.entry_id for i in items if i.done.is_set() and i.error is None]
+        return written, [i.entry_id for i in items if not i.done.is_set() or i.error is not None]
+
+
+def _test_only_delay() -> None:
+    delay = os.environ.get(TEST_ONLY_DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
+
 
 _default: Optional[BankWriter] = None
 _default_lock = threading.Lock()
@@ -148,13 +175,33 @@ def default_writer() -> BankWriter:
     with _default_lock:
         if _default is None:
             _default = BankWriter()
-            atexit.register(_default.flush, EXIT_FLUSH_S)
+            atexit.register(drain_before_exit, "exit")
         return _default
 
 
 def new_entry_id() -> str:
     """The id a queued recording will have in the bank (known before it is written)."""
     return uuid.uuid4().hex
+
+
+def drain_before_exit(reason: str, timeout: Optional[float] = None) -> None:
+    """Give queued writes up to ``timeout`` (default :data:`DRAIN_S`) s, then log what was
+    written and what stays spooled. Runs once per process (a signal handler, then atexit)."""
+    global _drained
+    with _default_lock:
+        if _drained or _default is None:
+            return
+        _drained = True
+    started = time.monotonic()
+    written, left = _default.drain(DRAIN_S if timeout is None else timeout)
+    if written or left:
+        log.warning("Chorus: stopping (%s): %d recording(s) written to the bank in %.2f s%s%s", reason,
+                    len(written), time.monotonic() - started, f" ({', '.join(written)})" if written else "",
+                    f"; {len(left)} left spooled ({', '.join(left)}), replayed when the bank is next opened"
+                    if left else "")
+
+
+_drained = False
 
 
 def flush_all(timeout: Optional[float] = None) -> bool:

@@ -13,8 +13,9 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 
-from . import bank_writer
-from ..bank import BankIncompatible, Schedule, compat_key
+from . import bank_writer, recording_queue
+from ..bank import BankIncompatible, Schedule
+from ..bank.spool import Recording
 from ..bank.encoding import PackedBlockMaps
 from .entry_prefetch import EntryPrefetch
 from ..attention.mask_provider import DenseProvider, DenseWarmupProvider, SamplingCall
@@ -52,6 +53,8 @@ class ReuseOptions:
     # warm-up: it runs sparse from the first step (what step-distilled 4-step runs gain most from).
     hit_warmup_steps: int = 0
     dense_last_steps: int = 0  # last steps dense on every run; 0 keeps a hit's speed (1: README, Defaults)
+    model_files: tuple[str, ...] = ()  # files the model was loaded from, where known (a spooled recording
+    # whose files are all gone is dropped at replay)
 
     def __post_init__(self):
         for name in ("dense_warmup_steps", "hit_warmup_steps", "dense_last_steps"):
@@ -79,7 +82,7 @@ class RunReport:
     layers: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
     recorded_entry_id: str | None = None  # known at once; the entry is written in the background
-    recording: str | None = None  # "queued" when this run's masks were handed to the bank writer
+    recording: str | None = None  # "queued": spooled on disk, written in the background; "recorded": in the bank
     dense_steps: dict = field(default_factory=dict)  # step index (as text) -> why it ran dense on every layer
     backend: str | None = None  # block-sparse kernel backend and why (e.g. "fa4 (FlashAttention-4 ...)")
     dense_backend: str | None = None  # what the dense self-attention calls ran on, and why
@@ -370,7 +373,8 @@ class ReuseRun(SparseRun):
         self.report.mode, self.report.mask_source = "miss", f"{fallback} ({was} unusable)"
 
     def _record(self) -> None:
-        """Select on the device, copy packed bits to the host, queue the write: the prompt's thread goes on."""
+        """Select on the device, copy packed bits to the host, spool them (fsynced), queue the write: the
+        prompt's thread goes on; the report says queued only once the recording is on disk."""
         if self.recording.recorder is None and self.recording.error is None:  # a hit: see recorder_after_failure
             if self.entry_provider.failure is not None:
                 self.report.warnings.append("masks not recorded: the bank entry failed after this run's first sparse "
@@ -381,41 +385,37 @@ class ReuseRun(SparseRun):
             return
         started = time.perf_counter()
         try:
-            recorded = self.recording.recorder.finish()
-            pending = self._pending_write(recorded)
-            if bank_writer.default_writer().submit(pending):
-                self.report.recorded_entry_id = pending.entry_id
-                self.report.recording = "queued"
-            else:
-                self.report.warnings.append("masks not recorded: the bank writer is still busy with earlier "
-                                            "recordings; this request will be recorded next time it misses")
+            recording = self._recording(self.recording.recorder.finish())
+            state, warning = recording_queue.hand_over(self.match.bank, recording, after=self._prior_refresh())
+            if state is not None:
+                self.report.recorded_entry_id, self.report.recording = recording.entry_id, state
+            if warning is not None:
+                self.report.warnings.append(warning)
         except Exception as exc:  # the generation itself succeeded: keep it whatever the recorder says
             self.report.warnings.append(f"masks not recorded: {exc}")
             log.warning("Chorus: masks from this run were not recorded: %s", exc)
         self.report.timings["record_ms"] = round((time.perf_counter() - started) * 1e3, 2)
 
-    def _pending_write(self, recorded) -> bank_writer.PendingWrite:
-        request, bank, schedule, o = self.match.request, self.match.bank, self.schedule, self.options
-        fingerprint = self.fingerprint  # the model that sampled, not necessarily the match's
-        entry_id = bank_writer.new_entry_id()
-        masks = PackedBlockMaps(recorded.packed, recorded.nk)  # stored as packed bits: never unpacked whole
+    def _recording(self, recorded) -> Recording:
+        request, o = self.match.request, self.options
+        # the model that sampled, not necessarily the match's; masks stay packed bits, never unpacked whole
+        return Recording(entry_id=bank_writer.new_entry_id(), fingerprint=self.fingerprint, layout=request.layout,
+                         schedule=self.schedule, signature=request.signature,
+                         masks=PackedBlockMaps(recorded.packed, recorded.nk), density=recorded.density,
+                         recall=recorded.mean_recall, tags=tuple(o.tags), model_files=tuple(o.model_files))
 
-        def write():
-            # Its own connection: SQLite connections are not shared between threads mid-transaction.
-            with bank.reopen() as writer_bank:
-                writer_bank.add_entry(fingerprint=fingerprint, layout=request.layout, schedule=schedule,
-                                      masks=masks, signature=request.signature, density=recorded.density,
-                                      recall=recorded.mean_recall, tags=list(o.tags), entry_id=entry_id)
+    def _prior_refresh(self):
+        """The follow-up after the entry is in (prior-mode misses): a similar request waiting for
+        the entry is not held up by the rebuild."""
+        if self.options.miss_mode != "prior":
+            return None
+        bank, fingerprint, layout, o = self.match.bank, self.fingerprint, self.match.request.layout, self.options
 
         def refresh_prior():
-            # after the entry is in, so a similar request waiting for it is not held up by the rebuild
             with bank.reopen() as writer_bank:
-                load_prior(writer_bank, fingerprint, request.layout, o.min_density, o.max_density)
+                load_prior(writer_bank, fingerprint, layout, o.min_density, o.max_density)
 
-        return bank_writer.PendingWrite(bank_root=bank.label, entry_id=entry_id,
-                                        compat=compat_key(fingerprint, request.layout),
-                                        signature=request.signature, write=write,
-                                        after=refresh_prior if o.miss_mode == "prior" else None)
+        return refresh_prior
 
 
 REUSE_KEY = "chorus_reuse"
