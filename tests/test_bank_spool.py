@@ -164,3 +164,18 @@ def test_a_server_bank_spools_on_this_machine_under_its_own_folder(tmp_path, mon
     assert folder.parent == tmp_path / "spools" and len(folder.name) == 24
     other = type("Other", (ServerBank,), {"label": ServerBank.label.replace("fleet", "archive")})
     assert spool.spool_folder(other()) != folder
+
+
+def test_the_cli_replays_the_spool_before_verify_and_stats_counts_what_waits(bank, capsys):
+    from chorus_core.bank.__main__ import main
+
+    rec = recording()
+    spool.write_spool(spool.spool_folder(bank), rec)
+    assert main(["stats", str(bank.root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["spooled"] == 1
+
+    assert main(["verify", str(bank.root), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert f"spool: 1 added: {rec.entry_id}" in captured.err
+    assert json.loads(captured.out)["spool"]["added"] == [rec.entry_id]
+    assert [r["id"] for r in bank.entries()] == [rec.entry_id]

@@ -4,7 +4,11 @@ PATH is a bank folder, or a PostgreSQL bank URL ``postgresql://USER@HOST:PORT/DB
 (give the password through PGPASSWORD or ~/.pgpass, not on the command line: other users of
 the machine can read command lines). Output never shows a URL's password.
 
-Exit codes: 0 done; 1 ``verify`` quarantined or repaired something; 2 the command could not
+Commands that write (init, verify, prune, import) first replay the recordings a stopped ComfyUI
+left in the bank's spool (a PostgreSQL bank's spool is local: set CHORUS_SPOOL_ROOT to ComfyUI's
+``models/chorus_banks/.postgres-spool``); ``stats`` counts them.
+
+Exit codes: 0 done; 1 ``verify`` quarantined or repaired something (a spool file too); 2 the command could not
 run (the message on stderr says why and what to do). No command prints a traceback.
 """
 
@@ -18,8 +22,8 @@ import sys
 import time
 import warnings
 
+from . import MaskBank, spool
 from .errors import BankError
-from . import MaskBank
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)I?B?")
@@ -75,14 +79,17 @@ def _count(text: str) -> int:
 def _run(args) -> object:
     read_only = args.command in ("stats", "list", "show", "export")
     with MaskBank.open(args.path, read_only=read_only, create=args.command == "init") as bank:
-        if args.command in ("init", "stats"):
+        replayed = None if read_only else _replay_spool(bank)
+        if args.command == "stats":
+            return {**bank.stats(), "spooled": spool.spooled_count(bank)}
+        if args.command == "init":
             return bank.stats()
         if args.command == "list":
             return bank.entries(tag=args.tag, limit=args.limit)
         if args.command == "show":
             return bank.show(args.entry_id)
         if args.command == "verify":
-            return bank.verify()
+            return {**bank.verify(), "spool": replayed}
         if args.command == "prune":
             if args.max_bytes is None and args.max_entries is None:
                 raise BankError("prune needs --max-bytes and/or --max-entries, e.g. --max-bytes 20G.")
@@ -91,6 +98,15 @@ def _run(args) -> object:
         if args.command == "export":
             return {"exported": bank.export(args.file, tag=args.tag, ids=args.ids), "file": args.file}
         return bank.import_file(args.file)
+
+
+def _replay_spool(bank) -> dict:
+    """Recordings a stopped ComfyUI left spooled go in first (each once, whoever else replays)."""
+    outcome = spool.replay_spool(bank)
+    for kind, ids in outcome.items():
+        if ids:
+            print(f"spool: {len(ids)} {kind}: {', '.join(ids)}", file=sys.stderr)
+    return outcome
 
 
 def _print_human(result) -> None:
@@ -113,7 +129,8 @@ def _exit_code(command: str, result) -> int:
         for problem in result["problems"]:
             print(f"error: {problem}", file=sys.stderr)
         return 2
-    return 1 if result["quarantined"] or result["orphans_removed"] else 0
+    repaired = result["quarantined"] or result["orphans_removed"] or result["spool"]["quarantined"]
+    return 1 if repaired else 0
 
 
 def main(argv=None) -> int:

@@ -124,10 +124,15 @@ def local_spool_root() -> Path:
 
 def spool_folder(bank) -> Path:
     """The spool folder of ``bank``: inside its folder, or local to this machine for a server bank."""
-    if bank.root is not None:
-        return Path(bank.root) / FOLDER
-    key = hashlib.sha256(bank.label.encode()).hexdigest()[:24]  # the label never holds a password
-    return local_spool_root() / key
+    return spool_folder_at(bank.root, bank.label)
+
+
+def spool_folder_at(root, label: str) -> Path:
+    """The spool folder of the bank in folder ``root``, or (``root`` None) of the server bank
+    whose shown location is ``label`` (:func:`~chorus_core.bank.bank_url.redact`: no password)."""
+    if root is not None:
+        return Path(root) / FOLDER
+    return local_spool_root() / hashlib.sha256(label.encode()).hexdigest()[:24]
 
 
 def pending_files(folder: Path) -> list[Path]:
