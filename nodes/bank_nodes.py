@@ -205,6 +205,10 @@ class ChorusMaskBankLoader(io.ComfyNode):
             opened = MaskBank.open(path, read_only=read_only, create=not read_only)
         except BankError as exc:
             raise ValueError(f"Chorus Mask Bank Loader: {exc}") from exc
+        if not read_only:  # recordings a stopped process left spooled (no-op once replayed)
+            from .spool_lifecycle import replay_in_background
+
+            replay_in_background(path)
         return io.NodeOutput(opened)
 
 

@@ -92,7 +92,7 @@ def reuse_option_inputs() -> list:
 
 
 def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
-                  dense_attention="auto", hit_warmup_steps=0, dense_last_steps=0):
+                  dense_attention="auto", hit_warmup_steps=0, dense_last_steps=0, model_files=()):
     """ReuseOptions from the inputs of reuse_option_inputs()."""
     from ..chorus_core.reuse.reuse_run import ReuseOptions
 
@@ -100,4 +100,36 @@ def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_densit
                         miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
                         record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else (),
                         dense_attention=dense_attention, hit_warmup_steps=hit_warmup_steps,
-                        dense_last_steps=dense_last_steps)
+                        dense_last_steps=dense_last_steps, model_files=model_files)
+
+
+MODEL_FILE_INPUTS = {"unet_name": "diffusion_models", "ckpt_name": "checkpoints"}  # loader input -> folder
+MAX_MODEL_HOPS = 64  # LoRA, ModelSampling, ... nodes between the loader and the reuse node
+
+
+def model_source_files(hidden) -> tuple[str, ...]:
+    """The file the reuse node's ``model`` was loaded from, following ``model`` links upstream
+    through the prompt to a loader (UNETLoader, CheckpointLoaderSimple, ...); () when unknown.
+    A recording spooled with it is dropped at replay if the file has been deleted meanwhile."""
+    prompt = getattr(hidden, "prompt", None)
+    node = prompt.get(str(getattr(hidden, "unique_id", None))) if isinstance(prompt, dict) else None
+    for _ in range(MAX_MODEL_HOPS):
+        link = node.get("inputs", {}).get("model") if isinstance(node, dict) else None
+        if not (isinstance(link, list) and len(link) == 2):
+            return ()
+        node = prompt.get(str(link[0]))
+        inputs = node.get("inputs", {}) if isinstance(node, dict) else {}
+        for key, folder in MODEL_FILE_INPUTS.items():
+            if isinstance(inputs.get(key), str):
+                return _full_path(folder, inputs[key])
+    return ()
+
+
+def _full_path(folder: str, name: str) -> tuple[str, ...]:
+    import folder_paths
+
+    try:
+        path = folder_paths.get_full_path(folder, name)
+    except Exception:  # an unknown folder in another ComfyUI version: the recording keeps no file
+        return ()
+    return (path,) if path else ()

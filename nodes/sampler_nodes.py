@@ -7,7 +7,7 @@ from comfy_api.latest import io
 
 from . import CATEGORY
 from .input_checks import density_range_problem
-from .reuse_common import NodeEvents, reuse_option_inputs, reuse_options
+from .reuse_common import NodeEvents, model_source_files, reuse_option_inputs, reuse_options
 from .sparse_attention_node import ChorusSparseAttention
 
 
@@ -39,7 +39,7 @@ class ChorusSparseWanSampler(io.ComfyNode):
                 *reuse_option_inputs(),
             ],
             outputs=[io.Latent.Output(display_name="LATENT")],
-            hidden=[io.Hidden.unique_id],
+            hidden=[io.Hidden.unique_id, io.Hidden.prompt],
         )
 
     @classmethod
@@ -60,7 +60,8 @@ class ChorusSparseWanSampler(io.ComfyNode):
         from ..chorus_core.reuse.reuse_match import match_grid_problem
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
-                                record_on_miss, tag, dense_attention, hit_warmup_steps, dense_last_steps)
+                                record_on_miss, tag, dense_attention, hit_warmup_steps, dense_last_steps,
+                                model_source_files(cls.hidden))
         problem = match_grid_problem(match, latent_image["samples"])
         if problem is not None:
             raise ValueError(f"Chorus Sparse Wan Sampler: {problem}")

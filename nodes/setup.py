@@ -23,13 +23,14 @@ _loaded = False
 
 
 def on_load() -> None:
-    """Register the bank folder and the HTTP routes, once."""
+    """Register the bank folder and the HTTP routes, replay spooled recordings, hook the signals; once."""
     global _loaded
     if _loaded:
         return
     _loaded = True
-    from . import bank_nodes, routes
+    from . import bank_nodes, routes, spool_lifecycle
 
     bank_nodes.register_bank_folder()
     routes.register()
+    spool_lifecycle.on_start(bank_nodes.bank_roots(), bank_nodes.postgres_banks())
     logging.info("Chorus: %d nodes, banks in %s", len(node_list()), ", ".join(bank_nodes.bank_roots()))

@@ -6,7 +6,7 @@ from comfy_api.latest import io
 
 from . import CATEGORY
 from .input_checks import density_range_problem
-from .reuse_common import NodeEvents, reuse_option_inputs, reuse_options
+from .reuse_common import NodeEvents, model_source_files, reuse_option_inputs, reuse_options
 
 
 class ChorusSparseAttention(io.ComfyNode):
@@ -26,7 +26,7 @@ class ChorusSparseAttention(io.ComfyNode):
                 *reuse_option_inputs(),
             ],
             outputs=[io.Model.Output(display_name="MODEL")],
-            hidden=[io.Hidden.unique_id],
+            hidden=[io.Hidden.unique_id, io.Hidden.prompt],
         )
 
     @classmethod
@@ -41,7 +41,8 @@ class ChorusSparseAttention(io.ComfyNode):
         from ..chorus_core.reuse.reuse_run import ReusePatch
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
-                                record_on_miss, tag, dense_attention, hit_warmup_steps, dense_last_steps)
+                                record_on_miss, tag, dense_attention, hit_warmup_steps, dense_last_steps,
+                                model_source_files(cls.hidden))
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patch = ReusePatch(model, match, options, events=NodeEvents(node_id, max_density))
         return io.NodeOutput(patch.install())
