@@ -155,3 +155,33 @@ def test_comfy_cli_validates_the_metadata(tmp_path):
     assert "All validation checks passed" in output, output
     assert "Warning" not in output, output
 
+
+
+def test_comfyignore_keeps_the_install_check_model():
+    """The registry archive leaves the test suite out but keeps the model "Check an install" copies."""
+    lines = [line.strip() for line in (REPO_ROOT / ".comfyignore").read_text(encoding="utf-8").splitlines()]
+    rules = [line for line in lines if line and not line.startswith("#")]
+    assert "tests/" in rules
+    kept = "tests/testbed/chorus_testbed_wan21_i2v.safetensors"
+    assert f"!{kept}" in rules and (REPO_ROOT / kept).is_file()
+    assert kept in (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.skipif(not os.environ.get("CHORUS_COMFY_CLI"),
+                    reason="set CHORUS_COMFY_CLI to a comfy-cli executable (pip install comfy-cli ruff in a throwaway venv)")
+def test_comfy_cli_archive_holds_the_runtime(tmp_path):
+    """The archive `comfy node publish` would upload, built by comfy-cli's own zip_files from a clone
+    of the committed tree: the runtime and the install-check model, no test suite."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True, timeout=120)
+    python = Path(os.environ["CHORUS_COMFY_CLI"]).parent / "python"
+    archive = tmp_path / "node.zip"
+    subprocess.run([str(python), "-c", f"from comfy_cli.file_utils import zip_files; zip_files({str(archive)!r})"],
+                   cwd=clone, check=True, timeout=120, capture_output=True)
+    import zipfile
+
+    names = zipfile.ZipFile(archive).namelist()
+    assert [n for n in names if n.startswith("tests/")] == ["tests/testbed/chorus_testbed_wan21_i2v.safetensors"]
+    for needed in ("__init__.py", "pyproject.toml", "requirements.txt", "web/chorus.svg", "nodes/__init__.py",
+                   "kernels/__init__.py", "chorus_core/__init__.py", "LICENSE"):
+        assert needed in names, needed
