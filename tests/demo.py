@@ -83,6 +83,37 @@ def print_report(title: str, explanation: str, record: dict, seconds: float, fir
                 print(f"   warning: {warning}")
 
 
+def recorded_ids(record: dict) -> list[str]:
+    """The entry ids a prompt's reports say were recorded (queued or already in the bank)."""
+    return [report["recorded_entry_id"] for node_output in record.get("outputs", {}).values()
+            for report in node_output.get("chorus_report", []) if report.get("recorded_entry_id")]
+
+
+def bank_entry_count(bank: Path) -> int:
+    """Entries in the bank as the stopped server left it (read-only: nothing is replayed here)."""
+    from chorus_core.bank import MaskBank
+
+    with MaskBank.open(bank, read_only=True) as opened:
+        return opened.stats()["entries"]
+
+
+def run_requests(base: Path, comfyui: Path) -> list[str]:
+    """Start the server, run the three requests, stop it (SIGTERM); the ids the reports recorded."""
+    recorded = []
+    with ComfyServer(base, comfyui=comfyui) as server:
+        print(f"server on {server.url} (log: {server.log_path})")
+        for index, (title, request, explanation) in enumerate(REQUESTS):
+            started = time.monotonic()
+            record = server.run_prompt(chorus_i2v_prompt(bank="demo_bank", model=TESTBED_MODEL_NAME, steps=8, **request),
+                                       timeout=600)
+            print_report(title, explanation, record, time.monotonic() - started, first=index == 0)
+            if record.get("status", {}).get("status_str") != "success":
+                print(server.log_tail(), file=sys.stderr)
+                raise SystemExit(1)
+            recorded += recorded_ids(record)
+    return recorded
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.parse_args(argv)
@@ -95,19 +126,15 @@ def main(argv=None) -> int:
     base = prepare_base_directory(scratch)
     install_testbed_model(base / "models")
     print(f"ComfyUI {comfyui}\nbase directory {base}")
-    with ComfyServer(base, comfyui=comfyui) as server:
-        print(f"server on {server.url} (log: {server.log_path})")
-        for index, (title, request, explanation) in enumerate(REQUESTS):
-            started = time.monotonic()
-            record = server.run_prompt(chorus_i2v_prompt(bank="demo_bank", model=TESTBED_MODEL_NAME, steps=8, **request),
-                                       timeout=600)
-            print_report(title, explanation, record, time.monotonic() - started, first=index == 0)
-            if record.get("status", {}).get("status_str") != "success":
-                print(server.log_tail(), file=sys.stderr)
-                return 1
+    recorded = run_requests(base, comfyui)
     bank = base / "models" / "chorus_banks" / "demo_bank"
-    print(f"\nThe scratch folder stays for you to look at: bank {bank}, server log {base / 'comfyui.log'}")
+    count = bank_entry_count(bank)
+    print(f"\nThe server has stopped; the bank holds {count} entries, and the reports recorded {len(recorded)}.")
+    print(f"The scratch folder stays for you to look at: bank {bank}, server log {base / 'comfyui.log'}")
     print(f"Inspect the bank: {sys.executable} -m chorus_core.bank stats {bank}")
+    if count != len(recorded):
+        print(f"error: the reports recorded {len(recorded)} entries but the bank holds {count}", file=sys.stderr)
+        return 1
     return 0
 
 

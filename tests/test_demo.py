@@ -40,3 +40,14 @@ def test_the_first_request_line_says_its_time_includes_loading(capsys):
             "the attention blocks skipped)") in lines
     assert "   recorded new bank entry e1: a later similar request can hit it" in lines
     assert [r[0].split(" (")[0] for r in REQUESTS] == ["first request", "similar request", "dissimilar request"]
+
+
+def test_the_demo_bank_holds_every_entry_its_reports_recorded_after_the_server_stops(capsys):
+    """`make demo` end to end: the server is stopped (SIGTERM) right after the last recording miss;
+    the bank, read as the server left it, holds as many entries as the reports said were recorded."""
+    import demo
+
+    assert demo.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.count("recorded new bank entry") == 2
+    assert "The server has stopped; the bank holds 2 entries, and the reports recorded 2." in out

@@ -151,3 +151,40 @@ def test_a_quick_writer_drains_before_sigterm_ends_the_server(base, comfyui_path
     assert seconds < DRAIN_S + 8
     assert f"Chorus: stopping (SIGTERM): 1 recording(s) written to the bank" in server.log_text()
     assert not list((bank_dir(base, "drained") / "spool").glob("*.spool"))
+
+
+def test_a_recording_waiting_for_another_process_write_lock_survives_sigterm(base, comfyui_path):
+    """No test hook: another process (here this test) holds the folder bank's write lock, as a
+    large import does, so the writer is stuck when SIGTERM comes; before the spool that entry was lost."""
+    import sqlite3
+
+    server = server_for(base, comfyui_path, delay=0).start()
+    holder = []
+
+    def hold_the_lock_once_sampling_starts(event):
+        if event.get("type") == "chorus.run_start" and not holder:
+            conn = sqlite3.connect(bank_dir(base, "locked") / "bank.sqlite", timeout=60, isolation_level=None)
+            conn.execute("BEGIN IMMEDIATE")
+            holder.append(conn)
+
+    try:
+        record = server.run_prompt(chorus_i2v_prompt(bank="locked", steps=2), timeout=300,
+                                   on_event=hold_the_lock_once_sampling_starts)
+        entry = record["outputs"]["3"]["chorus_report"][0]["recorded_entry_id"]
+        seconds = stop_with(server, signal.SIGTERM)
+    finally:
+        server.stop()
+        for conn in holder:
+            conn.rollback()
+            conn.close()
+    stopped_log, before_restart = server.log_text(), entry_ids(base, "locked")
+    restarted = server_for(base, comfyui_path, delay=0).start()
+    try:
+        deadline = time.monotonic() + 60
+        while not entry_ids(base, "locked") and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        restarted.stop()
+    assert entry_ids(base, "locked") == [entry], f"lost: {entry}"
+    assert holder and before_restart == [] and seconds < DRAIN_S + 8
+    assert f"1 left spooled ({entry})" in stopped_log
