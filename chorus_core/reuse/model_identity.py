@@ -51,15 +51,29 @@ def base_weights(model_patcher) -> dict:
     """
     backup = getattr(model_patcher, "backup", None) or {}
     hook_backup = getattr(model_patcher, "hook_backup", None) or {}
-    weights = {}
+    weights, originals = {}, {}
     for name, tensor in model_patcher.model.diffusion_model.state_dict().items():
         key = DIFFUSION_PREFIX + name
         if key in backup:
-            tensor = backup[key].weight
+            originals.update(as_stored(name, backup[key].weight))
         elif key in hook_backup:
-            tensor = hook_backup[key][0]
+            originals.update(as_stored(name, hook_backup[key][0]))
         weights[name] = tensor
+    weights.update(originals)  # after the loop: a patched layer's own scale may come later in its state_dict
     return weights
+
+
+def as_stored(name: str, tensor) -> dict:
+    """``{name: tensor}``, or for a quantized weight the tensors its layer's ``state_dict`` writes.
+
+    Newer ComfyUI keeps an fp8_scaled layer's weight as a comfy-kitchen ``QuantizedTensor``: the
+    layer's ``state_dict`` gives its raw data and scale (``weight``, ``weight_scale``), while a
+    backed-up weight is the tensor object itself. Expanding it the same way keeps one fingerprint
+    before and after a LoRA is patched in (the patch re-quantizes the weight with a new scale).
+    """
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and callable(getattr(tensor, "state_dict", None)):
+        return dict(tensor.state_dict(name))
+    return {name: tensor}
 
 
 def patches_digest(model_patcher) -> str | None:
