@@ -44,3 +44,30 @@ def test_a_miss_recorded_into_postgres_is_hit_next_and_serves_the_prior(pg, tiny
         assert PASSWORD not in str(first.to_json()) + str(second.to_json()) + str(prior.to_json())
     finally:
         bank.close()
+
+
+def test_a_postgres_recording_spools_on_this_machine_and_a_leftover_replays_once(pg, tiny_wan_patcher, tmp_path,
+                                                                                monkeypatch):
+    """A server bank has no folder: its spool is local (CHORUS_SPOOL_ROOT; ComfyUI: beside its folder
+    banks), one folder per bank; what a stopped worker left there goes in once, whoever replays it."""
+    from chorus_core.bank import MaskBank, spool
+    from chorus_core.reuse import bank_writer
+    from test_bank_spool import recording
+
+    monkeypatch.setenv(spool.SPOOL_ROOT_ENV, str(tmp_path))
+    bank = MaskBank.open(pg.url("spool_pg"))
+    try:
+        positive, _, latent = request()
+        _, first, _ = run_generation(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
+        assert first.recording == "queued" and bank_writer.flush_all(timeout=60)
+        folder = spool.spool_folder(bank)
+        assert folder.parent == tmp_path and folder.is_dir() and spool.pending_files(folder) == []
+
+        left = recording(seed=4)
+        spool.write_spool(folder, left)  # as a worker stopped by SIGKILL leaves it
+        with MaskBank.open(pg.url("spool_pg")) as other_worker:
+            assert spool.replay_spool(other_worker)["added"] == [left.entry_id]
+        assert spool.replay_spool(bank)["added"] == []
+        assert sorted(e["id"] for e in bank.entries()) == sorted([first.recorded_entry_id, left.entry_id])
+    finally:
+        bank.close()
