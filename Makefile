@@ -11,10 +11,17 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 # serves it with main.py --front-end-root.
 FRONTEND_NEW := 1.58.1
 FRONTEND_NEW_STAMP := $(VENV)/frontend-$(FRONTEND_NEW)/.chorus-installed
+# The current ComfyUI release the suite also runs against (the locator's CURRENT_VERSION). Its own
+# requirements (comfy-kitchen, comfy-aimdo, its frontend) go into a second venv inside the first that
+# sees the first one's packages through a .pth file, so torch is installed once.
+COMFYUI_CURRENT := 0.19.3
+VENV_CURRENT := $(VENV)/comfyui-$(COMFYUI_CURRENT)
+VPY_CURRENT := $(VENV_CURRENT)/bin/python
+CURRENT_STAMP := $(VENV_CURRENT)/.chorus-setup
 
 .PHONY: setup test demo clean browser postgres
 
-setup: $(STAMP) $(FRONTEND_NEW_STAMP)
+setup: $(STAMP) $(FRONTEND_NEW_STAMP) $(CURRENT_STAMP)
 
 # ComfyUI is found (or cloned) before torch is installed: without it nothing here can run,
 # and torch is a multi-GB download. The locator needs only the standard library.
@@ -24,6 +31,15 @@ $(STAMP): requirements.txt tests/requirements.txt Makefile
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -r $(VENV)/comfyui-requirements.txt -r requirements.txt -r tests/requirements.txt
 	touch $(STAMP)
+
+$(CURRENT_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(VENV_CURRENT)
+	$(VPY) -c 'import site; print(site.getsitepackages()[0])' > \
+	  "$$($(VPY_CURRENT) -c 'import site; print(site.getsitepackages()[0])')/chorus_base_venv.pth"
+	CHORUS_COMFYUI_VERSION=$(COMFYUI_CURRENT) $(VPY) -m chorus_core.comfy.comfyui_locator \
+	  --write-requirements $(VENV_CURRENT)/comfyui-requirements.txt
+	$(VPY_CURRENT) -m pip install -q -r $(VENV_CURRENT)/comfyui-requirements.txt
+	touch $@
 
 # Order-only on the venv: re-creating the venv's packages does not download the frontend again.
 $(FRONTEND_NEW_STAMP): | $(STAMP)
@@ -44,8 +60,12 @@ postgres:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql)
 
 # CHORUS_REQUIRE_POSTGRES=1: a missing server fails the PostgreSQL bank tests instead of skipping them.
+# The whole suite on the oldest supported ComfyUI, then every test that needs ComfyUI (in process
+# and end to end; the browser test stays on the first run) again on the current release.
 test: setup browser postgres
 	CHORUS_REQUIRE_POSTGRES=1 $(VPY) -m pytest tests
+	CHORUS_COMFYUI_VERSION=$(COMFYUI_CURRENT) CHORUS_REQUIRE_POSTGRES=1 \
+	  $(VPY_CURRENT) -m pytest -m "comfy and not browser" tests
 
 demo: setup
 	$(VPY) tests/demo.py

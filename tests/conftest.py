@@ -88,3 +88,11 @@ def _save_tiny_model_in_subprocess(comfyui_path, target):
             f"prepare_in_process({str(comfyui_path)!r}); from chorus_core.testbed.tiny_wan import save_tiny_wan_i2v; "
             f"save_tiny_wan_i2v({str(target)!r})")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that needs ComfyUI is marked ``comfy`` (fixtures included), so that ``make test``
+    can run exactly those again against the current ComfyUI release."""
+    for item in items:
+        if "comfyui_path" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.comfy)

@@ -53,7 +53,7 @@ def test_nothing_found_names_every_place_and_what_to_set(nowhere, monkeypatch):
     message = str(err.value)
     for place in ("COMFYUI_PATH=", "containing checkout", "per-user cache", "git clone: disabled"):
         assert place in message
-    assert "Fix: set COMFYUI_PATH" in message and loc.PINNED_COMMIT[:10] in message
+    assert "Fix: set COMFYUI_PATH" in message and loc.RELEASES[loc.OLDEST_VERSION][:10] in message
 
 
 def test_command_line_fails_loudly_without_comfyui(nowhere):
@@ -90,9 +90,12 @@ def test_install_from_a_local_git_repository(nowhere, tmp_path, monkeypatch):
     subprocess.run(git + ["add", "-A"], check=True)
     subprocess.run(git + ["commit", "-qm", "x"], check=True)
     head = subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    monkeypatch.setattr(loc, "PINNED_COMMIT", head)
+    monkeypatch.setitem(loc.RELEASES, loc.CURRENT_VERSION, head)
+    monkeypatch.setenv(loc.VERSION_ENV, loc.CURRENT_VERSION)
     dest = loc.install_from_git_dir(repo / ".git")
-    assert loc.is_comfyui_checkout(dest) and dest == loc.cached_checkout_dir()
+    assert loc.is_comfyui_checkout(dest) and dest == loc.cached_checkout_dir() == loc.cache_root() / f"comfyui-{head}"
+    monkeypatch.delenv(loc.VERSION_ENV)
+    assert loc.cached_checkout_dir() != dest  # the oldest release has a folder of its own
 
 
 def test_a_failed_clone_leaves_nothing_in_the_cache(nowhere, monkeypatch):
@@ -111,3 +114,17 @@ def test_a_failed_clone_through_the_locator_names_the_failure_and_leaves_nothing
     with pytest.raises(loc.ComfyUINotFound, match="fetch... failed"):
         loc.locate_comfyui(pack_dir=nowhere / "pack", allow_clone=True)
     assert list((nowhere / "cache").iterdir()) == []
+
+
+def test_each_pinned_release_has_its_own_cache_folder_and_the_variable_picks_one(nowhere, monkeypatch):
+    oldest = fake_checkout(loc.cached_checkout_dir(loc.OLDEST_VERSION))
+    current = fake_checkout(loc.cached_checkout_dir(loc.CURRENT_VERSION))
+    assert loc.locate_comfyui(pack_dir=nowhere / "pack") == oldest  # the default
+    monkeypatch.setenv(loc.VERSION_ENV, loc.CURRENT_VERSION)
+    assert loc.locate_comfyui(pack_dir=nowhere / "pack") == current
+
+
+def test_an_unknown_release_is_refused_with_the_ones_there_are(nowhere, monkeypatch):
+    monkeypatch.setenv(loc.VERSION_ENV, "0.4.0")
+    with pytest.raises(loc.ComfyUINotFound, match=r"0\.4\.0 is not a pinned ComfyUI release; use one of 0\.3\.64, 0\.19\.3"):
+        loc.locate_comfyui(pack_dir=nowhere / "pack")

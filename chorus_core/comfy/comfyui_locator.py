@@ -1,9 +1,13 @@
 """Find the ComfyUI that Chorus runs against, the way users have it.
 
 Tried in order: ``COMFYUI_PATH``; the ComfyUI checkout that contains this pack
-(``ComfyUI/custom_nodes/<pack>``); a per-user cache folder holding the pinned commit;
-a ``git clone`` of the pinned commit where a network allows. When none works,
+(``ComfyUI/custom_nodes/<pack>``); a per-user cache folder holding a pinned release;
+a ``git clone`` of that release where a network allows. When none works,
 :class:`ComfyUINotFound` names each place tried and what to set.
+
+Two releases are pinned (:data:`RELEASES`): the oldest supported and the current one; the test
+suite runs against both. ``CHORUS_COMFYUI_VERSION`` picks which one the cache and the clone
+hold (default: the oldest).
 
 Command line::
 
@@ -24,8 +28,14 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-PINNED_COMMIT = "a125cd84b054a57729b5eecab930ca9408719832"
-PINNED_VERSION = "0.3.64"
+# ComfyUI release -> upstream commit. 0.3.64 is the oldest supported; 0.19.3 the newest whole tree
+# that can be had here (upstream's own release commit).
+RELEASES = {
+    "0.3.64": "a125cd84b054a57729b5eecab930ca9408719832",
+    "0.19.3": "3086026401180c9216bcb6ace442a4e3587d2c66",
+}
+OLDEST_VERSION, CURRENT_VERSION = "0.3.64", "0.19.3"
+VERSION_ENV = "CHORUS_COMFYUI_VERSION"
 COMFYUI_GIT_URL = "https://github.com/Comfy-Org/ComfyUI.git"
 PACK_DIR = Path(__file__).resolve().parents[2]
 # torch comes from the project's own set-up (a CPU-capable build); ComfyUI's unpinned
@@ -33,7 +43,8 @@ PACK_DIR = Path(__file__).resolve().parents[2]
 _TORCH_REQUIREMENTS = {"torch", "torchvision", "torchaudio"}
 # Missing from the snapshot this project is built from; ComfyUI only needs it for one
 # text encoder that Wan does not use.
-_OPTIONAL_PATHS = ("comfy/text_encoders/llama_tokenizer/tokenizer.json",)
+_OPTIONAL_PATHS = ("comfy/text_encoders/llama_tokenizer/tokenizer.json",
+                   "comfy/text_encoders/qwen35_tokenizer/vocab.json")
 
 
 class ComfyUINotFound(RuntimeError):
@@ -54,9 +65,22 @@ def cache_root() -> Path:
     return Path(xdg) / "chorus"
 
 
-def cached_checkout_dir() -> Path:
-    """Where the pinned commit lives in the per-user cache."""
-    return cache_root() / f"comfyui-{PINNED_COMMIT}"
+def selected_version() -> str:
+    """The pinned release this process uses: ``$CHORUS_COMFYUI_VERSION``, else the oldest supported."""
+    version = os.environ.get(VERSION_ENV) or OLDEST_VERSION
+    if version not in RELEASES:
+        raise ComfyUINotFound(f"{VERSION_ENV}={version} is not a pinned ComfyUI release; "
+                              f"use one of {', '.join(RELEASES)} or unset it.")
+    return version
+
+
+def pinned_commit(version: str | None = None) -> str:
+    return RELEASES[version or selected_version()]
+
+
+def cached_checkout_dir(version: str | None = None) -> Path:
+    """Where a pinned release lives in the per-user cache."""
+    return cache_root() / f"comfyui-{pinned_commit(version)}"
 
 
 def containing_checkout(pack_dir: Path = PACK_DIR) -> Path | None:
@@ -67,13 +91,13 @@ def containing_checkout(pack_dir: Path = PACK_DIR) -> Path | None:
     return None
 
 
-def clone_pinned(dest: Path) -> None:
-    """Shallow-fetch the pinned commit into ``dest``; raises ``RuntimeError`` saying why it failed."""
-    dest = Path(dest)
+def clone_pinned(dest: Path, version: str | None = None) -> None:
+    """Shallow-fetch a pinned release into ``dest``; raises ``RuntimeError`` saying why it failed."""
+    dest, commit = Path(dest), pinned_commit(version)
     tmp = Path(tempfile.mkdtemp(prefix="comfyui-clone-", dir=dest.parent))
     steps = [
         ["git", "init", "-q", str(tmp)],
-        ["git", "-C", str(tmp), "fetch", "-q", "--depth", "1", COMFYUI_GIT_URL, PINNED_COMMIT],
+        ["git", "-C", str(tmp), "fetch", "-q", "--depth", "1", COMFYUI_GIT_URL, commit],
         ["git", "-C", str(tmp), "checkout", "-q", "FETCH_HEAD"],
     ]
     try:
@@ -88,26 +112,27 @@ def clone_pinned(dest: Path) -> None:
         raise
 
 
-def install_from_git_dir(git_dir: Path, dest: Path | None = None) -> Path:
-    """Export the pinned commit from a local ComfyUI git repository into the cache.
+def install_from_git_dir(git_dir: Path, dest: Path | None = None, version: str | None = None) -> Path:
+    """Export a pinned release from a local ComfyUI git repository into the cache.
 
     Blobs the repository lacks are tolerated only for :data:`_OPTIONAL_PATHS`.
     """
-    dest = Path(dest or cached_checkout_dir())
+    commit = pinned_commit(version)
+    dest = Path(dest or cached_checkout_dir(version))
     dest.parent.mkdir(parents=True, exist_ok=True)
     excludes = [f":(exclude){p}" for p in _OPTIONAL_PATHS]
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         archive = Path(tmp) / "comfyui.tar"
         cmd = ["git", f"--git-dir={git_dir}", "archive", "--format=tar", "-o", str(archive),
-               PINNED_COMMIT, "--", ".", *excludes]
+               commit, "--", ".", *excludes]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0 or not archive.exists():
-            raise RuntimeError(f"git archive of {PINNED_COMMIT} from {git_dir} failed: {result.stderr.strip()}")
+            raise RuntimeError(f"git archive of {commit} from {git_dir} failed: {result.stderr.strip()}")
         staging = Path(tmp) / "tree"
         with tarfile.open(archive) as tar:
             tar.extractall(staging, filter="data")
         if not is_comfyui_checkout(staging):
-            raise RuntimeError(f"{git_dir} at {PINNED_COMMIT} does not hold a ComfyUI tree")
+            raise RuntimeError(f"{git_dir} at {commit} does not hold a ComfyUI tree")
         if dest.exists():
             raise RuntimeError(f"{dest} already exists; remove it first to reinstall")
         staging.rename(dest)
@@ -141,13 +166,13 @@ def locate_comfyui(pack_dir: Path = PACK_DIR, allow_clone: bool = True) -> Path:
             clone_pinned(cached)
             return cached
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-            tried.append(f"git clone {COMFYUI_GIT_URL} @ {PINNED_COMMIT}: {exc}")
+            tried.append(f"git clone {COMFYUI_GIT_URL} @ {pinned_commit()}: {exc}")
     else:
         tried.append("git clone: disabled (--no-clone or CHORUS_NO_CLONE=1)")
 
     raise ComfyUINotFound(
         "ComfyUI was not found. Tried, in order:\n  - " + "\n  - ".join(tried) + "\n"
-        f"Fix: set COMFYUI_PATH to a ComfyUI checkout (commit {PINNED_COMMIT[:10]}, v{PINNED_VERSION}), "
+        f"Fix: set COMFYUI_PATH to a ComfyUI checkout (commit {pinned_commit()[:10]}, v{selected_version()}), "
         "or install this pack into ComfyUI/custom_nodes, "
         "or fill the cache from a local clone: python -m chorus_core.comfy.comfyui_locator --install-from PATH/TO/ComfyUI/.git"
     )
