@@ -33,4 +33,17 @@ def on_load() -> None:
     bank_nodes.register_bank_folder()
     routes.register()
     spool_lifecycle.on_start(bank_nodes.bank_roots(), bank_nodes.postgres_banks())
+    _warn_if_untested_comfyui()
     logging.info("Chorus: %d nodes, banks in %s", len(node_list()), ", ".join(bank_nodes.bank_roots()))
+
+
+def _warn_if_untested_comfyui() -> None:
+    from ..chorus_core.comfy.comfyui_locator import untested_version_line
+
+    try:
+        from comfyui_version import __version__ as version
+    except ImportError:  # a ComfyUI too old to say its version
+        version = None
+    line = untested_version_line(version)
+    if line:
+        logging.warning(line)

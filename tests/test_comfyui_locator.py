@@ -128,3 +128,10 @@ def test_an_unknown_release_is_refused_with_the_ones_there_are(nowhere, monkeypa
     monkeypatch.setenv(loc.VERSION_ENV, "0.4.0")
     with pytest.raises(loc.ComfyUINotFound, match=r"0\.4\.0 is not a pinned ComfyUI release; use one of 0\.3\.64, 0\.19\.3"):
         loc.locate_comfyui(pack_dir=nowhere / "pack")
+
+
+def test_an_untested_running_release_gets_one_line_naming_the_tested_ones():
+    assert loc.untested_version_line("0.3.64") is None and loc.untested_version_line("0.19.3") is None
+    line = loc.untested_version_line("0.46.0")
+    assert line.startswith("Chorus: ComfyUI 0.46.0 is untested; Chorus was tested on ComfyUI 0.3.64 and 0.19.3.")
+    assert "\n" not in line and "(version unknown)" in loc.untested_version_line(None)

@@ -17,6 +17,7 @@ def test_startup_log_shows_the_pack_imported(comfy_server):
     pack_failures = [line for line in log.splitlines()
                      if ("Cannot import" in line or 'File "' in line) and "custom_nodes/chorus" in line]
     assert not pack_failures, "\n".join(pack_failures)
+    assert "is untested; Chorus was tested on ComfyUI" not in log  # both pinned releases are tested ones
 
 
 def test_pack_nodes_are_listed_in_object_info(comfy_server):

@@ -65,6 +65,15 @@ def cache_root() -> Path:
     return Path(xdg) / "chorus"
 
 
+def untested_version_line(version: str | None) -> str | None:
+    """The start-up line for a ComfyUI release the suite has not run on; None for a pinned one."""
+    if version in RELEASES:
+        return None
+    return (f"Chorus: ComfyUI {version or '(version unknown)'} is untested; Chorus was tested on ComfyUI "
+            f"{' and '.join(RELEASES)}. If generations fail or never hit, try one of those and report the "
+            "ComfyUI version with the log.")
+
+
 def selected_version() -> str:
     """The pinned release this process uses: ``$CHORUS_COMFYUI_VERSION``, else the oldest supported."""
     version = os.environ.get(VERSION_ENV) or OLDEST_VERSION
