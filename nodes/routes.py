@@ -1,4 +1,5 @@
-"""Read-only HTTP routes under /chorus/api/: bank statistics and recent entries.
+"""Read-only HTTP routes under /chorus/api/: bank statistics (with recordings still pending or
+failed, and how many wait in the spool) and recent entries.
 
 Banks are named, never given as paths: a name is looked up among the folders registered as
 ``chorus_banks`` and the named PostgreSQL banks, so a client cannot point the server at an
@@ -40,10 +41,26 @@ def _open_named(name: str):
 
 
 def _public_stats(name: str, bank) -> dict:
+    from ..chorus_core.bank import spool
+
     stats = bank.stats()
     if bank.root is None:  # a PostgreSQL bank: its label names the server and user
         stats["path"] = name
+    stats["spooled"] = spool.spooled_count(bank)
+    stats["recordings"] = _recordings(bank)
     return stats
+
+
+def _recordings(bank) -> list[dict]:
+    """This server's recordings still on their way into ``bank``, and those that failed: the error's
+    kind only (its text may name server paths; the ComfyUI log has it whole)."""
+    from ..chorus_core.reuse.bank_writer import recordings
+
+    shown = []
+    for item in recordings(bank.label):
+        kind = (item["error"] or "").split(":", 1)[0]
+        shown.append({**item, "error": f"{kind} (the ComfyUI log says why)" if kind else None})
+    return shown
 
 
 async def list_banks(request: web.Request) -> web.Response:

@@ -171,6 +171,7 @@ def test_a_recording_waiting_for_another_process_write_lock_survives_sigterm(bas
         record = server.run_prompt(chorus_i2v_prompt(bank="locked", steps=2), timeout=300,
                                    on_event=hold_the_lock_once_sampling_starts)
         entry = record["outputs"]["3"]["chorus_report"][0]["recorded_entry_id"]
+        shown = server.get_json("/chorus/api/banks/locked/stats")  # the web view's route: still pending
         seconds = stop_with(server, signal.SIGTERM)
     finally:
         server.stop()
@@ -187,4 +188,5 @@ def test_a_recording_waiting_for_another_process_write_lock_survives_sigterm(bas
         restarted.stop()
     assert entry_ids(base, "locked") == [entry], f"lost: {entry}"
     assert holder and before_restart == [] and seconds < DRAIN_S + 8
+    assert shown["spooled"] == 1 and [(r["entry_id"], r["state"]) for r in shown["recordings"]] == [(entry, "queued")]
     assert f"1 left spooled ({entry})" in stopped_log

@@ -382,7 +382,7 @@ def replay_spool(bank, folder: Path | None = None) -> dict:
     gone is dropped.
 
     :return: ``{"added": [ids], "present": [ids], "quarantined": [names], "dropped": [ids],
-        "left": [ids]}`` (left: held by another process, or the bank refused the write)
+        "left": [ids]}`` (left: held by another process, or "id (why)" when the bank refused the write)
     """
     folder = spool_folder(bank) if folder is None else Path(folder)
     outcome = {"added": [], "present": [], "quarantined": [], "dropped": [], "left": []}
@@ -432,7 +432,7 @@ def _replay_recording(bank, path: Path, recording: Recording) -> tuple[str, str]
         return "quarantined", path.name
     except BankError as exc:
         log.warning("Chorus: the spooled recording %s stays spooled for the next try: %s", entry_id, exc)
-        return "left", entry_id
+        return "left", f"{entry_id} ({exc})"
     finish(path)
     return ("added" if added else "present"), entry_id
 

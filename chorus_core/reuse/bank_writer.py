@@ -36,6 +36,13 @@ DRAIN_S = float(os.environ.get("CHORUS_DRAIN_SECONDS", "5"))
 # Tests only: seconds the writer sleeps before each write, so a test can stop a server while a
 # recording is certainly still queued. Never set it in production.
 TEST_ONLY_DELAY_ENV = "CHORUS_TEST_ONLY_WRITER_DELAY_S"
+# A spooled write that fails (the bank's lock held by a long import, a database restarting, a
+# full disk) is tried again after each of these; after the last it stays spooled for the next start.
+RETRY_DELAYS_S = (1.0, 2.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class GiveUp(Exception):
+    """A write that trying again cannot help (its spool file was damaged, or its model is gone)."""
 SIMILAR_WAIT_S = 60.0  # longest a request waits for a similar pending entry before it misses
 
 
@@ -53,6 +60,9 @@ class PendingWrite:
     settled: threading.Event = field(default_factory=threading.Event)  # ``after`` has run too
     error: Optional[str] = None
     spool_path: Optional[object] = None  # the recording's spool file (a Path) until the entry is in
+    retry: Optional[Callable[[], None]] = None  # writes it again from its spool file (holds no masks)
+    attempts: int = 0  # failed tries so far
+    next_try: Optional[float] = None  # monotonic time of the next try while a failed write waits
     submitted: float = field(default_factory=time.perf_counter)
     seconds: Optional[float] = None
 
@@ -85,29 +95,63 @@ class BankWriter:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            self._write(item)
-            self._follow_up(item)
+            if self._attempt(item):
+                self._follow_up(item)
             self._queue.task_done()
 
-    def _write(self, item: PendingWrite) -> None:
+    def _attempt(self, item: PendingWrite) -> bool:
+        """One try at ``item``'s write; True when it is over (written, or failed for good)."""
         try:
             _test_only_delay()
             item.write()
+            item.error = None
         except Exception as exc:  # the generation succeeded long ago: log, never raise
             item.error = f"{type(exc).__name__}: {exc}"
+            item.attempts += 1
+            if self._retry_later(item, exc):
+                return False
             item.after = None  # nothing to refresh for an entry that is not there
-            kept = "; it stays spooled and is replayed at the next start" if item.spool_path else ""
+            kept = "; it stays spooled and is replayed when the bank is next opened" if item.spool_path else ""
             log.warning("Chorus: recorded masks %s were not written: %s%s", item.entry_id, item.error, kept)
-        finally:
-            item.write = None  # the closure holds the recorded masks (210 MB at 720p-14B): free them
-            item.seconds = time.perf_counter() - item.submitted
-            with self._lock:
-                self._pending.pop(item.entry_id, None)
-                self._finished[item.entry_id] = item
-                while len(self._finished) > HISTORY:
-                    self._finished.popitem(last=False)
-                self._serial += 1
-            item.done.set()
+        self._finish(item)
+        return True
+
+    def _retry_later(self, item: PendingWrite, exc: Exception) -> bool:
+        """Schedule another try of a spooled write after its back-off; False when none is left."""
+        if item.retry is None or isinstance(exc, GiveUp) or item.attempts > len(RETRY_DELAYS_S):
+            return False
+        delay = RETRY_DELAYS_S[item.attempts - 1]
+        item.write = item.retry  # reads the spool file again: the recorded masks are freed meanwhile
+        item.next_try = time.monotonic() + delay
+        log.warning("Chorus: recorded masks %s were not written (%s); trying again in %.0f s (try %d of %d)",
+                    item.entry_id, item.error, delay, item.attempts + 1, len(RETRY_DELAYS_S) + 1)
+        with self._lock:
+            self._serial += 1
+        timer = threading.Timer(delay, self._requeue, [item])
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _requeue(self, item: PendingWrite) -> None:
+        item.next_try = None
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:  # new recordings fill the queue: look again in a second
+            item.next_try = time.monotonic() + 1.0
+            timer = threading.Timer(1.0, self._requeue, [item])
+            timer.daemon = True
+            timer.start()
+
+    def _finish(self, item: PendingWrite) -> None:
+        item.write = item.retry = None  # the closure holds the recorded masks (210 MB at 720p-14B): free them
+        item.seconds = time.perf_counter() - item.submitted
+        with self._lock:
+            self._pending.pop(item.entry_id, None)
+            self._finished[item.entry_id] = item
+            while len(self._finished) > HISTORY:
+                self._finished.popitem(last=False)
+            self._serial += 1
+        item.done.set()
 
     def _follow_up(self, item: PendingWrite) -> None:
         try:
@@ -131,6 +175,17 @@ class BankWriter:
         """A queued or recently finished write (``.done``, ``.error``, ``.seconds``), or None."""
         with self._lock:
             return self._pending.get(entry_id) or self._finished.get(entry_id)
+
+    def recordings(self, bank_key=None) -> list[dict]:
+        """What the web view and routes show: each pending write and each recent failed one, as
+        ``{"entry_id", "state": "queued"|"retrying"|"failed", "attempts", "error", "retry_in_s"}``."""
+        key = None if bank_key is None else str(bank_key)
+        now = time.monotonic()
+        with self._lock:
+            items = list(self._pending.values()) + [i for i in self._finished.values() if i.error is not None]
+        return [{"entry_id": i.entry_id, "state": _state(i), "attempts": i.attempts, "error": i.error,
+                 "retry_in_s": None if i.next_try is None else round(max(0.0, i.next_try - now), 1)}
+                for i in items if key is None or i.bank_root == key]
 
     def state_token(self) -> int:
         """Changes whenever a write is queued or finishes."""
@@ -157,6 +212,12 @@ class BankWriter:
             item.done.wait(max(0.0, deadline - time.monotonic()))
         written = [i.entry_id for i in items if i.done.is_set() and i.error is None]
         return written, [i.entry_id for i in items if not i.done.is_set() or i.error is not None]
+
+
+def _state(item: PendingWrite) -> str:
+    if item.done.is_set():
+        return "failed"
+    return "retrying" if item.attempts else "queued"
 
 
 def _test_only_delay() -> None:
@@ -202,6 +263,11 @@ def drain_before_exit(reason: str, timeout: Optional[float] = None) -> None:
 
 
 _drained = False
+
+
+def recordings(bank_key) -> list[dict]:
+    """This process's pending and recently failed writes to one bank (:meth:`BankWriter.recordings`)."""
+    return [] if _default is None else _default.recordings(bank_key)
 
 
 def flush_all(timeout: Optional[float] = None) -> bool:

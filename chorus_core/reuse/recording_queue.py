@@ -32,7 +32,8 @@ def hand_over(bank, recording: spool.Recording, after=None) -> tuple[str | None,
     pending = bank_writer.PendingWrite(
         bank_root=bank.label, entry_id=recording.entry_id,
         compat=compat_key(recording.fingerprint, recording.layout), signature=recording.signature,
-        write=functools.partial(_commit, bank, path, recording), after=after, spool_path=path)
+        write=functools.partial(_commit, bank, path, recording), after=after, spool_path=path,
+        retry=functools.partial(_replay, bank, path))
     if bank_writer.default_writer().submit(pending):
         return "queued", None
     return "queued", ("the bank writer is still busy with earlier recordings: this one stays spooled and "
@@ -44,6 +45,17 @@ def _commit(bank, path, recording: spool.Recording) -> None:
     # Its own connection: SQLite connections are not shared between threads mid-transaction.
     with bank.reopen() as writer_bank:
         spool.commit(writer_bank, path, recording)
+
+
+def _replay(bank, path) -> None:
+    """A failed write tried again from its spool file (what a later start would do)."""
+    with bank.reopen() as writer_bank:
+        outcome, name = spool.replay_file(writer_bank, path, wait=60.0)
+    if outcome in ("quarantined", "dropped"):
+        raise bank_writer.GiveUp(f"its spool file was {outcome} (the log says why)")
+    if outcome == "left":
+        why = name.partition(" (")[2].rstrip(")") or "another process holds its spool file"
+        raise BankError(why)
 
 
 def _write_now(bank, recording: spool.Recording, spool_error: BankError) -> tuple[str | None, str | None]:
