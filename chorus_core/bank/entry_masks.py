@@ -56,9 +56,7 @@ class EntryMasks:
         raise AssertionError("on_corrupt must raise")
 
     def _decoded(self, bucket_index: int, layer: int, decode, check) -> np.ndarray:
-        if self._on_corrupt is None:  # not a bank entry (e.g. a cached prior): decode as is
-            self._check_range(bucket_index, layer)
-            return decode(self._tensors, self._meta, bucket_index, layer)
+        # checked whatever the source: a prior's maps reach the kernel as an entry's do
         maps, reason = self._attempt(bucket_index, layer, decode, check)
         if reason is not None:
             self.report_corrupt(reason)

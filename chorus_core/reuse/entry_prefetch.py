@@ -68,6 +68,11 @@ class HostLayer:
     def to_device(self, nk: int, block_size: tuple[int, int], seq_len: int, device) -> PreparedMask:
         """The layer's kernel-ready mask on ``device``: upload, unpack and live lists, all queued."""
         block_sparse = import_sibling("kernels.block_sparse")
+        blocks = (-(-seq_len // block_size[0]), -(-seq_len // block_size[1]))
+        if (self.packed.shape[1], nk) != blocks or self.packed.shape[2] != -(-nk // 8):
+            # assume_valid below skips the kernel's checks: never for ids beyond this sequence
+            raise ValueError(f"the masks have {self.packed.shape[1]} query and {nk} key blocks; this run's "
+                             f"{seq_len} tokens make {blocks[0]} and {blocks[1]}")
         live = unpack_bits(self.packed.to(device, non_blocking=True), nk)
         counts = self.counts.to(device, non_blocking=True)
         mask = block_sparse.live_lists_to_mask(live[None], counts[None], self.most, block_size[0], block_size[1],

@@ -75,8 +75,8 @@ def _load_or_build(bank, key, folder, fingerprint, layout, min_density, max_dens
     if folder is not None:
         limit = validation.max_blob_bytes((validation.MAX_BUCKETS, fingerprint.layers, fingerprint.heads,
                                            *layout.blocks))
-        with contextlib.suppress(Exception):  # missing, or damaged: a prior is only a cache, build it again
-            return _read(folder, name, key, limit)
+        with contextlib.suppress(Exception):  # missing, damaged or unfit: a prior is only a cache, build it again
+            return _read(folder, name, key, limit, fingerprint, layout)
     built = build_prior(bank, fingerprint, layout, min_density, max_density)
     if built is None:
         return None
@@ -168,16 +168,27 @@ def _write(folder: int, name: str, tensors: dict, meta: dict) -> None:
                     os.unlink(old, dir_fd=folder)
 
 
-def _read(folder: int, name: str, key: str, limit: int) -> EntryMasks:
-    """The prior ``name`` of ``folder``: a regular file (never a link) of at most ``limit`` bytes."""
+def _read(folder: int, name: str, key: str, limit: int, fingerprint, layout: LatentLayout) -> EntryMasks:
+    """The prior ``name`` of ``folder``: a regular file (never a link) of at most ``limit`` bytes,
+    held against this model and layout as an entry is (a received bank's ``priors/`` is untrusted:
+    a prior with more key blocks than the sequence has would reach the kernel, which has no bounds
+    checks). :raises ValueError: why the file cannot serve (the caller builds the prior again)"""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
     with os.fdopen(fd, "rb") as fh:
         info = os.fstat(fh.fileno())
         if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
             raise ValueError(f"prior {name} is not a regular file of at most {limit} bytes")
         data = fh.read(limit + 1)
-    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
-    return _entry(key, st_load(data), json.loads(header["__metadata__"]["chorus"]))
+    header = validation.read_header(data)
+    meta = validation.load_json((header.get("__metadata__") or {}).get("chorus"), "prior metadata")
+    prior = _entry(key, {}, meta)
+    if prior.layout != layout:
+        raise ValueError(f"prior {name} was made for another layout")
+    shape = (len(prior.step_buckets), fingerprint.layers, fingerprint.heads, *layout.blocks)
+    validation.check_shape_bounds(shape)
+    checked = validation.check_header(header, shape)
+    validation.check_part_sizes(header, shape, checked)
+    return _entry(key, st_load(data), {**meta, **checked})
 
 
 def _entry(key: str, tensors: dict, meta: dict) -> EntryMasks:
