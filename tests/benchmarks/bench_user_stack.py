@@ -1,0 +1,645 @@
+"""The user's stack: Wan 14B loaded as ComfyUI users load it (fp8_scaled files, UNETLoader's
+``fp8_e4m3fn_fast``, bf16), dense attention against Chorus Sparse Attention, whole generations.
+
+Issue 50 (`[user-stack]`), items 1 and a first slice of 3. Run on a CUDA machine from the repo root,
+ComfyUI importable (``COMFYUI_PATH``; ``tests/benchmarks/user_stack_env.sh`` sets up 0.19.3 on the
+device)::
+
+    python tests/benchmarks/bench_user_stack.py --out DIR --shape 640x640 [--rows ROW,ROW] [--budget-s 520]
+    python tests/benchmarks/bench_user_stack.py --build-only --weights-dir /tmp/us-weights   # files only
+    python tests/benchmarks/bench_user_stack.py --merge A.json,B.json --out DIR              # calls -> one table
+
+or on the CPU at a tiny width and grid, to test the script end to end: ``--tiny``.
+
+What runs: a Wan 2.1 I2V model at 14B width (dim 5120, 40 heads x 128, ffn 13824, 40 blocks, with
+the CLIP-image projector; 16.4 B parameters) with random weights, written once to two files in
+``--weights-dir`` the way the files users download are laid out: ``bf16`` (every tensor bf16) and
+``fp8_scaled`` (Comfy-Org's layout: every linear layer of the blocks as ``float8_e4m3fn`` with its own
+float32 ``scale_weight`` = amax / 448, an empty ``scaled_fp8`` marker, the rest bf16; what
+``tests/checkpoint_formats.fp8_scaled_state`` writes for a small state dict). The tensors are drawn
+on the GPU one at a time from a per-tensor seed and streamed into the files, so the host holds one
+tensor at a time and both files hold the same model. Each model is loaded by ComfyUI's own
+UNETLoader (``fp8_scaled`` file at ``default``; the ``bf16`` file at ``fp8_e4m3fn_fast`` and at
+``default``), then ModelSamplingSD3 shift 5 (the official Wan 2.2 I2V template's), and sampled by
+``comfy.sample.sample`` (KSampler's path) with euler / simple at ``--steps`` and ``--cfg`` (cfg 1: cond
+alone, batch 1) on a 640x640x81 (33,600 tokens) or 1280x720x81 (75,600 tokens) I2V request.
+
+Arms (``role``):
+- ``dense``: the loaded model as is, every self-attention through torch SDPA forced to cuDNN
+  (``attention`` ``cudnn_sdpa``; ComfyUI's own pick on Linux is torch's default SDPA order);
+- ``miss``: Chorus Sparse Attention (``ReusePatch.install()``, the MODEL-patch node's code) on an
+  empty bank for this model: online prediction after one dense step, density clamped to
+  ``--density``, the recording written to the bank in the background and waited for (the wait is
+  outside ``seconds``; ``flush_s`` says how long it took). Compiled, a miss is ``online``: threshold
+  1.01, nothing recorded;
+- ``hit``: the same request again through Similarity Match and the node: the entry the miss
+  recorded, every step sparse (``hit_warmup_steps`` 0), Chorus's bf16 block-sparse attention.
+Every Chorus generation makes a new match and a new install, as a new prompt does; its dense steps
+run cuDNN SDPA as the dense rows do. ``compiled``: ComfyUI's TorchCompileModel node (inductor) on the
+model that samples (after the Chorus patch); its first generation is a warm-up whose seconds
+(compile included) are ``compile_s``, not ``seconds``. ``seconds``: the whole sampling call, from the
+match (Chorus rows) to the sampler's return after a CUDA sync; ``load_s``: the UNETLoader call that
+loaded the row's model (once per model, not in ``seconds``); ``model_load_s``: ComfyUI moving weights
+to the GPU inside the generation (part of ``seconds``).
+
+Writes ``user_stack_<shape>.json`` and ``.md`` into ``--out`` after every row (``user_stack_tiny``
+with ``--tiny``); keys: ../shared/RESULTS.md and issue 50 item 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import shlex
+import statistics
+import struct
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR.parent))  # tests/: checkpoint_formats
+sys.path.insert(0, str(BENCH_DIR.parents[1]))  # the repository: chorus_core
+
+import bench_end_to_end as e2e  # noqa: E402  (request, machine name, cuDNN SDPA; puts the repo on sys.path,
+import bench_reuse_loop as loop  # noqa: E402  so both are imported before ComfyUI's folder goes in front)
+import torch  # noqa: E402
+
+HEAD_DIM, BLOCK = 128, 128
+FP8_MAX = 448.0
+SAMPLER, SCHEDULER, SHIFT = "euler", "simple", 5.0
+HIT_THRESHOLD, NO_MATCH_THRESHOLD = 0.9, 1.01
+FLUSH_TIMEOUT_S = 300.0
+# latent (T, H, W) at 81 frames; tokens (T, H/2, W/2)
+SHAPES = {"640x640": (21, 80, 80), "720p": (21, 90, 160), "480p": (21, 60, 104), "tiny": (5, 32, 32)}
+RESULT_NAMES = {"640x640": "user_stack_640", "720p": "user_stack_720p", "480p": "user_stack_480p",
+                "tiny": "user_stack_tiny"}
+FILES = {"bf16": "wan21_i2v_14b_bf16.safetensors", "fp8_scaled": "wan21_i2v_14b_fp8_scaled.safetensors"}
+TINY_FILES = {"bf16": "wan_tiny_bf16.safetensors", "fp8_scaled": "wan_tiny_fp8_scaled.safetensors"}
+# weights name -> (file, UNETLoader weight_dtype)
+WEIGHTS = {"fp8_scaled": ("fp8_scaled", "default"), "fp8_e4m3fn_fast": ("bf16", "fp8_e4m3fn_fast"),
+           "bf16": ("bf16", "default")}
+DEFAULT_ROWS = ("fp8_scaled:dense:eager,fp8_scaled:miss:eager,fp8_scaled:hit:eager,"
+                "fp8_e4m3fn_fast:dense:eager,fp8_e4m3fn_fast:miss:eager,fp8_e4m3fn_fast:hit:eager,"
+                "bf16:dense:eager,bf16:miss:eager,bf16:hit:eager,"
+                "fp8_scaled:hit:compiled,fp8_scaled:online:compiled,fp8_scaled:dense:compiled,"
+                "fp8_e4m3fn_fast:hit:compiled,fp8_e4m3fn_fast:dense:compiled,bf16:hit:compiled,bf16:dense:compiled")
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint files, streamed tensor by tensor
+# --------------------------------------------------------------------------------------------
+
+
+def wan_i2v_spec(dim: int, ffn: int, blocks: int, in_dim: int = 36, text_dim: int = 4096, freq_dim: int = 256,
+                 out_dim: int = 16, clip_dim: int = 1280) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, shape) of every tensor of ComfyUI's Wan 2.1 I2V ``WanModel`` state dict, in its order."""
+    spec: list[tuple[str, tuple[int, ...]]] = [
+        ("patch_embedding.weight", (dim, in_dim, 1, 2, 2)), ("patch_embedding.bias", (dim,)),
+        ("text_embedding.0.weight", (dim, text_dim)), ("text_embedding.0.bias", (dim,)),
+        ("text_embedding.2.weight", (dim, dim)), ("text_embedding.2.bias", (dim,)),
+        ("time_embedding.0.weight", (dim, freq_dim)), ("time_embedding.0.bias", (dim,)),
+        ("time_embedding.2.weight", (dim, dim)), ("time_embedding.2.bias", (dim,)),
+        ("time_projection.1.weight", (dim * 6, dim)), ("time_projection.1.bias", (dim * 6,))]
+    for i in range(blocks):
+        b = f"blocks.{i}."
+        spec.append((b + "modulation", (1, 6, dim)))
+        for name in ("q", "k", "v", "o"):
+            spec += [(f"{b}self_attn.{name}.weight", (dim, dim)), (f"{b}self_attn.{name}.bias", (dim,))]
+        spec += [(b + "self_attn.norm_q.weight", (dim,)), (b + "self_attn.norm_k.weight", (dim,)),
+                 (b + "norm3.weight", (dim,)), (b + "norm3.bias", (dim,))]
+        for name in ("q", "k", "v", "o"):
+            spec += [(f"{b}cross_attn.{name}.weight", (dim, dim)), (f"{b}cross_attn.{name}.bias", (dim,))]
+        spec += [(b + "cross_attn.norm_q.weight", (dim,)), (b + "cross_attn.norm_k.weight", (dim,))]
+        for name in ("k_img", "v_img"):
+            spec += [(f"{b}cross_attn.{name}.weight", (dim, dim)), (f"{b}cross_attn.{name}.bias", (dim,))]
+        spec += [(b + "cross_attn.norm_k_img.weight", (dim,)),
+                 (b + "ffn.0.weight", (ffn, dim)), (b + "ffn.0.bias", (ffn,)),
+                 (b + "ffn.2.weight", (dim, ffn)), (b + "ffn.2.bias", (dim,))]
+    spec += [("head.modulation", (1, 2, dim)), ("head.head.weight", (out_dim * 4, dim)), ("head.head.bias", (out_dim * 4,)),
+             ("img_emb.proj.0.weight", (clip_dim,)), ("img_emb.proj.0.bias", (clip_dim,)),
+             ("img_emb.proj.1.weight", (clip_dim, clip_dim)), ("img_emb.proj.1.bias", (clip_dim,)),
+             ("img_emb.proj.3.weight", (dim, clip_dim)), ("img_emb.proj.3.bias", (dim,)),
+             ("img_emb.proj.4.weight", (dim,)), ("img_emb.proj.4.bias", (dim,))]
+    return spec
+
+
+def is_block_linear(key: str) -> bool:
+    """A weight fp8_scaled stores in fp8 (``checkpoint_formats.block_linear_layers``' rule)."""
+    from checkpoint_formats import _BLOCK_LINEAR
+
+    return key.endswith(".weight") and bool(_BLOCK_LINEAR.match(key[:-len(".weight")]))
+
+
+def random_tensor(key: str, shape, index: int, seed: int, device: str, dim: int) -> torch.Tensor:
+    """bench_end_to_end.build_model's initialisation, drawn from a per-tensor seed (bf16)."""
+    gen = torch.Generator(device=device).manual_seed(seed * 100_003 + index)
+    if key.endswith("modulation"):
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * dim**-0.5
+    elif len(shape) >= 2:  # 1/sqrt(fan_in): activations keep their scale through the blocks
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * math.prod(shape[1:]) ** -0.5
+    elif "norm" in key or key.startswith("img_emb.proj.0.") and key.endswith("weight") or key == "img_emb.proj.4.weight":
+        t = torch.ones(shape, device=device, dtype=torch.float32)
+    else:
+        t = torch.zeros(shape, device=device, dtype=torch.float32)
+    return t.to(torch.bfloat16)
+
+
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32"}
+
+
+def checkpoint_tensors(spec, fmt: str, seed: int, device: str, dim: int):
+    """(key, dtype, shape, producer) in file order; ``fmt`` is ``bf16`` or ``fp8_scaled``."""
+    out = []
+    for index, (key, shape) in enumerate(spec):
+        if fmt == "fp8_scaled" and is_block_linear(key):
+            out.append((key, torch.float8_e4m3fn, shape, ("fp8", key, shape, index)))
+            out.append((key[:-len("weight")] + "scale_weight", torch.float32, (), ("scale", key, shape, index)))
+        else:
+            out.append((key, torch.bfloat16, shape, ("plain", key, shape, index)))
+    if fmt == "fp8_scaled":
+        out.append(("scaled_fp8", torch.float8_e4m3fn, (0,), ("marker", None, None, None)))
+    return out
+
+
+def write_checkpoint(path: Path, spec, fmt: str, seed: int, device: str, dim: int) -> dict:
+    """Stream a safetensors file: header first (sizes are known from the spec), then each tensor as
+    it is drawn on ``device``. fp8_scaled: scale = amax / 448 (at least 1e-12), weight = w / scale."""
+    items = checkpoint_tensors(spec, fmt, seed, device, dim)
+    header, offset = {"__metadata__": {"format": "pt", "chorus": f"bench_user_stack random weights seed {seed}"}}, 0
+    for key, dtype, shape, _ in items:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_suffix(".partial")
+    started = time.perf_counter()
+    scales: dict[str, torch.Tensor] = {}
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for key, dtype, shape, (kind, wkey, wshape, index) in items:
+            if kind == "marker":
+                continue
+            if kind == "scale":
+                t = scales.pop(wkey)
+            else:
+                t = random_tensor(wkey, wshape, index, seed, device, dim)
+                if kind == "fp8":
+                    w = t.float()
+                    scale = (w.abs().amax() / FP8_MAX).clamp(min=1e-12)
+                    scales[wkey] = scale.reshape(()).to(torch.float32)
+                    t = (w / scale).to(torch.float8_e4m3fn)
+                    del w
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+            del t
+    os.replace(tmp, path)
+    return dict(file=path.name, bytes=path.stat().st_size, seconds=round(time.perf_counter() - started, 1))
+
+
+def ensure_weights(folder: Path, files: dict, spec, seed: int, device: str, dim: int) -> list[dict]:
+    folder.mkdir(parents=True, exist_ok=True)
+    made = []
+    for fmt, name in files.items():
+        path = folder / name
+        if path.exists():
+            continue
+        made.append(dict(format=fmt, **write_checkpoint(path, spec, fmt, seed, device, dim)))
+        log(f"wrote {made[-1]}")
+    return made
+
+
+# --------------------------------------------------------------------------------------------
+# ComfyUI
+# --------------------------------------------------------------------------------------------
+
+
+def setup_comfy(cuda: bool) -> None:
+    from chorus_core.comfy.comfyui_locator import prepare_in_process
+
+    prepare_in_process(cpu=not cuda)
+    import comfy.model_management  # noqa: F401  (reads --cpu once)
+
+
+def make_request(latent_thw, seed=0):
+    return e2e.make_request(latent_thw, seed)
+
+
+@torch.inference_mode()
+def load_model(folder: Path, files: dict, weights: str):
+    """UNETLoader (the node's own code) then ModelSamplingSD3 shift 5, as the official template."""
+    import folder_paths
+    import nodes
+    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
+
+    folder_paths.add_model_folder_path("diffusion_models", str(folder))
+    fmt, weight_dtype = WEIGHTS[weights]
+    (model,) = nodes.UNETLoader().load_unet(files[fmt], weight_dtype)
+    patched = ModelSamplingSD3().patch(model, SHIFT)
+    patched = patched[0] if isinstance(patched, tuple) else patched.result[0]
+    return patched
+
+
+def weight_summary(patcher) -> dict:
+    """What the loaded model's block linear layers are made of (dtype, comfy-kitchen tensor, ops class)."""
+    dm = patcher.model.diffusion_model
+    layer = dm.blocks[0].self_attn.q
+    w = layer.weight
+    return dict(weight_type=type(w).__name__, weight_dtype=str(getattr(w, "dtype", None)),
+                qdata_dtype=str(getattr(getattr(w, "_qdata", None), "dtype", None)),
+                layout=str(getattr(layer, "layout_type", None) or getattr(w, "_layout_cls", None) or ""),
+                ops_class=type(layer).__module__ + "." + type(layer).__qualname__,
+                manual_cast_dtype=str(patcher.model.manual_cast_dtype),
+                storage_dtype=str(patcher.model.get_dtype()))
+
+
+def compiled(model):
+    """ComfyUI's TorchCompileModel node (inductor), or its helper where the node class differs."""
+    try:
+        from comfy_extras.nodes_torch_compile import TorchCompileModel
+
+        out = TorchCompileModel.execute(model, "inductor")
+        return out.result[0] if hasattr(out, "result") else out[0]
+    except (ImportError, AttributeError, TypeError):
+        from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+        m = model.clone()
+        set_torch_compile_wrapper(model=m, backend="inductor")
+        return m
+
+
+def graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+def sync(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def timed_model_loads(cuda: bool):
+    import comfy.model_management as mm
+
+    seconds, load = [], mm.load_models_gpu
+
+    def timed(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return load(*args, **kwargs)
+        finally:
+            sync(cuda)
+            seconds.append(time.perf_counter() - began)
+
+    mm.load_models_gpu = timed
+    try:
+        yield seconds
+    finally:
+        mm.load_models_gpu = load
+
+
+# --------------------------------------------------------------------------------------------
+# One generation
+# --------------------------------------------------------------------------------------------
+
+
+def chorus_patched(ctx, model, arm: str):
+    """Similarity Match, then Chorus Sparse Attention's install (what a new prompt runs)."""
+    from chorus_core.reuse.reuse_match import build_match_request, match_request
+    from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
+
+    positive, _, latent, clip = ctx["req"]
+    threshold = NO_MATCH_THRESHOLD if arm == "online" else HIT_THRESHOLD
+    request = build_match_request(model, clip, positive, {"samples": latent}, None, threshold, {}, BLOCK)
+    options = ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=0, min_density=ctx["density"],
+                           max_density=ctx["density"], miss_mode="online", record_on_miss=arm == "miss")
+    patch = ReusePatch(model, match_request(ctx["bank"], request), options, scheduler=SCHEDULER, sampler=SAMPLER)
+    return patch.install(), patch
+
+
+def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
+    import comfy.sample
+
+    cuda = ctx["cuda"]
+    positive, negative, latent, _ = ctx["req"]
+    noise = comfy.sample.prepare_noise(latent, 0)
+    stamps, patch = [], None
+
+    def callback(step, x0, x, total):
+        sync(cuda)
+        stamps.append(time.perf_counter())
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    sync(cuda)
+    graphs_before = graphs_compiled()
+    start = time.perf_counter()
+    with timed_model_loads(cuda) as loads, e2e.dense_attention("cudnn", cuda), torch.inference_mode():
+        sampled = model
+        if arm != "dense":
+            sampled, patch = chorus_patched(ctx, model, arm)
+        if is_compiled:
+            sampled = compiled(sampled)
+        out = comfy.sample.sample(sampled, noise, ctx["steps"], ctx["cfg"], SAMPLER, SCHEDULER, positive, negative,
+                                  latent, callback=callback, disable_pbar=True, seed=0)
+    sync(cuda)
+    end = time.perf_counter()
+    step_ms = [round((b - a) * 1e3, 1) for a, b in zip([start] + stamps[:-1], stamps)]
+    m = dict(seconds=round(end - start, 3), step_ms=step_ms, graphs=graphs_compiled() - graphs_before,
+             model_load_s=round(sum(loads), 3), finite=bool(torch.isfinite(out).all()),
+             cudnn_fallbacks=e2e.FALLBACKS["cudnn"])
+    if cuda:
+        m["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if patch is not None:
+        rep = patch.last_report.to_json()
+        kept = [layer["density"] for layer in rep["layers"] if layer.get("density") is not None]
+        m.update(run_mode=rep["mode"], mask_source=rep["mask_source"], entry_id=rep["entry_id"],
+                 recorded_entry_id=rep["recorded_entry_id"], dense_steps=len(rep["dense_steps"]),
+                 measured_density=round(statistics.mean(kept), 4) if kept else None,
+                 backend=rep["backend"], dense_backend=rep["dense_backend"], warnings=rep["warnings"])
+    return m
+
+
+def check_path(arm: str, m: dict) -> None:
+    if arm == "dense":
+        return
+    expect = "hit" if arm == "hit" else "miss"
+    if m["run_mode"] != expect:
+        raise RuntimeError(f"{arm}: the run was a {m['run_mode']} ({m['mask_source']}; {m['warnings']})")
+    if not m["finite"]:
+        raise RuntimeError(f"{arm}: the output is not finite")
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------
+
+
+def parse_row(spec: str) -> tuple[str, str, bool]:
+    weights, arm, how = spec.split(":")
+    if weights not in WEIGHTS or arm not in ("dense", "miss", "hit", "online") or how not in ("eager", "compiled"):
+        raise SystemExit(f"bad row {spec!r}: WEIGHTS:dense|miss|hit|online:eager|compiled")
+    return weights, arm, how == "compiled"
+
+
+def attention_name(arm: str, m: dict) -> str:
+    if arm == "dense":
+        return "cudnn_sdpa" + (f" ({m['cudnn_fallbacks']} calls fell back)" if m.get("cudnn_fallbacks") else "")
+    backend = (m.get("backend") or "").split(" ")[0] or "none"
+    return f"chorus_block_sparse_bf16 ({backend}; dense steps: cudnn_sdpa)"
+
+
+def run_row(ctx, doc, spec: str, save) -> None:
+    weights, arm, is_compiled = parse_row(spec)
+    model = ctx_model(ctx, doc, weights)
+    if arm == "hit" and not ctx["recorded"].get(weights):
+        raise RuntimeError(f"{spec}: no entry recorded for {weights} in this bank (run {weights}:miss:eager first)")
+    compile_s = None
+    if is_compiled:
+        warm = generate(ctx, model, arm, True)
+        check_path(arm, warm)
+        compile_s = warm["seconds"]
+        log(f"{spec}: warm-up (compile) {compile_s:.1f} s, steps {warm['step_ms']}, graphs {warm['graphs']}")
+    m = generate(ctx, model, arm, is_compiled)
+    check_path(arm, m)
+    if arm == "miss":
+        from chorus_core.reuse import bank_writer
+
+        began = time.perf_counter()
+        if not bank_writer.flush_all(FLUSH_TIMEOUT_S):
+            raise RuntimeError(f"the bank writer had not finished after {FLUSH_TIMEOUT_S:.0f} s")
+        m["flush_s"] = round(time.perf_counter() - began, 2)
+        ctx["recorded"][weights] = m["recorded_entry_id"]
+        if not m["recorded_entry_id"]:
+            raise RuntimeError(f"{spec}: the miss recorded nothing ({m['warnings']})")
+    row = dict(name=spec.replace(":", "_"), role="miss" if arm == "online" else arm, weights=weights,
+               attention=attention_name(arm, m), compiled=is_compiled, steps=ctx["steps"], cfg=ctx["cfg"],
+               shape=ctx["shape"], blocks=ctx["blocks"], seconds=m["seconds"], compile_s=compile_s,
+               arm=arm, load_s=ctx["load_s"][weights], density=None if arm == "dense" else ctx["density"],
+               session=ctx["session"], run=ctx["run_id"], **{k: v for k, v in m.items() if k != "seconds"})
+    doc["rows"].append(row)
+    log(f"{spec}: {m['seconds']:.2f} s, steps {m['step_ms']}, graphs {m['graphs']}, mode {m.get('run_mode')}, "
+        f"density {m.get('measured_density')}, backend {m.get('backend')} / {m.get('dense_backend')}")
+    save()
+
+
+def ctx_model(ctx, doc, weights: str):
+    """The row's model, loaded once; the previous one is dropped first (one 14B model on the GPU at a time)."""
+    if ctx["model_name"] == weights:
+        return ctx["model"]
+    import comfy.model_management as mm
+
+    ctx["model"], ctx["model_name"] = None, None
+    mm.unload_all_models()
+    gc.collect()
+    mm.soft_empty_cache()
+    began = time.perf_counter()
+    model = load_model(ctx["weights_dir"], ctx["files"], weights)
+    ctx["load_s"][weights] = round(time.perf_counter() - began, 2)
+    doc["details"]["models"][weights] = dict(load_s=ctx["load_s"][weights], **weight_summary(model))
+    log(f"loaded {weights} in {ctx['load_s'][weights]} s: {doc['details']['models'][weights]}")
+    ctx["model"], ctx["model_name"] = model, weights
+    return model
+
+
+def ratios(rows: list[dict]) -> None:
+    """Within one machine session only: each row against the fastest dense row of the same
+    weights, the fastest dense fp8-weight row, and the bf16 dense row (eager or compiled)."""
+    for r in rows:
+        same = [x for x in rows if x.get("session") == r.get("session") and x["shape"] == r["shape"]
+                and x["steps"] == r["steps"] and x["cfg"] == r["cfg"] and x["role"] == "dense"]
+
+        def best(pick):
+            s = [x["seconds"] for x in same if pick(x)]
+            return min(s) if s else None
+
+        for key, base in (("vs_dense_same_weights", best(lambda x: x["weights"] == r["weights"])),
+                          ("vs_fastest_dense_fp8", best(lambda x: x["weights"].startswith("fp8"))),
+                          ("vs_dense_bf16", best(lambda x: x["weights"] == "bf16"))):
+            r[key] = round(base / r["seconds"], 3) if base else None
+
+
+COLUMNS = ["name", "role", "weights", "attention", "compiled", "seconds", "compile_s", "step_ms", "load_s",
+           "model_load_s", "measured_density", "graphs", "peak_gib", "flush_s", "vs_dense_same_weights",
+           "vs_fastest_dense_fp8", "vs_dense_bf16", "run"]
+
+
+def write_results(out_dir: Path, name: str, doc: dict) -> None:
+    ratios(doc["rows"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    d = doc["details"]
+    lines = [f"# The user's stack: whole generations ({doc['machine']})", "",
+             f"- date: {doc['date']}", f"- machine: {doc['machine']}", f"- command: `{doc['command']}`",
+             f"- git commit: {doc['git_commit']}",
+             *[f"- run {r['run']}: {r['date']}, {r['machine']}, `{r['command']}`" for r in d.get("runs", [])],
+             f"- torch {d['torch']}, ComfyUI {d['comfyui']}, comfy-kitchen {d['comfy_kitchen']}; shape {d['shape']} "
+             f"({d['tokens']} tokens), {d['blocks']} blocks, {d['steps']} steps, cfg {d['cfg']}, density {d['density']}",
+             "", doc["method"], "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in doc["rows"]:
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in COLUMNS) + " |")
+    lines += ["", "Models as loaded:", ""] + [f"- {k}: {v}" for k, v in d["models"].items()]
+    lines += ["", "Notes:", ""] + [f"- {n}" for n in d["notes"] + [f"error: {e}" for e in d["errors"]]]
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def comfy_kitchen_info() -> str | None:
+    try:
+        from importlib import metadata
+
+        version = metadata.version("comfy-kitchen")
+    except Exception:  # noqa: BLE001
+        return None
+    try:
+        import comfy_kitchen as ck
+
+        backends = {k: (v.get("available") if isinstance(v, dict) else v) for k, v in ck.list_backends().items()}
+    except Exception as exc:  # noqa: BLE001
+        backends = f"list_backends failed: {exc}"
+    return f"{version} (backends: {backends})"
+
+
+def machine_session() -> str:
+    """One id per machine (kept in its /tmp): rows of calls on one warm machine compare, others don't."""
+    path = Path(tempfile.gettempdir()) / "chorus-user-stack-session"
+    if not path.exists():
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()
+
+
+def new_doc(args, cuda, shape, blocks, tokens) -> dict:
+    try:
+        import comfyui_version
+
+        comfyui = comfyui_version.__version__
+    except ImportError:
+        comfyui = None
+    return {"benchmark": "bench_user_stack", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": e2e.machine_name(cuda), "command": args.command or shlex.join(["python"] + sys.argv),
+            "git_commit": loop.git_commit(args.git_commit), "rows": [],
+            "method": __doc__[__doc__.index("What runs:"):__doc__.index("Writes ``user")].strip(),
+            "details": {"torch": torch.__version__, "comfyui": comfyui, "comfy_kitchen": comfy_kitchen_info(),
+                        "av": getattr(sys.modules.get("av"), "__version__", None), "shape": shape, "tokens": tokens,
+                        "blocks": blocks, "steps": args.steps, "cfg": args.cfg, "density": args.density,
+                        "weights_files": [], "models": {}, "notes": list(args.note), "errors": []}}
+
+
+def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> None:
+    docs = [json.loads(p.read_text()) for p in paths]
+    merged = docs[0]
+    merged["details"]["runs"] = [dict(run=r, date=d["date"], machine=d["machine"], command=d["command"],
+                                      git_commit=d["git_commit"]) for d in docs for r in sorted({x["run"] for x in d["rows"]})]
+    for d in docs[1:]:
+        if d["details"]["shape"] != merged["details"]["shape"]:
+            raise SystemExit("merge runs of one shape")
+        merged["rows"] += d["rows"]
+        for k, v in d["details"]["models"].items():
+            merged["details"]["models"].setdefault(k, v)
+        merged["details"]["errors"] += d["details"]["errors"]
+        merged["details"]["notes"] += [n for n in d["details"]["notes"] if n not in merged["details"]["notes"]]
+        merged["details"]["weights_files"] += d["details"]["weights_files"]
+    merged["details"]["notes"] += notes
+    merged["command"], merged["date"] = command, max(d["date"] for d in docs)
+    write_results(out_dir, RESULT_NAMES[merged["details"]["shape"]], merged)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(BENCH_DIR / "results"))
+    p.add_argument("--tiny", action="store_true", help="dim 256, 2 blocks, a tiny latent, on the CPU")
+    p.add_argument("--shape", default="640x640", choices=[s for s in SHAPES if s != "tiny"])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--cfg", type=float, default=1.0)
+    p.add_argument("--density", type=float, default=0.15)
+    p.add_argument("--blocks", type=int, default=40)
+    p.add_argument("--rows", default=DEFAULT_ROWS, help="WEIGHTS:ARM:eager|compiled, comma-separated, in order")
+    p.add_argument("--weights-dir", default=str(Path(tempfile.gettempdir()) / "us-weights"))
+    p.add_argument("--bank", default=str(Path(tempfile.gettempdir()) / "us-bank"),
+                   help="the bank folder: a later call on the same machine serves hits from the entries recorded here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--build-only", action="store_true", help="write the two checkpoint files and stop (no ComfyUI)")
+    p.add_argument("--budget-s", type=float, default=520.0, help="start no row after this many seconds")
+    p.add_argument("--tag", default="", help="suffix of the results file names (one file per device call)")
+    p.add_argument("--git-commit", default=None)
+    p.add_argument("--command", default=None)
+    p.add_argument("--note", action="append", default=[])
+    p.add_argument("--merge", default=None, metavar="JSON,JSON")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.merge:
+        command = shlex.join(["python", sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
+        return merge([Path(p) for p in args.merge.split(",")], Path(args.out), command, args.note)
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = "cuda" if cuda else "cpu"
+    if args.tiny:
+        dim, ffn, blocks, shape, files = 256, 512, 2, "tiny", TINY_FILES
+    else:
+        dim, ffn, blocks, shape, files = 5120, 13824, args.blocks, args.shape, FILES
+    weights_dir = Path(args.weights_dir)
+    spec = wan_i2v_spec(dim, ffn, blocks)
+    made = ensure_weights(weights_dir, files, spec, args.seed, device, dim)
+    if args.build_only:
+        return
+    setup_comfy(cuda)
+    latent_thw = SHAPES[shape]
+    tokens = latent_thw[0] * math.ceil(latent_thw[1] / 2) * math.ceil(latent_thw[2] / 2)
+    doc = new_doc(args, cuda, shape, blocks, tokens)
+    doc["details"]["weights_files"] = made or [dict(file=n, bytes=(weights_dir / n).stat().st_size, seconds=None)
+                                               for n in files.values()]
+    name = RESULT_NAMES[shape] + (f"_{args.tag}" if args.tag else "")
+    out_dir = Path(args.out)
+    from chorus_core.bank import open_bank
+
+    bank = open_bank(args.bank)
+    recorded = {}
+    ctx = dict(cuda=cuda, req=make_request(latent_thw), steps=args.steps, cfg=args.cfg, density=args.density,
+               bank=bank, shape=shape, blocks=blocks, weights_dir=weights_dir, files=files, model=None,
+               model_name=None, load_s={}, recorded=recorded, session=machine_session(),
+               run_id=f"{machine_session()}-{uuid.uuid4().hex[:6]}")
+    doc["details"]["bank_entries_at_start"] = len(bank.entries())  # recorded by an earlier call on this machine
+    ctx["recorded"].update(json.loads((Path(args.bank) / "user_stack_recorded.json").read_text())
+                           if (Path(args.bank) / "user_stack_recorded.json").exists() else {})
+    save = lambda: write_results(out_dir, name, doc)  # noqa: E731
+    try:
+        for spec_row in [s for s in args.rows.split(",") if s]:
+            if time.perf_counter() - T0 > args.budget_s:
+                doc["details"]["notes"].append(f"{spec_row}: not started, time budget ({args.budget_s:.0f} s)")
+                save()
+                continue
+            try:
+                run_row(ctx, doc, spec_row, save)
+            except Exception as exc:  # noqa: BLE001  (one row's failure is a result; the others still run)
+                doc["details"]["errors"].append(f"{spec_row}: {type(exc).__name__}: {exc}")
+                log(f"FAILED {spec_row}: {traceback.format_exc()}")
+                save()
+            (Path(args.bank) / "user_stack_recorded.json").write_text(json.dumps(ctx["recorded"]))
+    finally:
+        bank.close()
+    save()
+    for r in doc["rows"]:
+        log(" ".join(f"{c}={r.get(c)}" for c in COLUMNS))
+
+
+if __name__ == "__main__":
+    main()
