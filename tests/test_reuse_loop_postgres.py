@@ -71,3 +71,30 @@ def test_a_postgres_recording_spools_on_this_machine_and_a_leftover_replays_once
         assert sorted(e["id"] for e in bank.entries()) == sorted([first.recorded_entry_id, left.entry_id])
     finally:
         bank.close()
+
+
+def test_a_server_that_stops_answering_makes_the_match_a_miss_within_the_bound(pg, tiny_wan_patcher, monkeypatch):
+    """The bank connection's server process is stopped (SIGSTOP: its kernel still acknowledges, so
+    neither TCP keepalives nor the server's statement_timeout can help): the lookup gives up."""
+    import os
+    import signal
+    import time
+
+    from chorus_core.bank import MaskBank
+    from chorus_core.reuse import reuse_match
+
+    monkeypatch.setattr(reuse_match, "SERVER_ANSWER_S", 2.0)
+    bank = MaskBank.open(pg.url("stalled"))
+    positive, _, latent = request()
+    request_only = match_for(bank, tiny_wan_patcher, positive, latent).request  # fingerprinting is not timed
+    backend = bank.db.query("SELECT pg_backend_pid() AS pid")[0]["pid"]
+    os.kill(backend, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        match = reuse_match.match_request(bank, request_only)
+        took = time.monotonic() - started
+    finally:
+        os.kill(backend, signal.SIGCONT)
+    assert not match.result.hit and took < 6
+    assert "runs as a miss" in match.warning and "did not answer within 2 s" in match.warning
+    bank.close()

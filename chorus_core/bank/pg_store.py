@@ -39,6 +39,13 @@ from .storage import BankStorage, guarded, warn_quarantined
 
 CONNECT_TIMEOUT_S = 5
 LOCK_TIMEOUT_S = 60
+# A statement the server runs longer than this is cancelled by the server (a blob insert of an
+# entry at 720p-14B, 123 MB, takes seconds); a lost peer is found by TCP: keepalive probes after
+# 10 s idle (3 probes 5 s apart) and unacknowledged data after 30 s (tcp_user_timeout), instead of
+# the kernel's default of minutes to hours.
+STATEMENT_TIMEOUT_S = 120
+TCP_SETTINGS = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+                "tcp_user_timeout": 30_000}
 CLI = "python -m chorus_core.bank"
 _ORDER_COLUMNS = ("created", "last_hit", "hits", "density", "recall", "blob_bytes")
 
@@ -109,13 +116,14 @@ class PostgresBank(BankStorage):
         return bank
 
     def _connect(self) -> psycopg.Connection:
-        options = f"-c search_path={self.url.schema} -c lock_timeout={LOCK_TIMEOUT_S * 1000}"
+        options = (f"-c search_path={self.url.schema} -c lock_timeout={LOCK_TIMEOUT_S * 1000} "
+                   f"-c statement_timeout={STATEMENT_TIMEOUT_S * 1000}")
         if self.read_only:
             options += " -c default_transaction_read_only=on"
         try:
             return psycopg.connect(self.url.conninfo, autocommit=True, options=options,
                                    connect_timeout=CONNECT_TIMEOUT_S,
-                                   application_name="chorus-mask-bank")
+                                   application_name="chorus-mask-bank", **TCP_SETTINGS)
         except psycopg.Error as exc:
             raise BankUnavailable(
                 f"Cannot reach the PostgreSQL mask bank at {self._where()} "

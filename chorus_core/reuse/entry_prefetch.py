@@ -35,6 +35,9 @@ _POPCOUNT = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.uin
 # Cores this process may run on (a container or taskset can allow fewer than the machine has).
 _USABLE_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
 DECODE_THREADS = max(1, min(4, _USABLE_CORES - 1))
+# Longest the sampling thread waits for the worker without any progress (a layer set decoded, the
+# entry read): a PostgreSQL server that stops answering mid-read never holds a generation longer.
+STALL_S = 30.0
 
 
 def row_counts(packed: np.ndarray) -> np.ndarray:
@@ -118,6 +121,7 @@ class EntryPrefetch:
         self._host: dict[tuple[int, int], HostLayer] = {}  # (bucket, layer) -> host layer
         self._error: Optional[BaseException] = None
         self._done = False
+        self._progress = 0  # bumps at every publish: what a stalled load is told by
         self._device: Optional[DeviceBucket] = None
         self.timings = PrefetchTimings(decode_threads=self._decode_threads)
         self._thread = threading.Thread(target=self._work, name="chorus-entry-prefetch", daemon=True)
@@ -167,19 +171,30 @@ class EntryPrefetch:
             if error is not None:
                 self._error = error
             self._done = self._done or done
+            self._progress += 1
             self._cond.notify_all()
 
     # ---- sampling thread
 
     def _wait_for(self, ready: Callable[[], bool]) -> None:
+        """Wait until ``ready()``; the worker must make progress at least every :data:`STALL_S`
+        seconds (a bank server that stopped answering mid-read), else the run goes on as a miss."""
         started = time.perf_counter()
         with self._cond:
+            progress = self._progress
+            deadline = time.monotonic() + STALL_S
             while not ready():
                 if self._error is not None:
                     raise RuntimeError(f"the bank entry could not be loaded: {self._error}") from self._error
                 if self._done:
                     raise RuntimeError("the bank entry has fewer step buckets or layers than asked for")
-                self._cond.wait()
+                if self._progress != progress:
+                    progress, deadline = self._progress, time.monotonic() + STALL_S
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the bank entry did not arrive: its load made no progress for {STALL_S:g} s "
+                                       "(a bank server that stopped answering?)")
+                self._cond.wait(left)
         self.timings.wait_ms += (time.perf_counter() - started) * 1e3
 
     def entry(self):

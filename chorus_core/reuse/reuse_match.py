@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -15,7 +16,8 @@ from typing import Optional
 import torch
 
 from . import bank_writer
-from ..bank import BankError, LatentLayout, MaskBank, MatchResult, Signature, build_signature, compat_key
+from ..bank import (BankError, BankUnavailable, LatentLayout, MaskBank, MatchResult, Signature, build_signature,
+                    compat_key)
 from ..bank.signature import resolve_weights
 from ..attention.model_checks import check_supported_model
 from .model_identity import fingerprint_patcher
@@ -107,6 +109,38 @@ def build_match_request(model_patcher, clip_vision_output, positive, latent: dic
 MATCH_CANDIDATES = 4
 
 
+# Longest a lookup on a bank server may take on the prompt's thread; then the request is a miss.
+SERVER_ANSWER_S = 20.0
+
+
+def bounded(bank, call):
+    """``call()``, given at most :data:`SERVER_ANSWER_S` when ``bank`` is a server bank (a
+    PostgreSQL server behind a silent partition, or stopped, never answers: its socket read would
+    wait as long as TCP keeps the connection). A folder bank is called as is: SQLite's busy
+    timeout bounds it, and its connection must stay on this thread.
+
+    :raises BankUnavailable: no answer in time (the call goes on in the background, and fails there)
+    """
+    if bank.root is not None:
+        return call()
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # handed back to the caller below
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="chorus-bank-call", daemon=True)
+    worker.start()
+    worker.join(SERVER_ANSWER_S)
+    if worker.is_alive():
+        raise BankUnavailable(f"the bank server did not answer within {SERVER_ANSWER_S:.0f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def match_request(bank: MaskBank, request: MatchRequest) -> ReuseMatch:
     """Look the request up; a similar entry still being written is waited for, then hit.
 
@@ -117,8 +151,9 @@ def match_request(bank: MaskBank, request: MatchRequest) -> ReuseMatch:
     try:
         bank_writer.wait_for_similar(bank.label, compat_key(request.fingerprint, request.layout),
                                      request.signature, request.threshold, request.weights)
-        result = bank.match(request.signature, request.fingerprint, request.layout,
-                            threshold=request.threshold, top_k=MATCH_CANDIDATES, weights=request.weights)
+        result = bounded(bank, lambda: bank.match(request.signature, request.fingerprint, request.layout,
+                                                  threshold=request.threshold, top_k=MATCH_CANDIDATES,
+                                                  weights=request.weights))
         warning = None
     except BankError as exc:
         result = MatchResult(hit=False, entry_id=None, similarity=0.0, components={}, candidates=0)
