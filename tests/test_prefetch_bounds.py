@@ -28,3 +28,30 @@ def test_a_load_that_makes_no_progress_fails_the_wait_within_the_bound(monkeypat
     finally:
         release.set()
         prefetch.join(5)
+
+
+def test_a_cancelled_run_stops_its_prefetch_at_once_and_nothing_refills_what_it_freed():
+    """Before: a failed or cancelled hit joined the worker for up to 60 s while it decoded the rest
+    of the entry, refilling the pinned buffers just cleared."""
+    import time
+    from contextlib import nullcontext
+
+    decoded = []
+
+    class SlowEntry:  # 2 buckets x 20 layers, 0.2 s each: 8 s to decode whole
+        shape, step_buckets = (2, 20, 1, 4, 4), [(0, 1), (1, 2)]
+
+        def packed_block_map_or_reason(self, bucket, layer):
+            time.sleep(0.2)
+            decoded.append((bucket, layer))
+            import numpy as np
+            return np.packbits(np.eye(4, dtype=bool)[None], axis=-1), None
+
+    prefetch = EntryPrefetch(lambda: nullcontext(SlowEntry()), decode_threads=1)
+    prefetch.layer_mask(0, 0, (16, 16), 64, "cpu")
+    started = time.monotonic()
+    prefetch.cancel()
+    took = time.monotonic() - started
+
+    assert took < entry_prefetch.CANCEL_JOIN_S and not prefetch._thread.is_alive()
+    assert prefetch._host == {} and prefetch._entry is None and len(decoded) < 10

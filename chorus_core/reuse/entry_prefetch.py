@@ -38,6 +38,7 @@ DECODE_THREADS = max(1, min(4, _USABLE_CORES - 1))
 # Longest the sampling thread waits for the worker without any progress (a layer set decoded, the
 # entry read): a PostgreSQL server that stops answering mid-read never holds a generation longer.
 STALL_S = 30.0
+CANCEL_JOIN_S = 2.0  # a cancelled run waits this long at most for its worker (one layer set's decode)
 
 
 def row_counts(packed: np.ndarray) -> np.ndarray:
@@ -103,6 +104,10 @@ class PrefetchTimings:
     buckets: list = field(default_factory=list)  # per bucket: decode ms
 
 
+class PrefetchCancelled(Exception):
+    """The run the prefetch served has ended (cancelled or failed)."""
+
+
 class EntryPrefetch:
     """Loads an entry in a worker thread and hands out its buckets as they become ready.
 
@@ -122,6 +127,7 @@ class EntryPrefetch:
         self._error: Optional[BaseException] = None
         self._done = False
         self._progress = 0  # bumps at every publish: what a stalled load is told by
+        self._cancelled = threading.Event()
         self._device: Optional[DeviceBucket] = None
         self.timings = PrefetchTimings(decode_threads=self._decode_threads)
         self._thread = threading.Thread(target=self._work, name="chorus-entry-prefetch", daemon=True)
@@ -153,6 +159,8 @@ class EntryPrefetch:
         begun, nk = time.perf_counter(), entry.shape[-1]
         decode = lambda layer: self._host_layer(entry, bucket, layer, nk)  # noqa: E731
         for layer, (host, reason) in enumerate(pool.map(decode, range(entry.shape[1]))):
+            if self._cancelled.is_set():
+                raise PrefetchCancelled("the run ended: no more layer sets are decoded")
             if reason is not None:
                 entry.report_corrupt(reason)  # raises: the entry cannot serve
             self._publish(layer=((bucket, layer), host))
@@ -166,7 +174,7 @@ class EntryPrefetch:
         with self._cond:
             if entry is not None:
                 self._entry = entry
-            if layer is not None:
+            if layer is not None and not self._cancelled.is_set():  # never refill what cancel() freed
                 self._host[layer[0]] = layer[1]
             if error is not None:
                 self._error = error
@@ -216,6 +224,15 @@ class EntryPrefetch:
             self._device.masks[layer] = prepared
             self.timings.upload_ms += (time.perf_counter() - started) * 1e3
         return prepared
+
+    def cancel(self) -> None:
+        """The run was cancelled or failed: free the host buffers now and stop the worker before its
+        next layer set (waited for at most :data:`CANCEL_JOIN_S`; it keeps nothing after)."""
+        self._cancelled.set()
+        with self._cond:
+            self._device, self._host, self._entry = None, {}, None
+            self._cond.notify_all()
+        self._thread.join(CANCEL_JOIN_S)
 
     def join(self, timeout: float = 60.0) -> None:
         """Wait for the worker (after sampling it has long finished) and free what it holds.

@@ -495,10 +495,10 @@ class ReusePatch:
         if run is None:
             return
         if not succeeded:
-            # A failed run records nothing: its worker (pinned host memory) is joined and its
-            # recorder's accumulators (GB on a GPU at 720p) dropped, though last_run stays readable.
+            # A failed run records nothing: its worker stops and its pinned host memory is freed at
+            # once, and its recorder's accumulators (GB on a GPU at 720p) dropped, though last_run stays readable.
             if run.prefetch is not None:
-                run.prefetch.join()
+                run.prefetch.cancel()
             run.recording = None
             return
         self.last_report = run.finish()
