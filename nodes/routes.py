@@ -3,8 +3,8 @@ failed, and how many wait in the spool) and recent entries.
 
 Banks are named, never given as paths: a name is looked up among the folders registered as
 ``chorus_banks`` and the named PostgreSQL banks, so a client cannot point the server at an
-arbitrary file or database. A PostgreSQL bank's URL (host, user, password) is never sent: its
-stats carry the bank's name instead, and its errors are logged, not returned.
+arbitrary file or database. No answer carries a server path or a bank URL (host, user,
+password): stats carry the bank's name, and errors a short text; the whole one goes to the log.
 
 A bank is opened and read on a worker thread, never on ComfyUI's event loop: a PostgreSQL
 server that does not answer would otherwise stall the whole UI for the connect timeout.
@@ -32,20 +32,20 @@ def _open_named(name: str):
     location = bank_path(name)
     try:
         return MaskBank.open(location, read_only=True, create=False)
-    except BankError as exc:  # e.g. a damaged or newer database: say why, not a bare 500
-        if is_bank_url(location):  # the text names the server: keep it in the server's log
-            logging.warning("Chorus: bank %s cannot be opened: %s", name, exc)
+    except BankError as exc:  # a short answer; the whole text (server paths, hosts) goes to the server's log
+        logging.warning("Chorus: bank %s cannot be opened: %s", name, exc)
+        if is_bank_url(location):
             raise web.HTTPConflict(text=f"the PostgreSQL bank {name!r} cannot be opened (server "
                                         "unreachable, or not a bank); the ComfyUI log says why") from None
-        raise web.HTTPConflict(text=str(exc)) from exc
+        raise web.HTTPConflict(text=f"the bank {name!r} cannot be opened (damaged, not a Chorus bank, or "
+                                    "made by a newer Chorus); the ComfyUI log says why") from None
 
 
 def _public_stats(name: str, bank) -> dict:
     from ..chorus_core.bank import spool
 
     stats = bank.stats()
-    if bank.root is None:  # a PostgreSQL bank: its label names the server and user
-        stats["path"] = name
+    stats["path"] = name  # never the server's folder, nor a PostgreSQL bank's server and user
     stats["spooled"] = spool.spooled_count(bank)
     stats["recordings"] = _recordings(bank)
     return stats
