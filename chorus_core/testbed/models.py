@@ -14,7 +14,9 @@ online block scores and q/k/v, or run block-sparse attention with a given block 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -108,8 +110,28 @@ def predict_velocity(model, x_t: torch.Tensor, sigma: torch.Tensor, batch: Batch
                      transformer_options: Optional[dict] = None) -> torch.Tensor:
     """The model's output (velocity noise - x0) for x_t at sigma ``[B]``; timestep = 1000 sigma."""
     x_in = torch.cat([x_t, batch.cond.to(x_t.dtype)], dim=1)
-    return model(x_in, sigma * 1000.0, batch.text, clip_fea=batch.clip,
-                 transformer_options=transformer_options if transformer_options is not None else {})
+    with comfy_training(torch.is_grad_enabled()):
+        return model(x_in, sigma * 1000.0, batch.text, clip_fea=batch.clip,
+                     transformer_options=transformer_options if transformer_options is not None else {})
+
+
+@contextlib.contextmanager
+def comfy_training(enabled: bool):
+    """ComfyUI's training flag while a forward that will be differentiated runs.
+
+    ComfyUI 0.19 applies rope through comfy-kitchen kernels that have no backward; it takes its
+    pure-torch path when ``comfy.model_management.in_training`` is set, as its own training nodes do.
+    Older ComfyUI has no such flag and needs none.
+    """
+    management = sys.modules.get("comfy.model_management")
+    if not enabled or not hasattr(management, "in_training"):
+        yield
+        return
+    before, management.in_training = management.in_training, True
+    try:
+        yield
+    finally:
+        management.in_training = before
 
 
 def flow_loss(model, batch: Batch, shift: float, generator=None, transformer_options=None) -> torch.Tensor:
