@@ -3,6 +3,7 @@
 import json
 import os
 import sqlite3
+import tarfile
 import time
 from dataclasses import replace
 
@@ -12,7 +13,7 @@ from bank_fixtures import FP, LAYOUT, SCHEDULE, add_toy, prune_least_recently_us
 from safetensors.numpy import save as st_save
 
 from chorus_core.bank import (BankEntryCorrupt, BankError, BankIncompatible, BankReadOnly,
-                              LatentLayout, MaskBank, encode_masks)
+                              CODEC, LatentLayout, MaskBank, encode_masks)
 
 
 @pytest.fixture
@@ -202,6 +203,19 @@ def test_v1_bank_opens_after_migration(tmp_path):
     assert bank.match(sig, FP, LAYOUT).entry_id == OLD_ID
     assert (bank.load_masks(OLD_ID).block_map(1, 1).numpy() == toy_masks(2)[1, 1]).all()
     assert bank.verify()["ok"] == 1
+
+
+def test_a_v1_bank_migrated_exports_what_a_current_bank_would_and_imports(tmp_path):
+    """Its rows have no codec (the column came with v2): the export takes it from the blob."""
+    test_v1_bank_opens_after_migration(tmp_path)
+    bank = MaskBank.open(tmp_path / "old")
+    assert bank.export(tmp_path / "old.tar") == 1
+    with tarfile.open(tmp_path / "old.tar") as tar:
+        rows = json.loads(tar.extractfile("entries.json").read())["rows"]
+    assert [r["codec"] for r in rows] == [CODEC]
+    fresh = MaskBank.open(tmp_path / "fresh")
+    assert fresh.import_file(tmp_path / "old.tar") == {"added": 1, "skipped": 0}
+    assert (fresh.load_masks(OLD_ID).block_map(1, 1).numpy() == toy_masks(2)[1, 1]).all()
 
 
 def test_newer_schema_is_refused(tmp_path):

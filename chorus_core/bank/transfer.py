@@ -106,6 +106,7 @@ def _write_tar(bank, fh, wanted: list[str]) -> int:
             if found is None:  # damaged: quarantined (read-only: skipped) by the bank
                 continue
             row, data = found
+            row = _with_codec(row, data)
             if row["blob_sha256"] not in written:
                 _add_member(tar, f"blobs/{validation.blob_name(row['blob_sha256'])}", data)
                 written.add(row["blob_sha256"])
@@ -113,6 +114,15 @@ def _write_tar(bank, fh, wanted: list[str]) -> int:
         payload = json.dumps({"format": FORMAT, "rows": rows}).encode()
         _add_member(tar, ROWS_NAME, payload)
     return len(rows)
+
+
+def _with_codec(row: dict, data: bytes) -> dict:
+    """The row as a current bank would export it: an entry of a bank migrated from schema 1 has no
+    codec in its row (import refuses that), so it is read from its blob, checked a moment ago."""
+    if row.get("codec") is not None:
+        return row
+    meta = validation.check_header(validation.read_header(data), validation.entry_spec(row).shape)
+    return {**row, "codec": meta["codec"]}
 
 
 def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
