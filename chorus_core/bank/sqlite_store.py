@@ -26,6 +26,7 @@ import hashlib
 import os
 import re
 import sqlite3
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -36,12 +37,34 @@ from .errors import BankError, BankInvalidArgument
 from .faults import fault
 from .matching import SignatureIndex
 from .rows import decode_row, entry_label, summary_columns
-from .sqlite_index import (DB_NAME, Database, check_db_file, check_known, connect, database_error,
-                           insert_row, make_dirs, os_error, read_only_uri, refuse_links)
+from .sqlite_index import (BUSY_TIMEOUT_S, DB_NAME, Database, check_db_file, check_known, connect,
+                           database_error, insert_row, make_dirs, os_error, read_only_uri, refuse_links)
 from .storage import BankStorage, guarded, warn_quarantined
 
 STALE_TEMP_S = 3600.0  # temp/orphan blobs younger than this may belong to a live writer
 _ORDER = re.compile(r"(created|last_hit|hits|density|recall|blob_bytes)( (ASC|DESC))?", re.I)
+
+
+_pending_hits: dict[str, dict[str, list]] = {}  # bank folder -> entry id -> [hits, last hit time]
+_hits_lock = threading.Lock()
+
+
+def take_pending_hits(bank_key: str, entry_id: str) -> dict[str, list]:
+    """This hit and every hit of the bank not yet counted, taken out to be written."""
+    with _hits_lock:
+        pending = _pending_hits.pop(bank_key, {})
+        count = pending.setdefault(entry_id, [0, 0.0])
+        count[0], count[1] = count[0] + 1, time.time()
+        return pending
+
+
+def keep_pending_hits(bank_key: str, batch: dict[str, list]) -> None:
+    """Hits that could not be written now: counted with the next one that gets the lock."""
+    with _hits_lock:
+        pending = _pending_hits.setdefault(bank_key, {})
+        for entry_id, (n, last) in batch.items():
+            count = pending.setdefault(entry_id, [0, 0.0])
+            count[0], count[1] = count[0] + n, max(count[1], last)
 
 
 class SQLiteBank(BankStorage):
@@ -127,6 +150,8 @@ class SQLiteBank(BankStorage):
         try:
             self.conn.execute("PRAGMA journal_mode = WAL")
             self.conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL is durable at commit
+            if found == schema.SCHEMA_VERSION:
+                return  # nothing to migrate: no write lock (a hit's reopen never waits for an import)
             with self._write(bump=False):
                 found = schema.schema_version(self.conn)  # another process may have migrated
                 check_known(self.root, found, schema.table_names(self.conn), fresh_ok=True)
@@ -274,13 +299,26 @@ class SQLiteBank(BankStorage):
         return rows[0]
 
     def _record_hit(self, entry_id: str) -> None:
-        """Hit counters are statistics: a locked or full database must not fail the load."""
+        """Hit counters are statistics: a hit never waits for the write lock (an import or another
+        writer may hold it for long). When the lock is taken the hit is kept in this process and
+        counted with the next hit that finds the lock free."""
+        batch = take_pending_hits(self._real_root, entry_id)
         try:
-            with self._write(bump=False):  # hits do not change content: no new cache key
-                self.conn.execute("UPDATE entries SET hits = hits + 1, last_hit = ? WHERE id = ?",
-                                  [time.time(), entry_id])
-        except (sqlite3.Error, BankError) as exc:
-            warnings.warn(f"Chorus mask bank: hit of {entry_id} not counted ({exc}).", stacklevel=3)
+            with self._write_without_waiting():  # hits do not change content: no new cache key
+                self.conn.executemany("UPDATE entries SET hits = hits + ?, last_hit = MAX(COALESCE(last_hit, 0), ?) "
+                                      "WHERE id = ?", [(n, last, i) for i, (n, last) in batch.items()])
+        except (sqlite3.Error, BankError):
+            keep_pending_hits(self._real_root, batch)
+
+    @contextlib.contextmanager
+    def _write_without_waiting(self):
+        """A write transaction only if the lock is free now (raises BankError "locked" otherwise)."""
+        self.conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            with self._write(bump=False):
+                yield
+        finally:
+            self.conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
 
     # ---- maintenance ---------------------------------------------------------------------
     @guarded
