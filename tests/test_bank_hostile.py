@@ -318,8 +318,9 @@ def test_three_parallel_imports_of_one_file(tmp_path, location):
     outs = [p.communicate(timeout=90) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in outs]
     assert all("Traceback" not in err for _, err in outs)
-    assert sorted(json.loads(out)["added"] for out, _ in outs) == [0, 0, 3]
-    assert sorted(json.loads(out)["skipped"] for out, _ in outs) == [0, 3, 3]
+    # each entry goes in once, in a short transaction of its own (imports may interleave)
+    counts = [json.loads(out) for out, _ in outs]
+    assert sum(c["added"] for c in counts) == 3 and all(c["added"] + c["skipped"] == 3 for c in counts)
     with MaskBank.open(location) as dst:
         assert sorted(r["id"] for r in dst.entries()) == sorted(ids)
         assert dst.verify()["ok"] == 3

@@ -326,6 +326,12 @@ class PostgresBank(BankStorage):
     def stage_blob(self, data: bytes, sha: str) -> None:
         """Nothing to do before an import's transaction: the blob goes in with its row."""
 
+    _import_transaction_s, _import_pause_s = 0.0, 0.0  # waiters of an advisory lock are queued
+
+    def _import_reader(self, row: dict, read_data):
+        data = read_data()  # read and digest-checked before the advisory lock is taken
+        return lambda: data
+
     def _import_row(self, row: dict, read_data) -> None:
         self._put_blob(read_data(), row["blob_sha256"])
         self._insert(row)
