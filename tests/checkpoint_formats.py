@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
 
@@ -63,3 +64,20 @@ def wan22_i2v_state(state: dict) -> dict:
     """A Wan 2.1 I2V state dict made Wan 2.2 I2V-shaped: the CLIP-image projector and ``k_img``/``v_img`` go."""
     return {k: v for k, v in state.items()
             if not k.startswith("img_emb.") and not re.search(r"\.(k_img|v_img|norm_k_img)\.", k)}
+
+
+def write_wan22_template_files(models_dir, models: dict, loras: dict, seeds: dict) -> None:
+    """Tiny stand-ins for the official Wan 2.2 14B I2V template's files: per expert an fp8_scaled Wan 2.2
+    I2V-shaped model in ``diffusion_models`` and a LightX2V-layout LoRA in ``loras``, under the template's
+    own file names. Needs ComfyUI importable (the model is ComfyUI's own WanModel)."""
+    from safetensors.torch import save_file
+
+    from chorus_core.testbed.tiny_wan import TinyWanConfig, build_tiny_wan_i2v
+
+    for folder in ("diffusion_models", "loras"):
+        (Path(models_dir) / folder).mkdir(parents=True, exist_ok=True)
+    for expert, seed in seeds.items():
+        model = build_tiny_wan_i2v(TinyWanConfig(seed=seed))
+        state = wan22_i2v_state({k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()})
+        save_file(fp8_scaled_state(state), str(Path(models_dir) / "diffusion_models" / models[expert]))
+        save_file(lightx2v_lora_state(state, seed=seed + 100), str(Path(models_dir) / "loras" / loras[expert]))

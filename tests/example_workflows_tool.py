@@ -135,6 +135,119 @@ def wan21_i2v_chorus_step_distilled(resolution: str = "480p") -> dict:
     return prompt
 
 
+# ComfyUI's official templates (comfyui-workflow-templates on PyPI), as users start from them: the same
+# node ids, models, LoRAs, samplers, sizes and prompts; Chorus adds its nodes with ids from 200 and
+# changes only the sampler's model input. Wan 2.2 14B I2V: video_wan2_2_14B_i2v.json, its 4-step
+# LightX2V path (two fp8_scaled experts, steps 0-2 on the high-noise one, 2-4 on the low-noise one).
+WAN22_MODELS = {"high": "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors",
+                "low": "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors"}
+WAN22_LORAS = {"high": "wan2.2_i2v_lightx2v_4steps_lora_v1_high_noise.safetensors",
+               "low": "wan2.2_i2v_lightx2v_4steps_lora_v1_low_noise.safetensors"}
+TEMPLATE_PROMPT = ("The white dragon warrior stands still, eyes full of determination and strength. The camera "
+                   "slowly moves closer or circles around the warrior, highlighting the powerful presence and "
+                   "heroic spirit of the character.")
+TEMPLATE_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，"
+                     "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，"
+                     "形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
+# expert -> (UNETLoader, LoraLoaderModelOnly, ModelSamplingSD3, KSamplerAdvanced) ids in the template
+WAN22_EXPERT_NODES = {"high": ("95", "101", "104", "86"), "low": ("96", "102", "103", "85")}
+
+
+def wan22_i2v_14b_template() -> dict:
+    """The official Wan 2.2 14B I2V template's live graph, as ComfyUI queues it."""
+    prompt = {
+        "84": {"class_type": "CLIPLoader", "inputs": {"clip_name": TEXT_ENCODER, "type": "wan", "device": "default"}},
+        "90": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
+        "97": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+        "93": {"class_type": "CLIPTextEncode", "inputs": {"text": TEMPLATE_PROMPT, "clip": ["84", 0]}},
+        "89": {"class_type": "CLIPTextEncode", "inputs": {"text": TEMPLATE_NEGATIVE, "clip": ["84", 0]}},
+        "98": {"class_type": "WanImageToVideo", "inputs": {
+            "positive": ["93", 0], "negative": ["89", 0], "vae": ["90", 0], "start_image": ["97", 0],
+            "width": 640, "height": 640, "length": 81, "batch_size": 1}},
+        "87": {"class_type": "VAEDecode", "inputs": {"samples": ["85", 0], "vae": ["90", 0]}},
+        "94": {"class_type": "CreateVideo", "inputs": {"images": ["87", 0], "fps": 16.0}},
+        "108": {"class_type": "SaveVideo", "inputs": {"video": ["94", 0], "filename_prefix": "video/ComfyUI",
+                                                      "format": "auto", "codec": "auto"}},
+    }
+    stages = {"high": ("enable", 0, 2, "enable", ["98", 2]), "low": ("disable", 2, 4, "disable", ["86", 0])}
+    for expert, (unet, lora, sampling, sampler) in WAN22_EXPERT_NODES.items():
+        add_noise, start, end, leftover, latent = stages[expert]
+        prompt[unet] = {"class_type": "UNETLoader", "inputs": {"unet_name": WAN22_MODELS[expert], "weight_dtype": "default"}}
+        prompt[lora] = {"class_type": "LoraLoaderModelOnly", "inputs": {
+            "model": [unet, 0], "lora_name": WAN22_LORAS[expert], "strength_model": 1.0}}
+        prompt[sampling] = {"class_type": "ModelSamplingSD3", "inputs": {"model": [lora, 0], "shift": 5.0}}
+        prompt[sampler] = {"class_type": "KSamplerAdvanced", "inputs": {
+            "model": [sampling, 0], "add_noise": add_noise, "noise_seed": 42, "steps": 4, "cfg": 1.0,
+            "sampler_name": "euler", "scheduler": "simple", "positive": ["98", 0], "negative": ["98", 1],
+            "latent_image": latent, "start_at_step": start, "end_at_step": end, "return_with_leftover_noise": leftover}}
+    return prompt
+
+
+def wan21_i2v_template() -> dict:
+    """The official Wan 2.1 I2V template (image_to_video_wan.json): fp16 weights, 20 steps, cfg 6, uni_pc."""
+    return {
+        "37": {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL_FILES["480p"], "weight_dtype": "default"}},
+        "38": {"class_type": "CLIPLoader", "inputs": {"clip_name": TEXT_ENCODER, "type": "wan", "device": "default"}},
+        "39": {"class_type": "VAELoader", "inputs": {"vae_name": VAE}},
+        "49": {"class_type": "CLIPVisionLoader", "inputs": {"clip_name": CLIP_VISION}},
+        "52": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cute anime girl with massive fennec ears and a big "
+                                                         "fluffy tail wearing a maid outfit turning around",
+                                                         "clip": ["38", 0]}},
+        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": TEMPLATE_NEGATIVE, "clip": ["38", 0]}},
+        "51": {"class_type": "CLIPVisionEncode", "inputs": {"clip_vision": ["49", 0], "image": ["52", 0], "crop": "none"}},
+        "50": {"class_type": "WanImageToVideo", "inputs": {
+            "positive": ["6", 0], "negative": ["7", 0], "vae": ["39", 0], "clip_vision_output": ["51", 0],
+            "start_image": ["52", 0], "width": 512, "height": 512, "length": 33, "batch_size": 1}},
+        "54": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["37", 0], "shift": 8.0}},
+        "3": {"class_type": "KSampler", "inputs": {
+            "model": ["54", 0], "seed": 42, "steps": 20, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple",
+            "positive": ["50", 0], "negative": ["50", 1], "latent_image": ["50", 2], "denoise": 1.0}},
+        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["39", 0]}},
+        "55": {"class_type": "CreateVideo", "inputs": {"images": ["8", 0], "fps": 16.0}},
+        "56": {"class_type": "SaveVideo", "inputs": {"video": ["55", 0], "filename_prefix": "video/ComfyUI",
+                                                     "format": "auto", "codec": "auto"}},
+    }
+
+
+CHORUS_BANK_ID = "200"
+
+
+def insert_chorus(prompt: dict, sampler: str, bank_name: str, tag: str, first_id: int) -> dict:
+    """Chorus in front of one sampler, as the README recommends: a Similarity Match on the model the sampler
+    runs and Chorus Sparse Attention between that model and the sampler; one Mask Bank Loader per graph."""
+    inputs = prompt[sampler]["inputs"]
+    model = inputs["model"]
+    conditioning = next(node for node, spec in prompt.items() if spec["class_type"] == "WanImageToVideo")
+    clip = prompt[conditioning]["inputs"].get("clip_vision_output")
+    prompt.setdefault(CHORUS_BANK_ID, {"class_type": "ChorusMaskBankLoader", "inputs": {
+        "bank": "(create new bank)", "new_bank_name": bank_name, "read_only": False}})
+    match, patch = str(first_id), str(first_id + 1)
+    prompt[match] = {"class_type": "ChorusSimilarityMatch", "inputs": {
+        "mask_bank": [CHORUS_BANK_ID, 0], "model": model, **({"clip_vision_output": clip} if clip else {}),
+        "positive": [conditioning, 0], "latent": [conditioning, 2], "threshold": 0.9, "clip_weight": 0.5,
+        "text_weight": 0.3, "layout_weight": 0.2, "block_size": 128}}
+    prompt[patch] = {"class_type": "ChorusSparseAttention", "inputs": {
+        "model": model, "match": [match, 0], "dense_warmup_steps": 1, "dense_layers": "", "miss_mode": "prior",
+        "top_p": 0.9, "min_density": 0.05, "max_density": 0.5, "record_on_miss": True, "tag": tag,
+        "dense_attention": "auto", "hit_warmup_steps": 0, "dense_last_steps": 0}}
+    inputs["model"] = [patch, 0]
+    return prompt
+
+
+def wan22_i2v_14b_template_chorus() -> dict:
+    """The official Wan 2.2 14B I2V template with Chorus on each expert (each records and hits its own entries)."""
+    prompt = wan22_i2v_14b_template()
+    for index, (expert, (*_, sampler)) in enumerate(WAN22_EXPERT_NODES.items()):
+        insert_chorus(prompt, sampler, "wan22_i2v_14b", f"my_effect_template_{expert}_noise", 201 + 2 * index)
+    return prompt
+
+
+def wan21_i2v_template_chorus() -> dict:
+    """The official Wan 2.1 I2V template with Chorus in front of its KSampler."""
+    return insert_chorus(wan21_i2v_template(), "3", "wan21_i2v_480p", "my_effect_template", 201)
+
+
 TESTBED_MODEL = "chorus_testbed_wan21_i2v.safetensors"  # tests/testbed/, 16 MB, in the repository
 
 
@@ -167,6 +280,8 @@ WORKFLOWS["chorus_wan21_i2v_480p_guidance_feature_reuse"] = lambda: wan21_i2v_ch
 WORKFLOWS["chorus_wan21_i2v_480p_sampler_custom_advanced"] = wan21_i2v_chorus_model_patch
 WORKFLOWS["chorus_wan21_i2v_480p_step_distilled"] = wan21_i2v_chorus_step_distilled
 WORKFLOWS["chorus_testbed_check_install"] = testbed_check_install
+WORKFLOWS["chorus_official_wan22_i2v_14b"] = wan22_i2v_14b_template_chorus
+WORKFLOWS["chorus_official_wan21_i2v"] = wan21_i2v_template_chorus
 
 _WAN_FILES = ("Needs the Wan 2.1 files of ComfyUI's own templates: {model} (diffusion_models), "
               f"{TEXT_ENCODER} (text_encoders), {CLIP_VISION} (clip_vision), {VAE} (vae).")
@@ -195,6 +310,16 @@ TEMPLATES = {
         "ModelSamplingSD3, then Chorus Sparse Attention before a plain KSampler at 4 steps and cfg 1. A hit runs "
         "sparse from the first step (hit_warmup_steps 0); a miss keeps one dense step to record from. Similarity "
         "Match gets the same LoRA'd model the sampler runs: an entry belongs to the model that recorded it. "
+        + _WAN_FILES.format(model=MODEL_FILES["480p"]))),
+    "chorus_official_wan22_i2v_14b": ("Chorus in ComfyUI's Wan 2.2 14B I2V template", (
+        "ComfyUI's own Wan 2.2 14B image-to-video template (two fp8_scaled experts, the LightX2V 4-step LoRAs, "
+        "4 steps at cfg 1, 640x640x81) with Chorus on each expert: one Mask Bank Loader, and per expert a Similarity "
+        "Match on the model its KSamplerAdvanced runs and Chorus Sparse Attention in front of it. Each expert "
+        "records and hits entries of its own. Needs the template's files: " + ", ".join(WAN22_MODELS.values())
+        + " (diffusion_models), " + ", ".join(WAN22_LORAS.values()) + f" (loras), {TEXT_ENCODER}, {VAE}.")),
+    "chorus_official_wan21_i2v": ("Chorus in ComfyUI's Wan 2.1 I2V template", (
+        "ComfyUI's own Wan 2.1 image-to-video template (fp16 weights, 20 steps at cfg 6, uni_pc, 512x512x33) with "
+        "Chorus in front of its KSampler: Mask Bank Loader, Similarity Match and Chorus Sparse Attention. "
         + _WAN_FILES.format(model=MODEL_FILES["480p"]))),
     "chorus_testbed_check_install": ("Chorus: check an install on the testbed model", (
         "Runs in seconds on a CPU, with no download: copy tests/testbed/" + TESTBED_MODEL + " from this pack into "

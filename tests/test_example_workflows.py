@@ -41,7 +41,20 @@ def test_ui_file_is_derived_from_its_api_twin(name, object_info):
     api = json.loads((EXAMPLES / "api" / f"{name}_api.json").read_text())
     assert api == WORKFLOWS[name]()
     ui = json.loads((EXAMPLES / f"{name}.json").read_text())
-    assert ui == api_to_ui(api, object_info, sizes_of(ui), TEMPLATES[name])
+    assert ui == without_outputs_added_since(api_to_ui(api, object_info, sizes_of(ui), TEMPLATES[name]), ui)
+
+
+def without_outputs_added_since(derived: dict, committed: dict) -> dict:
+    """``derived`` less the unlinked outputs a newer ComfyUI appended to a node (0.19.3's PreviewAny has a
+    STRING output that 0.3.64's, which the files are derived with, lacks); the frontend adds those itself
+    when it loads the file, and every widget and link stays where it was."""
+    kept = {node["id"]: len(node["outputs"]) for node in committed["nodes"]}
+    nodes = []
+    for node in derived["nodes"]:
+        extra = node["outputs"][kept.get(node["id"], len(node["outputs"])):]
+        assert all(not output["links"] for output in extra), (node["type"], extra)
+        nodes.append({**node, "outputs": node["outputs"][:len(node["outputs"]) - len(extra)]})
+    return {**derived, "nodes": nodes}
 
 
 def _rectangles(ui):
@@ -59,7 +72,7 @@ def test_no_two_nodes_overlap_and_outputs_sit_beside_the_sampler(name, object_in
     assert overlapping == []
     sampler = next(node["id"] for node in ui["nodes"] if node["type"] in SAMPLER_TYPES)
     outputs = [node["id"] for node in ui["nodes"] if object_info.get(node["type"], {}).get("output_node")]
-    assert len(outputs) >= 2
+    assert outputs  # the official templates have SaveVideo alone; the others a summary preview too
     assert [n for n in outputs if boxes[n][0] < boxes[sampler][2]] == []  # right of the sampler, not on it
 
 
