@@ -35,6 +35,7 @@ from ..bank import validation
 from .population_prior import population_prior
 
 PRIOR_ENTRIES = 8  # most recently used compatible entries that form the prior
+CANDIDATES_PER_MEMBER = 4  # compatible entries looked at per member, to find 8 of one bucket split
 PRIORS_DIR = "priors"
 PRIOR_NAME = re.compile(r"[0-9a-f]{16}-[0-9a-f]{24}\.safetensors")  # f"{prior_key(...)}.safetensors"
 # getattr: Windows lacks these flags, and a missing one must not stop the pack from importing (the
@@ -126,24 +127,48 @@ def build_prior(bank, fingerprint, layout, min_density, max_density):
 
     :return: (tensors, metadata) in the entry codec, or None when no entry is compatible
     """
-    ids = bank.compatible_entries(fingerprint, layout, limit=PRIOR_ENTRIES)
-    entries = [bank.load_masks(entry_id, record_hit=False) for entry_id in ids]
+    ids = same_buckets(bank, bank.compatible_entries(fingerprint, layout, limit=PRIOR_ENTRIES * CANDIDATES_PER_MEMBER))
+    entries = [bank.load_masks(entry_id, record_hit=False) for entry_id in ids[:PRIOR_ENTRIES]]
     if not entries:
         return None
     buckets, layers = len(entries[0].step_buckets), entries[0].shape[1]
     maps = np.zeros((buckets, *entries[0].shape[1:]), dtype=bool)
     for bucket in range(buckets):
         for layer in range(layers):
-            members = [e.block_map(min(bucket, len(e.step_buckets) - 1), layer) for e in entries]
+            members = [e.block_map(bucket, layer) for e in entries]  # one noise level: same bucket split
             density = sum(m.float().mean().item() for m in members) / len(members)
             density = min(max(density, min_density), max_density)
             maps[bucket, layer] = population_prior(members, density).numpy()
     tensors, meta = encode_masks(maps)
     # Members may come from runs of other step counts: the prior is addressed by step, not sigma.
     schedule = replace(entries[0].schedule, sigmas=None)
-    meta.update(prior_of=json.dumps(ids), schedule=json.dumps(schedule.to_dict()),
+    meta.update(prior_of=json.dumps([e.entry_id for e in entries]), schedule=json.dumps(schedule.to_dict()),
                 layout=json.dumps(entries[0].layout.to_dict()))
     return tensors, meta
+
+
+SPLIT_TOLERANCE = 0.15  # the default 25 / 35 / 40 % split starts its last bucket at 50 % of 4 steps, 62.5 % of 8
+
+
+def bucket_split(schedule: Schedule) -> tuple:
+    """Where a schedule's step buckets start, as shares of its steps."""
+    return tuple(start / schedule.steps for start, _ in schedule.step_buckets)
+
+
+def same_split(a: tuple, b: tuple) -> bool:
+    """Whether two bucket splits cover about the same noise levels, bucket by bucket."""
+    return len(a) == len(b) and all(abs(x - y) <= SPLIT_TOLERANCE for x, y in zip(a, b))
+
+
+def same_buckets(bank, ids: list[str]) -> list[str]:
+    """The ids (most recently used first) whose step buckets split their schedule as the first's
+    does: each bucket of the prior mixes one noise level only (row reads, no blob)."""
+    splits = {}
+    for entry_id in ids:
+        with contextlib.suppress(Exception):  # an unreadable row: left out (a hit on it quarantines it)
+            splits[entry_id] = bucket_split(bank.entry_schedule(entry_id))
+    kept = [i for i in ids if i in splits]
+    return [i for i in kept if same_split(splits[i], splits[kept[0]])] if kept else []
 
 
 def _write(folder: int, name: str, tensors: dict, meta: dict) -> None:
