@@ -240,16 +240,32 @@ def make_request(latent_thw, seed=0):
     return e2e.make_request(latent_thw, seed)
 
 
+def comfy_nodes():
+    """ComfyUI's ``nodes`` module: this pack's own ``nodes/`` package has the same top-level name, and
+    whichever folder is first on sys.path wins (test modules put the repository there)."""
+    import importlib
+
+    import folder_paths  # ComfyUI's: prepare_in_process put its folder on sys.path
+
+    root = str(Path(folder_paths.__file__).resolve().parent)
+    if root in sys.path:
+        sys.path.remove(root)
+    sys.path.insert(0, root)
+    found = sys.modules.get("nodes")
+    if found is not None and not str(getattr(found, "__file__", "")).startswith(root):
+        del sys.modules["nodes"]
+    return importlib.import_module("nodes")
+
+
 @torch.inference_mode()
 def load_model(folder: Path, files: dict, weights: str):
     """UNETLoader (the node's own code) then ModelSamplingSD3 shift 5, as the official template."""
     import folder_paths
-    import nodes
     from comfy_extras.nodes_model_advanced import ModelSamplingSD3
 
     folder_paths.add_model_folder_path("diffusion_models", str(folder))
     fmt, weight_dtype = WEIGHTS[weights]
-    (model,) = nodes.UNETLoader().load_unet(files[fmt], weight_dtype)
+    (model,) = comfy_nodes().UNETLoader().load_unet(files[fmt], weight_dtype)
     patched = ModelSamplingSD3().patch(model, SHIFT)
     patched = patched[0] if isinstance(patched, tuple) else patched.result[0]
     return patched
@@ -441,6 +457,20 @@ def run_row(ctx, doc, spec: str, save) -> None:
     save()
 
 
+def row_estimate_s(ctx, doc, spec: str) -> float:
+    """A row's seconds before it starts: a load unless its model is loaded, a compile when compiled
+    (the first of the process compiles longest), and two generations as long as the longest seen."""
+    weights, arm, is_compiled = parse_row(spec)
+    seen = [r["seconds"] for r in doc["rows"] if r["weights"] == weights and r["arm"] == arm] or \
+        [r["seconds"] for r in doc["rows"]] or [40.0]
+    load = 0.0 if ctx["model_name"] == weights else 60.0
+    compile_s = 0.0
+    if is_compiled:
+        earlier = [r["compile_s"] for r in doc["rows"] if r.get("compile_s")]
+        compile_s = 1.2 * max(earlier) if earlier else 240.0
+    return load + compile_s + (2 if is_compiled else 1) * 1.3 * max(seen) + (20.0 if arm == "miss" else 0.0)
+
+
 def ctx_model(ctx, doc, weights: str):
     """The row's model, loaded once; the previous one is dropped first (one 14B model on the GPU at a time)."""
     if ctx["model_name"] == weights:
@@ -577,6 +607,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--build-only", action="store_true", help="write the two checkpoint files and stop (no ComfyUI)")
     p.add_argument("--budget-s", type=float, default=520.0, help="start no row after this many seconds")
+    p.add_argument("--call-limit-s", type=float, default=None,
+                   help="seconds this process may still run (the device call's limit less what ran before it): a "
+                        "row whose estimate (load, compile, two generations) would end past it is not started")
     p.add_argument("--tag", default="", help="suffix of the results file names (one file per device call)")
     p.add_argument("--git-commit", default=None)
     p.add_argument("--command", default=None)
@@ -623,8 +656,13 @@ def main(argv=None):
     save = lambda: write_results(out_dir, name, doc)  # noqa: E731
     try:
         for spec_row in [s for s in args.rows.split(",") if s]:
-            if time.perf_counter() - T0 > args.budget_s:
-                doc["details"]["notes"].append(f"{spec_row}: not started, time budget ({args.budget_s:.0f} s)")
+            late = time.perf_counter() - T0 > args.budget_s
+            estimate = row_estimate_s(ctx, doc, spec_row)
+            if late or (args.call_limit_s and time.perf_counter() - T0 + estimate > args.call_limit_s):
+                why = f"time budget ({args.budget_s:.0f} s)" if late else \
+                    f"its estimate {estimate:.0f} s would end past --call-limit-s {args.call_limit_s:.0f}"
+                doc["details"]["notes"].append(f"{spec_row}: not started, {why}")
+                log(f"{spec_row}: not started, {why}")
                 save()
                 continue
             try:

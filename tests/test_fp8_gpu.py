@@ -1,0 +1,164 @@
+"""Chorus Sparse Attention on fp8 Wan models on the GPU: a miss records, the same request hits, eager and compiled.
+
+Runs with CHORUS_TEST_GPU=1 on a CUDA machine, in a pytest process of its own (ComfyUI is loaded
+for the GPU here, not with ``--cpu`` as the rest of the suite loads it)::
+
+    CHORUS_TEST_GPU=1 python -m pytest tests/test_fp8_gpu.py
+
+The two ways users run Wan 14B in fp8 (issue 50, item 1): an ``fp8_scaled`` file (Comfy-Org's layout,
+what the official Wan 2.2 I2V template loads; written by ``checkpoint_formats.fp8_scaled_state``)
+loaded at ``default``, and a bf16 file loaded with UNETLoader's ``fp8_e4m3fn_fast`` (fp8 weights and
+fp8 matrix products). Each is loaded by ComfyUI's own UNETLoader from a small Wan 2.1 I2V model at
+head_dim 128 (dim 1024, 8 heads, 2 blocks, random weights), then sampled at 4 euler steps, cfg 1, on
+a 5 x 33 x 64 latent (2,720 tokens) through Chorus Sparse Attention (``ReusePatch.install()``, the
+MODEL-patch node's code) after Similarity Match: eager, a miss on an empty bank records an entry and
+the same request then hits it; compiled (ComfyUI's TorchCompileModel node, inductor), the same on a
+bank of its own. The 40-block runs at Wan 14B shapes are tests/benchmarks/bench_user_stack.py's.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+GPU = os.environ.get("CHORUS_TEST_GPU") == "1" and torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not GPU, reason="set CHORUS_TEST_GPU=1 on a CUDA machine")
+LATENT = (5, 33, 64)
+STEPS = 4
+DENSITY = 0.3
+# (file, UNETLoader weight_dtype)
+LOADS = [("fp8_scaled", "default"), ("bf16", "fp8_e4m3fn_fast")]
+
+
+@pytest.fixture(scope="module")
+def comfy_gpu():
+    import bench_end_to_end  # noqa: F401  (puts the repository on sys.path before ComfyUI's folder goes in front)
+    from chorus_core.comfy.comfyui_locator import prepare_in_process
+
+    prepare_in_process(cpu=False)
+    import comfy.model_management  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def model_files(comfy_gpu, tmp_path_factory):
+    import bench_end_to_end as e2e
+    import folder_paths
+    from safetensors.torch import save_file
+
+    from checkpoint_formats import fp8_scaled_state
+
+    model, _ = e2e.build_model(1024, 2048, 2, "cuda", torch.bfloat16)
+    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.diffusion_model.state_dict().items()}
+    del model
+    torch.cuda.empty_cache()
+    folder = tmp_path_factory.mktemp("fp8_gpu")
+    save_file(state, str(folder / "bf16.safetensors"))
+    save_file(fp8_scaled_state(state), str(folder / "fp8_scaled.safetensors"))
+    folder_paths.add_model_folder_path("diffusion_models", str(folder))
+    return folder
+
+
+@torch.inference_mode()
+def load(file_format, weight_dtype):
+    import bench_user_stack as us
+
+    (model,) = us.comfy_nodes().UNETLoader().load_unet(f"{file_format}.safetensors", weight_dtype)
+    return model
+
+
+def rel_rms(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+def sample(model, req):
+    import comfy.sample
+
+    positive, negative, latent, _ = req
+    noise = comfy.sample.prepare_noise(latent, 0)
+    with torch.inference_mode():
+        return comfy.sample.sample(model, noise, STEPS, 1.0, "euler", "simple", positive, negative, latent,
+                                   disable_pbar=True, seed=0).float()
+
+
+def chorus_run(model, bank, req, compile_it: bool):
+    """Similarity Match, the node's install, (TorchCompileModel), one sampling: (output, report)."""
+    import bench_user_stack as us
+
+    from chorus_core.reuse import bank_writer
+    from chorus_core.reuse.reuse_match import build_match_request, match_request
+    from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
+
+    positive, _, latent, clip = req
+    with torch.inference_mode():
+        request = build_match_request(model, clip, positive, {"samples": latent}, None, 0.9, {}, 128)
+        patch = ReusePatch(model, match_request(bank, request),
+                           ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=0, min_density=DENSITY,
+                                        max_density=DENSITY, miss_mode="online"),
+                           scheduler="simple", sampler="euler")
+        patched = patch.install()
+    out = sample(us.compiled(patched) if compile_it else patched, req)
+    assert bank_writer.flush_all(timeout=120)
+    return out, patch.last_report
+
+
+def check_fp8(model, weight_dtype):
+    layer = model.model.diffusion_model.blocks[0].self_attn.q
+    weight = layer.weight
+    if weight_dtype == "default":  # fp8_scaled: comfy-kitchen's QuantizedTensor over fp8 data (0.19.3)
+        data = getattr(weight, "_qdata", weight)
+        assert data.dtype == torch.float8_e4m3fn, (type(weight), data.dtype)
+    else:  # fp8_e4m3fn_fast: fp8 weights and ComfyUI's fp8 matrix-product ops
+        assert weight.dtype == torch.float8_e4m3fn
+        assert "fp8_ops" in type(layer).__qualname__, type(layer).__qualname__
+
+
+@pytest.mark.parametrize("file_format, weight_dtype", LOADS, ids=[f"{f}-{d}" for f, d in LOADS])
+def test_a_miss_records_and_the_same_request_hits_on_an_fp8_model_eager_and_compiled(model_files, tmp_path,
+                                                                                     file_format, weight_dtype):
+    import bench_end_to_end as e2e
+    import bench_user_stack as us
+    from torch._dynamo.utils import counters
+
+    from chorus_core.bank import MaskBank
+
+    model = load(file_format, weight_dtype)
+    check_fp8(model, weight_dtype)
+    req = e2e.make_request(LATENT)
+    dense = sample(model, req)
+    assert torch.isfinite(dense).all()
+
+    banks = {how: MaskBank.open(tmp_path / f"bank_{how}") for how in ("eager", "compiled")}
+    try:
+        hits = {}
+        for how in ("eager", "compiled"):
+            torch._dynamo.reset()
+            counters.clear()
+            miss, miss_report = chorus_run(model, banks[how], req, how == "compiled")
+            hit, hit_report = chorus_run(model, banks[how], req, how == "compiled")
+            assert (miss_report.mode, miss_report.recording) == ("miss", "queued"), (how, miss_report.warnings)
+            assert miss_report.recorded_entry_id
+            assert (hit_report.mode, hit_report.entry_id) == ("hit", miss_report.recorded_entry_id), \
+                (how, hit_report.warnings)
+            assert hit_report.backend.split(" ")[0] in ("triton", "fa4"), hit_report.backend  # the GPU kernels
+            assert not hit_report.dense_steps  # a hit runs every step sparse
+            assert torch.isfinite(miss).all() and torch.isfinite(hit).all()
+            if how == "compiled":
+                assert counters["stats"]["unique_graphs"] > 0  # TorchCompileModel compiled the fp8 model
+            hits[how] = hit
+        # the eager entry served compiled: the same masks, so the outputs differ by compiling alone
+        same_entry, report = chorus_run(model, banks["eager"], req, True)
+        assert report.mode == "hit"
+    finally:
+        for bank in banks.values():
+            bank.close()
+    torch._dynamo.reset()
+    compiled_dense = sample(us.compiled(model), req)
+    control = rel_rms(compiled_dense, dense)  # how far compiling moves the dense fp8 model
+    assert rel_rms(same_entry, hits["eager"]) <= 2.0 * control + 0.02, (rel_rms(same_entry, hits["eager"]), control)
