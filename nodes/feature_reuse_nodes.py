@@ -21,8 +21,8 @@ class ChorusFeatureReuse(io.ComfyNode):
             description="Experimental. Runs the smoothest regions of the video (picked from the start frame) at reduced token "
                         "resolution inside the Wan blocks: each cell of tokens is pooled into one, processed with "
                         "the rest, and its update spread back over the cell. Works with Chorus sparse attention "
-                        "(the masks follow the reduced layout). Off (strength 0) by default: it trades quality "
-                        "for speed; see the README's feature-reuse table.",
+                        "(the masks follow the reduced layout). Off (strength 0) by default: it costs quality, and "
+                        "at Wan 14B width it made a hit slower, not faster (docs/quality.md, Defaults).",
             inputs=[
                 io.Model.Input("model", tooltip="A Wan 2.1 model (I2V or T2V). Other models are refused."),
                 io.Conditioning.Input("positive", tooltip="From WanImageToVideo: carries the start image the regions are picked from."),

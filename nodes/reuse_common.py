@@ -87,7 +87,7 @@ def reuse_option_inputs() -> list:
         io.Int.Input("dense_last_steps", default=0, min=0, max=10000, optional=True,
                      tooltip="Last steps run dense on every run. 0: none (the fastest). 1 on a 4-step run: one "
                              "dense step in four, about 34% more time at 720p, and on the testbed about 11 dB closer "
-                             "to the dense output (README, Defaults)."),
+                             "to the dense output (docs/quality.md, Defaults)."),
     ]
 
 

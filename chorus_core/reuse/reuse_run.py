@@ -36,11 +36,11 @@ MISS_MODES = ("online", "prior", "dense")
 
 @dataclass(frozen=True)
 class ReuseOptions:
-    """What the sampler does with a match. Defaults: see the README's "Defaults" section."""
+    """What the sampler does with a match. Defaults: see docs/quality.md, "Defaults, and what supports them"."""
 
     dense_warmup_steps: int = 1
     dense_layers: tuple[int, ...] = ()
-    # the bank's population prior beat online prediction on every testbed table (README, "Defaults")
+    # the bank's population prior beat online prediction on every testbed table (docs/quality.md, Defaults)
     # and costs one decode instead of a prediction per step; online when the bank has no prior
     miss_mode: str = "prior"
     top_p: float = 0.9
@@ -52,7 +52,7 @@ class ReuseOptions:
     # A hit's entry holds every step's masks, recorded from dense attention, so a hit needs no dense
     # warm-up: it runs sparse from the first step (what step-distilled 4-step runs gain most from).
     hit_warmup_steps: int = 0
-    dense_last_steps: int = 0  # last steps dense on every run; 0 keeps a hit's speed (1: README, Defaults)
+    dense_last_steps: int = 0  # last steps dense on every run; 0 keeps a hit's speed (1: docs/quality.md, Defaults)
     model_files: tuple[str, ...] = ()  # files the model was loaded from, where known (a spooled recording
     # whose files are all gone is dropped at replay)
 
