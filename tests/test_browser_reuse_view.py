@@ -21,6 +21,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from example_workflows_tool import WORKFLOWS, api_to_ui
+from test_official_templates import chorus_patch_of, runnable_wan22_template, template_server  # noqa: F401 (fixture)
 from workflows import TINY_MODEL_NAME, chorus_i2v_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
@@ -324,3 +325,57 @@ def test_the_page_lists_a_chorus_validation_problem_once(page, change, node, inp
     """, prompt)
     assert list(errors) == [node], errors
     assert [e["extra_info"]["input_name"] for e in errors[node]["errors"]] == inputs
+
+
+def test_the_official_wan22_template_shows_both_experts_runs(template_server, artifacts_dir):
+    """ComfyUI's Wan 2.2 14B I2V template with Chorus on each expert (tiny fp8_scaled stand-ins), queued
+    from the page twice: each expert's Chorus Sparse Attention node shows its own miss, then its own hit."""
+    _set_setting(template_server, "Comfy.TutorialCompleted", True)
+    prompt = runnable_wan22_template(template="pan", subject=7, layout=2, seed=9, bank="browser_official")
+    experts = {expert: chorus_patch_of(prompt, expert) for expert in ("high", "low")}
+    driver = _chromium()
+    try:
+        driver.get(template_server.url + "/")
+        _wait_for(driver, f"return !!{APP}?.graph && !!window.chorusReuseReports && "
+                          "!!window.LiteGraph?.registered_node_types?.KSampler", 120)
+        _load(driver, api_to_ui(prompt, template_server.get_json("/object_info")))
+        misses = _queue_and_wait_for(driver, template_server, list(experts.values()))
+        hits = _queue_and_wait_for(driver, template_server, list(experts.values()))
+        for expert, node in experts.items():
+            miss, hit = misses[node], hits[node]
+            assert miss["mode"] == "miss" and hit["mode"] == "hit" and hit["entry_id"] == miss["recorded_entry_id"]
+            view = _shown_view_of(driver, node)
+            assert (view["kind"], view["badge"]) == ("hit", "HIT"), expert
+            assert view["entry"] == f"entry {hit['entry_id'][:12]}… · similarity {hit['similarity']:.3f}"
+        assert misses[experts["high"]]["recorded_entry_id"] != misses[experts["low"]]["recorded_entry_id"]
+        driver.save_screenshot(str(artifacts_dir / "browser_official_wan22_template.png"))
+    finally:
+        driver.quit()
+
+
+def _queue_and_wait_for(driver, server, nodes):
+    """Queue the page's graph; each listed Chorus node's report once the page has shown its last step."""
+    before = set(server.get_json("/history"))
+    driver.execute_script("arguments[0].forEach(n => window.chorusReuseReports.delete(n)); "
+                          f"{APP}.queuePrompt(0, 1)", nodes)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        for prompt_id, record in server.get_json("/history").items():
+            if prompt_id not in before and record.get("status", {}).get("completed"):
+                for node in nodes:
+                    _wait_for(driver, f"const r = window.chorusReuseReports.get('{node}'); "
+                                      "return !!r && r.step === r.steps && r.mask_source !== undefined", 30)
+                return {node: driver.execute_script(f"return window.chorusReuseReports.get('{node}')")
+                        for node in nodes}
+            if prompt_id not in before and record.get("status", {}).get("status_str") == "error":
+                raise AssertionError(f"the page's prompt failed: {record['status']}")
+        time.sleep(0.5)
+    raise TimeoutError("the page's prompt did not finish")
+
+
+def _shown_view_of(driver, node):
+    return driver.execute_script(f"""
+        const view = ({APP}.graph.getNodeById({node}) ?? {APP}.graph.getNodeById('{node}')).chorusView;
+        const text = (sel) => view.querySelector(sel).textContent;
+        return {{kind: view.dataset.kind, badge: text('.chorus-badge'), entry: text('.chorus-entry')}};
+    """)
