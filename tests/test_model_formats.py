@@ -121,3 +121,20 @@ def test_an_fp8_load_of_a_bf16_file_has_entries_of_its_own(model_files, bank):
     assert fingerprint_patcher(as_bf16) == fingerprint_patcher(load("fp16"))  # bf16 and fp16 files of one model
     assert fingerprint_patcher(as_fp8) != fingerprint_patcher(as_bf16)
     assert fingerprint_patcher(load("bf16", "fp8_e4m3fn_fast")) == fingerprint_patcher(as_fp8)
+
+
+@pytest.mark.parametrize("file_format", ["bf16", "fp8_scaled"])
+def test_a_lora_left_unmerged_keeps_the_key(model_files, file_format):
+    """A low-VRAM load applies the LoRA on the fly (a LowVramPatch per weight), as dynamic VRAM does on a
+    GPU: the weights stay as loaded, and the model is the same one as with the LoRA merged in."""
+    from chorus_core.reuse.model_identity import fingerprint_patcher
+
+    model = load(file_format, lora_strength=LORA_STRENGTH)
+    key = fingerprint_patcher(model)
+    with torch.inference_mode():
+        model.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)  # 1 byte: all low-VRAM
+    try:
+        assert model.model.model_lowvram is True and model.backup == {}
+        assert fingerprint_patcher(model) == key
+    finally:
+        model.unpatch_model(device_to=torch.device("cpu"))
