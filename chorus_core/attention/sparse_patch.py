@@ -230,7 +230,8 @@ def _make_apply_model_wrapper(key: str) -> Callable:
 
     ComfyUI's TorchCompileModel compiles the diffusion model only, so this runs eager in every
     mode. Under compile a kernel failure cannot fall back inside the graph: it raises out of
-    the model call, and the call runs again with the rest of the run dense (one warning).
+    the model call, and the call runs again with the rest of the run dense (one warning); so does
+    an error torch.compile raises while it traces the planned call (:func:`planned_path_failed`).
     """
     run_key, plan_key = sparse_run_key(key), sparse_plan_key(key)
 
@@ -247,7 +248,7 @@ def _make_apply_model_wrapper(key: str) -> Callable:
         try:
             out = executor(x, t, *args, **kwargs)
         except Exception as exc:
-            if not _raised_in_kernels(exc):
+            if not planned_path_failed(exc):
                 raise
             options.pop(plan_key, None)
             run.fail_planned(None, exc)  # a compiled graph replays plan.answered only when it completes
@@ -275,6 +276,27 @@ def _eager_if(observing: bool):
 
 
 _KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+
+
+def planned_path_failed(exc: BaseException) -> bool:
+    """Whether the planned sparse call itself failed, judged by what failed: an error raised in
+    Chorus's kernels, or by torch.compile while it traced or compiled the planned override (then
+    no frame of kernels/ need be on the traceback). Anything else is another node's error."""
+    return _raised_in_kernels(exc) or raised_by_compiler(exc)
+
+
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor")
+
+
+def raised_by_compiler(exc: BaseException) -> bool:
+    """Whether ``exc`` or an exception it was raised from is one of torch.compile's own."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__module__.startswith(_COMPILER_MODULES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _raised_in_kernels(exc: BaseException) -> bool:
