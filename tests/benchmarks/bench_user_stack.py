@@ -25,8 +25,9 @@ UNETLoader (``fp8_scaled`` file at ``default``; the ``bf16`` file at ``fp8_e4m3f
 alone, batch 1) on a 640x640x81 (33,600 tokens) or 1280x720x81 (75,600 tokens) I2V request.
 
 Arms (``role``):
-- ``dense``: the loaded model as is, every self-attention through torch SDPA forced to cuDNN
-  (``attention`` ``cudnn_sdpa``; ComfyUI's own pick on Linux is torch's default SDPA order);
+- ``dense``: the loaded model as is, every attention through torch SDPA with cuDNN first in its
+  priority order (``attention`` ``cudnn_sdpa``; ``details.sdpa_choice`` says what torch picked for
+  the self- and cross-attention shapes; ComfyUI's own pick on Linux is torch's default order);
 - ``miss``: Chorus Sparse Attention (``ReusePatch.install()``, the MODEL-patch node's code) on an
   empty bank for this model: online prediction after one dense step, density clamped to
   ``--density``, the recording written to the bank in the background and waited for (the wait is
@@ -310,6 +311,43 @@ def sync(cuda):
         torch.cuda.synchronize()
 
 
+SDPA_ORDER = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+@contextlib.contextmanager
+def cudnn_first(cuda: bool):
+    """torch SDPA with cuDNN first in its priority order (as ComfyUI sets it on Windows), the others
+    after it for a shape cuDNN refuses; a global setting, so compiled code traces the same choice and
+    nothing in the model is patched (no graph break)."""
+    if not cuda:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([getattr(SDPBackend, n) for n in SDPA_ORDER], set_priority=True):
+        yield
+
+
+def sdpa_choices(cuda: bool, tokens: int) -> dict:
+    """The backend torch picks under ``cudnn_first`` for the model's attention shapes (batch 1)."""
+    if not cuda:
+        return {}
+    from torch.nn.attention import SDPBackend
+
+    out = {}
+    with cudnn_first(cuda):
+        for name, kv in (("self", tokens), ("cross_text", 512), ("cross_image", 257)):
+            q = torch.randn(1, 40, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 40, kv, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            try:
+                out[name] = SDPBackend(torch._fused_sdp_choice(q, k, k)).name
+            except Exception as exc:  # noqa: BLE001
+                out[name] = f"unknown ({type(exc).__name__}: {exc})"
+            del q, k
+    torch.cuda.empty_cache()
+    return out
+
+
 @contextlib.contextmanager
 def timed_model_loads(cuda: bool):
     import comfy.model_management as mm
@@ -368,7 +406,7 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
     sync(cuda)
     graphs_before = graphs_compiled()
     start = time.perf_counter()
-    with timed_model_loads(cuda) as loads, e2e.dense_attention("cudnn", cuda), torch.inference_mode():
+    with timed_model_loads(cuda) as loads, cudnn_first(cuda), torch.inference_mode():
         sampled = model
         if arm != "dense":
             sampled, patch = chorus_patched(ctx, model, arm)
@@ -380,8 +418,7 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
     end = time.perf_counter()
     step_ms = [round((b - a) * 1e3, 1) for a, b in zip([start] + stamps[:-1], stamps)]
     m = dict(seconds=round(end - start, 3), step_ms=step_ms, graphs=graphs_compiled() - graphs_before,
-             model_load_s=round(sum(loads), 3), finite=bool(torch.isfinite(out).all()),
-             cudnn_fallbacks=e2e.FALLBACKS["cudnn"])
+             model_load_s=round(sum(loads), 3), finite=bool(torch.isfinite(out).all()))
     if cuda:
         m["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if patch is not None:
@@ -418,7 +455,7 @@ def parse_row(spec: str) -> tuple[str, str, bool]:
 
 def attention_name(arm: str, m: dict) -> str:
     if arm == "dense":
-        return "cudnn_sdpa" + (f" ({m['cudnn_fallbacks']} calls fell back)" if m.get("cudnn_fallbacks") else "")
+        return "cudnn_sdpa"
     backend = (m.get("backend") or "").split(" ")[0] or "none"
     return f"chorus_block_sparse_bf16 ({backend}; dense steps: cudnn_sdpa)"
 
@@ -650,6 +687,8 @@ def main(argv=None):
                bank=bank, shape=shape, blocks=blocks, weights_dir=weights_dir, files=files, model=None,
                model_name=None, load_s={}, recorded=recorded, session=machine_session(),
                run_id=f"{machine_session()}-{uuid.uuid4().hex[:6]}")
+    doc["details"]["sdpa_choice"] = sdpa_choices(cuda, tokens)
+    log(f"torch SDPA picks, cuDNN first: {doc['details']['sdpa_choice']}")
     doc["details"]["bank_entries_at_start"] = len(bank.entries())  # recorded by an earlier call on this machine
     ctx["recorded"].update(json.loads((Path(args.bank) / "user_stack_recorded.json").read_text())
                            if (Path(args.bank) / "user_stack_recorded.json").exists() else {})
