@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from chorus_core.testbed.attention_entropy import EntropyPenalty, row_entropy, with_entropy_penalty
+from tests.testbed.attention_entropy import EntropyPenalty, row_entropy, with_entropy_penalty
 
 
 def _reference_entropy(q, k, heads, rows):
@@ -66,8 +66,8 @@ def test_the_penalty_leaves_attention_unchanged_and_records_self_attention_calls
 
 @pytest.mark.comfy
 def test_training_with_the_penalty_lowers_attention_entropy_and_two_chunks_equal_one_run(comfy_runtime, tmp_path):
-    from chorus_core.testbed.config import make_config
-    from chorus_core.testbed.train import STATE_NAME, load_state, save_state, train
+    from tests.testbed.config import make_config
+    from tests.testbed.train import STATE_NAME, load_state, save_state, train
 
     base = replace(make_config("tiny_sharp"), log_every=1, max_steps=6, expected_steps=6, warmup_steps=1,
                    lr=3e-3, time_budget_s=600, attn_entropy_queries=16)
@@ -91,8 +91,8 @@ def test_training_with_the_penalty_lowers_attention_entropy_and_two_chunks_equal
 
 def _model_entropy(model, config) -> float:
     """Mean entropy of every self-attention row of one fixed request, under one fixed noise."""
-    from chorus_core.testbed.models import flow_loss, make_batch
-    from chorus_core.testbed.train import training_requests
+    from tests.testbed.models import flow_loss, make_batch
+    from tests.testbed.train import training_requests
 
     batch = make_batch(training_requests(config, config.long_size)[:2])
     penalty = EntropyPenalty(None, queries=10 ** 6, generator=torch.Generator().manual_seed(0))

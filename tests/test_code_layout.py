@@ -1,6 +1,8 @@
-"""The runtime code (nodes/, chorus_core/ outside its testbed, kernels/) keeps the shape the README
-describes: no import circle, no private name imported from another module, no module over 600
-lines, and nothing in it imports the research tooling in chorus_core/testbed."""
+"""The runtime code (nodes/, chorus_core/ outside its testbed, kernels/) keeps the shape
+docs/development.md describes: no import circle, no private name imported from another module, no
+module over 600 lines, and nothing in it imports the testbed. What ships of the testbed is only what
+the demo and the testbed request node need (the workload and the tiny model); the research harness
+lives in tests/testbed/."""
 
 import ast
 from pathlib import Path
@@ -118,6 +120,19 @@ def test_the_runtime_never_imports_the_testbed():
     assert found == []
 
 
+def test_the_runtime_keeps_only_the_testbed_parts_the_demo_and_the_node_need():
+    """chorus_core/testbed/ holds the procedural workload and the random tiny model, which import
+    nothing of the research harness in tests/testbed/; the testbed node uses only the workload."""
+    testbed = REPO_ROOT / "chorus_core" / "testbed"
+    assert sorted(p.name for p in testbed.glob("*.py")) == ["__init__.py", "tiny_wan.py", "workload.py"]
+    for path in [*testbed.glob("*.py"), REPO_ROOT / "nodes" / "testbed.py"]:
+        module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+        targets = {target for target, _ in raw_imports(module, path, ast.parse(path.read_text()))}
+        assert not [t for t in targets if t == "tests" or t.startswith("tests.")], path
+        assert not [t for t in targets if ".testbed." in f".{t}." and not t.endswith(("testbed.workload", "testbed.tiny_wan"))
+                    and t not in ("chorus_core.testbed", "nodes.testbed")], (path, targets)
+
+
 def test_the_rooms_of_chorus_core_import_nothing_when_imported():
     """chorus_core's rooms (attention/, reuse/, guidance/, comfy/, testbed/) are plain folders:
     their ``__init__`` only describes them, so importing one module never loads its neighbours
@@ -157,7 +172,7 @@ def room_of(module: str) -> str:
 
 def test_the_rooms_depend_one_way():
     """bank and kernels know nothing of the others, attention uses the bank, guidance builds on
-    attention, reuse on all of them: what the README's data path shows."""
+    attention, reuse on all of them: what docs/development.md's data path shows."""
     edges, _, _ = graph()
     backwards = []
     for module, targets in edges.items():

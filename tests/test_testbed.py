@@ -14,9 +14,9 @@ CHECKPOINT = TESTBED / "chorus_testbed_wan21_i2v.safetensors"
 
 
 def test_training_steps_reduce_the_loss(comfy_runtime):
-    from chorus_core.testbed.config import smoke_config
-    from chorus_core.testbed.models import build_model, flow_loss, make_batch
-    from chorus_core.testbed.train import train, training_requests
+    from tests.testbed.config import smoke_config
+    from tests.testbed.models import build_model, flow_loss, make_batch
+    from tests.testbed.train import train, training_requests
 
     config = replace(smoke_config(), long_share=0.0, max_steps=12, expected_steps=12, batch_short=8,
                      warmup_steps=2, lr=6e-4, log_every=4)
@@ -37,7 +37,7 @@ def test_training_steps_reduce_the_loss(comfy_runtime):
 
 def test_model_inputs_match_comfyui_concat_cond(comfy_runtime, tiny_wan_patcher):
     """Channel order and mask format of the training inputs = WAN21.concat_cond of i2v_conditioning."""
-    from chorus_core.testbed.models import process_in, request_example
+    from tests.testbed.models import process_in, request_example
     from chorus_core.testbed.workload import I2VRequest, generate_request, i2v_conditioning
 
     request = I2VRequest("orbit", 3, 1)
@@ -56,8 +56,8 @@ def test_model_inputs_match_comfyui_concat_cond(comfy_runtime, tiny_wan_patcher)
 
 
 def test_report_mask_helpers_on_tiny_inputs():
-    from chorus_core.testbed.models import block_grid_coords
-    from chorus_core.testbed.report import (first_density_reaching, md_table, recall_of, split_common_specific,
+    from tests.testbed.models import block_grid_coords
+    from tests.testbed.report import (first_density_reaching, md_table, recall_of, split_common_specific,
                                             static_window_scores, top_blocks)
 
     mass = torch.softmax(torch.randn(2, 8, 8), -1)
@@ -88,7 +88,7 @@ def test_report_mask_helpers_on_tiny_inputs():
 
 
 def test_signature_module_loads_without_the_bank():
-    from chorus_core.testbed.report import load_signature_module
+    from tests.testbed.report import load_signature_module
 
     sig = load_signature_module()
     a = sig.build_signature(clip_vision=torch.randn(1, 257, 1280), text=torch.randn(1, 4, 4096))
@@ -110,9 +110,9 @@ def test_threshold_sweep_runs_when_the_table_density_was_not_sampled(comfy_runti
     """The H200 report's threshold sweep failed with IndexError: it indexed the main grid's
     per-target PSNR lists at the table density, which are empty when sparse sampling there was
     skipped (time). It now samples the PSNR it needs. Also runs the step-bucket study."""
-    from chorus_core.testbed.config import smoke_config
-    from chorus_core.testbed.models import build_model
-    from chorus_core.testbed.report import run_report
+    from tests.testbed.config import smoke_config
+    from tests.testbed.models import build_model
+    from tests.testbed.report import run_report
 
     config = replace(smoke_config(), eval_templates=("pan",), sample_densities=(0.6,), length_sizes=(),
                      warmup_sweep=(1,), top_p_sweep=(), bucket_study_targets=1, error_steps=())
@@ -138,7 +138,7 @@ def test_threshold_sweep_runs_when_the_table_density_was_not_sampled(comfy_runti
 
 def test_bucket_splits_follow_the_pack_default():
     from chorus_core.bank.records import default_step_buckets
-    from chorus_core.testbed.report import bucket_splits, equal_buckets
+    from tests.testbed.report import bucket_splits, equal_buckets
 
     for steps in (4, 10, 20, 30):
         splits = bucket_splits(steps)
@@ -151,9 +151,9 @@ def test_bucket_splits_follow_the_pack_default():
 def test_dense_layers_sweep_runs_on_the_smoke_preset(comfy_runtime, tmp_path):
     """The dense-layers sweep on its own (what ``report --only dense_layers`` runs): one row per layer
     set, the dense share grows with the set, keeping every layer dense reproduces the dense run."""
-    from chorus_core.testbed.config import smoke_config
-    from chorus_core.testbed.models import build_model
-    from chorus_core.testbed.report import (
+    from tests.testbed.config import smoke_config
+    from tests.testbed.models import build_model
+    from tests.testbed.report import (
         append_section,
         dense_layers_sweep,
         dense_share,

@@ -1,10 +1,10 @@
-"""The product path's paired comparisons and held-out family split (chorus_core.testbed.comparisons)."""
+"""The product path's paired comparisons and held-out family split (tests.testbed.comparisons)."""
 
 import pytest
 
-from chorus_core.testbed.comparisons import (family_rows, held_out_templates, mean_ci, paired_differences,
+from tests.testbed.comparisons import (family_rows, held_out_templates, mean_ci, paired_differences,
                                              t_quantile_975, template_of, verdict)
-from chorus_core.testbed.product_path import markdown
+from tests.testbed.product_path import markdown
 
 
 def _row(kind, request, seed, psnr, rel_rms=0.1, section="matched"):

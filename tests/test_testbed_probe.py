@@ -13,11 +13,11 @@ pytestmark = pytest.mark.comfy
 
 
 def test_the_probe_trains_each_candidate_and_measures_it_with_the_sharpness_code(comfy_runtime, tmp_path):
-    from chorus_core.testbed.config import make_config
-    from chorus_core.testbed.models import build_model
-    from chorus_core.testbed.probe import candidate_config, main, probe_requests
-    from chorus_core.testbed.sharpness import measure_sharpness
-    from chorus_core.testbed.train import train
+    from tests.testbed.config import make_config
+    from tests.testbed.models import build_model
+    from tests.testbed.probe import candidate_config, main, probe_requests
+    from tests.testbed.sharpness import measure_sharpness
+    from tests.testbed.train import train
 
     out = tmp_path / "probe"
     assert main(["--candidates", "tiny_sharp,tiny_probe_heads", "--seconds-each", "200", "--every", "2",
@@ -26,7 +26,7 @@ def test_the_probe_trains_each_candidate_and_measures_it_with_the_sharpness_code
     assert sorted(p.name for p in out.iterdir()) == ["probe.json", "probe.md"]
     doc = json.loads((out / "probe.json").read_text())
     assert doc["machine"] == "cpu" and doc["held_out"] == "bounce" and doc["density"] == 0.15
-    assert doc["command"].startswith("python -m chorus_core.testbed.probe --candidates tiny_sharp,tiny_probe_heads")
+    assert doc["command"].startswith("python -m tests.testbed.probe --candidates tiny_sharp,tiny_probe_heads")
     assert doc["git_commit"] and doc["date"][:2] == "20"
     assert [c["name"] for c in doc["candidates"]] == ["tiny_sharp", "tiny_probe_heads"]
     plain, heads = doc["candidates"]
@@ -66,7 +66,7 @@ def test_the_probe_trains_each_candidate_and_measures_it_with_the_sharpness_code
 
 
 def test_out_of_time_candidates_are_skipped_and_budgets_shrink_to_the_deadline():
-    from chorus_core.testbed.probe import budget_for, render_markdown, slope_per_1k
+    from tests.testbed.probe import budget_for, render_markdown, slope_per_1k
 
     assert budget_for(110, 540, 4, 20) == 110
     assert budget_for(110, 400, 4, 30) == pytest.approx(70)
@@ -80,9 +80,9 @@ def test_out_of_time_candidates_are_skipped_and_budgets_shrink_to_the_deadline()
 
 
 def test_probe_candidates_are_the_designs_they_name(comfy_runtime):
-    from chorus_core.testbed.config import make_config, tokens_of
-    from chorus_core.testbed.models import build_model
-    from chorus_core.testbed.train import long_share_at
+    from tests.testbed.config import make_config, tokens_of
+    from tests.testbed.models import build_model
+    from tests.testbed.train import long_share_at
 
     base = make_config("sharp16k")
     shapes = {name: (c.num_heads, c.head_dim, c.num_layers, tokens_of(c.long_size), c.texture)
@@ -107,8 +107,8 @@ def test_probe_candidates_are_the_designs_they_name(comfy_runtime):
 def test_the_shift05_follow_up_candidates_change_only_what_they_name():
     from dataclasses import asdict
 
-    from chorus_core.testbed.config import PROBE_CANDIDATES, make_config
-    from chorus_core.testbed.probe import WHAT_IT_TESTS
+    from tests.testbed.config import PROBE_CANDIDATES, make_config
+    from tests.testbed.probe import WHAT_IT_TESTS
 
     def changed(name, against):
         a, b = asdict(make_config(name)), asdict(make_config(against))
@@ -174,9 +174,9 @@ def test_multi_objects_move_differently_and_hide_behind_the_bar():
 def test_qk_gain_levers_start_and_train_the_self_attention_temperature_only(comfy_runtime):
     """qk_gain_init sets only the self-attention norm_q / norm_k gains; qk_gain_lr_mult gives them (and
     nothing else) a faster learning rate that the schedule keeps; at 1.0 the optimizer is as before."""
-    from chorus_core.testbed.config import make_config
-    from chorus_core.testbed.models import build_model, is_qk_gain
-    from chorus_core.testbed.train import train
+    from tests.testbed.config import make_config
+    from tests.testbed.models import build_model, is_qk_gain
+    from tests.testbed.train import train
 
     config = replace(make_config("tiny_sharp"), qk_gain_init=1.5, qk_gain_lr_mult=10.0, max_steps=2,
                      time_budget_s=600)

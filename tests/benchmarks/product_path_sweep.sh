@@ -31,7 +31,7 @@ joined_checkpoint() {
       echo "joined_checkpoint: no joined checkpoint in $out and no parts in $parts: carry the parts in this call" >&2
       return 1
     fi
-    python3 -m chorus_core.testbed.train --join-parts "$parts" --out "$out" > /dev/null || return 1
+    python3 -m tests.testbed.train --join-parts "$parts" --out "$out" > /dev/null || return 1
   fi
   echo "$checkpoint"
 }
@@ -47,7 +47,7 @@ sweep() {
     mkdir -p "$OUT/$name"
     # word splitting of $arm is wanted: it holds the run's extra arguments
     # shellcheck disable=SC2086
-    timeout "$seconds" python3 -m chorus_core.testbed.product_path --checkpoint "$checkpoint" \
+    timeout "$seconds" python3 -m tests.testbed.product_path --checkpoint "$checkpoint" \
       --preset "$preset" --targets 8 --seeds 3 --out "$OUT/$name" $arm > "$OUT/$name/run.log" 2>&1 &
   done
   wait

@@ -61,7 +61,7 @@ def with_easycache(patcher):
 
 def with_guidance(patcher):
     """``patcher`` with Guidance Enhance at the node's defaults (a clone)."""
-    from ..guidance.guidance import GuidanceSettings, install_guidance
+    from chorus_core.guidance.guidance import GuidanceSettings, install_guidance
 
     return install_guidance(patcher, GuidanceSettings())
 
@@ -69,7 +69,7 @@ def with_guidance(patcher):
 def composition_rows(pp, match, conds, seed: int, dense_final, quality) -> list[dict]:
     """The four composed rows of one target and seed (``pp``: the run's ProductPath; ``match``: its
     hit; ``quality(reference, final)``: the product path's measures)."""
-    from ..reuse.reuse_run import ReusePatch
+    from chorus_core.reuse.reuse_run import ReusePatch
 
     def sampled_hit(compose):
         patch = ReusePatch(pp.patcher, match, pp.options, block_size=pp.bs, scheduler="simple")

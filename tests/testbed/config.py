@@ -183,7 +183,7 @@ def tiny_sharp_config() -> TestbedConfig:
 
 # --------------------------------------------------------------------------------------------
 # Probe candidates (issue 23): each changes sharp16k in one way (the combination in two), so a
-# short probe run (``chorus_core.testbed.probe``) tells which change concentrates attention.
+# short probe run (``tests.testbed.probe``) tells which change concentrates attention.
 # --------------------------------------------------------------------------------------------
 
 WIDE_SIZE = (16, 32, 128)      # 16,384 tokens in rows of 64 (a 128-token block = 2 rows; Wan 480p: 52)

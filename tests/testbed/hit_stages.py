@@ -1,7 +1,7 @@
 """Where a bank hit loses quality: one request recorded, then served to itself, stage by stage.
 
-    python -m chorus_core.testbed.hit_stages --checkpoint FILE --out DIR [--preset sharp16k] [--set NAME=VALUE]
-    python -m chorus_core.testbed.hit_stages --tiny --out DIR        # CPU, random tiny model
+    python -m tests.testbed.hit_stages --checkpoint FILE --out DIR [--preset sharp16k] [--set NAME=VALUE]
+    python -m tests.testbed.hit_stages --tiny --out DIR        # CPU, random tiny model
 
 For one request and seed (issue [hit-quality]):
 
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from ..attention.mask_provider import MaskSource, bucket_index
-from ..attention.masks import select_blocks
-from .workload import generate_request, i2v_conditioning
+from chorus_core.attention.mask_provider import MaskSource, bucket_index
+from chorus_core.attention.masks import select_blocks
+from chorus_core.testbed.workload import generate_request, i2v_conditioning
 from .config import tokens_of
 from .product_path import (RECORD_THRESHOLD, CountMatchedProvider, MassObserver, ProductPath, add_model_arguments,
                            final_quality, load_model)
@@ -74,9 +74,9 @@ PLANS = {  # recording variants compared (the first is what ships)
 def recording_run(pp: ProductPath, bank, conds, seed: int, plan):
     """A recording miss as shipped, with the exact mass of its own calls; returns (entry id, mass
     [S, L, H, nb, nb], the recorder's selection bool [B, L, H, nq, nk], the recorded steps per bucket)."""
-    from ..reuse import bank_writer
-    from ..attention.mask_sources import recorded_steps
-    from ..reuse.reuse_run import ReusePatch
+    from chorus_core.reuse import bank_writer
+    from chorus_core.attention.mask_sources import recorded_steps
+    from chorus_core.reuse.reuse_run import ReusePatch
 
     tee, selection = {}, {}
 
@@ -150,9 +150,9 @@ def decoded_entry(pp: ProductPath, bank, entry_id: str):
 
 
 def run_stages(patcher, config, workdir: Path, seed: int = 0, request_index: int = 0, plans=None, log=print) -> dict:
-    from ..bank import MaskBank
-    from ..attention.mask_sources import RecordingPlan
-    from ..reuse.entry_source import scaled_bucket_starts
+    from chorus_core.bank import MaskBank
+    from chorus_core.attention.mask_sources import RecordingPlan
+    from chorus_core.reuse.entry_source import scaled_bucket_starts
 
     plans = PLANS if plans is None else plans
     pp = ProductPath(patcher, config, workdir)
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
         patcher, config = load_model(args, Path(tmp))
         docs = [run_stages(patcher, config, Path(tmp) / f"r{i}", args.seed, int(i)) for i in args.requests.split(",")]
     doc = {**docs[0], "rows": [r for d in docs for r in d["rows"]], "entry_id": [d["entry_id"] for d in docs]}
-    doc["command"] = "python -m chorus_core.testbed.hit_stages " + " ".join(argv or sys.argv[1:])
+    doc["command"] = "python -m tests.testbed.hit_stages " + " ".join(argv or sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hit_stages.json").write_text(json.dumps(doc, indent=1))
     (args.out / "hit_stages.md").write_text(markdown(doc))

@@ -22,9 +22,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .._siblings import import_sibling
-from .tiny_wan import TinyWanConfig, build_tiny_wan_i2v
-from .workload import I2VRequest, generate_request
+from chorus_core._siblings import import_sibling
+from chorus_core.testbed.tiny_wan import TinyWanConfig, build_tiny_wan_i2v
+from chorus_core.testbed.workload import I2VRequest, generate_request
 
 # comfy.latent_formats.Wan21 (kept here so data preparation needs no ComfyUI import)
 WAN21_MEAN = torch.tensor([-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,

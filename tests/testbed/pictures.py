@@ -1,9 +1,9 @@
 """Pictures for the quality section (issue 23, item 4): one held-out target's frames as each mask
 source leaves them, and where each one differs from the dense run.
 
-    python -m chorus_core.testbed.pictures --checkpoint FILE --out DIR [--preset sharp16k] [--set NAME=VALUE]
+    python -m tests.testbed.pictures --checkpoint FILE --out DIR [--preset sharp16k] [--set NAME=VALUE]
         [--option min_density=0.15 --option max_density=0.15] [--frames 4] [--seed 0]
-    python -m chorus_core.testbed.pictures --tiny --out DIR     # CPU, random tiny model
+    python -m tests.testbed.pictures --tiny --out DIR     # CPU, random tiny model
 
 It runs the product path (``product_path.run_product_path``, its first held-out target, one seed) keeping every
 run's final latents, and draws, in ComfyUI's Wan 2.1 latent-to-RGB preview:
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..quality import psnr
+from chorus_core.quality import psnr
 from .product_path import add_model_arguments, latents_to_rgb, load_model, reuse_options, run_product_path
 from .report import cpu_name, git_commit
 
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "git_commit": git_commit(), "command": "python -m chorus_core.testbed.pictures " + " ".join(argv or sys.argv[1:]),
+           "git_commit": git_commit(), "command": "python -m tests.testbed.pictures " + " ".join(argv or sys.argv[1:]),
            "options": args.option, **draw_pictures(finals, request, args.seed, args.frames, args.out)}
     (args.out / "pictures.json").write_text(json.dumps(doc, indent=1))
     print(f"{args.out / 'frames.png'}, {args.out / 'errors.png'}: PSNR {doc['psnr_db']}")

@@ -1,6 +1,6 @@
 """Probe testbed designs before training one (issue 23): which design concentrates attention?
 
-    python -m chorus_core.testbed.probe --candidates sharp16k,probe_heads8x64 --seconds-each 110 --out DIR
+    python -m tests.testbed.probe --candidates sharp16k,probe_heads8x64 --seconds-each 110 --out DIR
 
 In one process each candidate (a preset of ``config.PROBE_CANDIDATES``) is trained from scratch
 for a fixed wall-clock budget, and its sharpness (``sharpness.measure_sharpness``: the oracle
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .workload import TEMPLATES
+from chorus_core.testbed.workload import TEMPLATES
 from .config import PROBE_CANDIDATES, TestbedConfig, config_with_overrides, tokens_of
 from .run_record import git_commit
 from .sharpness import SHARPNESS_DENSITY
@@ -211,11 +211,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     names = [n for n in args.candidates.split(",") if n]
     configs = {n: candidate_config(n, args.hold_out, args.set) for n in names}  # bad names fail before any work
-    from ..comfy.comfyui_locator import prepare_in_process
+    from chorus_core.comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.device == "cpu")
     doc = {"machine": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
-           "command": "python -m chorus_core.testbed.probe " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": "python -m tests.testbed.probe " + " ".join(argv if argv is not None else sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "git_commit": git_commit(), "torch": torch.__version__, "held_out": args.hold_out,
            "density": SHARPNESS_DENSITY, "every": args.every, "requests": args.requests,

@@ -1,9 +1,9 @@
 """The product path measured on the testbed: a recorded miss, then a similar request as a bank hit.
 
-    python -m chorus_core.testbed.product_path --checkpoint FILE --out DIR [--preset sharp16k]
+    python -m tests.testbed.product_path --checkpoint FILE --out DIR [--preset sharp16k]
         [--targets 8] [--seeds 3] [--threshold 0.9]
-    python -m chorus_core.testbed.product_path --tiny --out DIR     # CPU, random tiny model, ~10 s
-    python -m chorus_core.testbed.product_path --merge DIR_SEED0 DIR_SEED1 ... --out DIR
+    python -m tests.testbed.product_path --tiny --out DIR     # CPU, random tiny model, ~10 s
+    python -m tests.testbed.product_path --merge DIR_SEED0 DIR_SEED1 ... --out DIR
 
 Every run goes through ComfyUI's sampler (``comfy.sample.sample``, euler / simple, cfg ``sample_cfg``:
 1 by default, as step-distilled models run; ``--set sample_cfg=5 --set sample_steps=40`` for the base model) on a
@@ -50,14 +50,14 @@ from pathlib import Path
 
 import torch
 
-from ..attention.mask_provider import MaskSource, ObservedMasks
+from chorus_core.attention.mask_provider import MaskSource, ObservedMasks
 
-from .._siblings import import_sibling
-from ..attention.masks import forced_blocks, keep_top_counts, select_blocks
-from ..attention.online_predictor import block_scores
-from ..reuse.population_prior import keep_frequency
-from ..quality import mass_recall, psnr, ssim
-from .workload import generate_request, i2v_conditioning
+from chorus_core._siblings import import_sibling
+from chorus_core.attention.masks import forced_blocks, keep_top_counts, select_blocks
+from chorus_core.attention.online_predictor import block_scores
+from chorus_core.reuse.population_prior import keep_frequency
+from chorus_core.quality import mass_recall, psnr, ssim
+from chorus_core.testbed.workload import generate_request, i2v_conditioning
 from .config import TestbedConfig, config_from_dict, make_config, tokens_of, with_overrides
 from .comparisons import family_rows, held_out_templates, mean_ci, paired_differences, verdict
 from .composition import COMPOSED_KINDS, composition_rows
@@ -197,7 +197,7 @@ class CapturingProvider(MaskSource):
 class ProductPath:
     def __init__(self, patcher, config: TestbedConfig, workdir: Path, threshold: float = 0.9, log=print,
                  options=None):
-        from ..reuse.reuse_run import ReuseOptions
+        from chorus_core.reuse.reuse_run import ReuseOptions
 
         self.patcher, self.config, self.workdir, self.threshold, self.log = patcher, config, Path(workdir), threshold, log
         # the shipped defaults (top-p, density clamps, warm-up, miss mode) unless a run varies one
@@ -218,8 +218,8 @@ class ProductPath:
                                    latent["samples"], seed=seed, disable_pbar=True).float().cpu()
 
     def with_provider(self, provider, conds, seed: int, warmup: int | None = None) -> torch.Tensor:
-        from ..attention.mask_provider import DenseWarmupProvider
-        from ..attention.sparse_patch import install_sparse_attention
+        from chorus_core.attention.mask_provider import DenseWarmupProvider
+        from chorus_core.attention.sparse_patch import install_sparse_attention
 
         warmup = self.warmup if warmup is None else warmup
         wrapped = provider if isinstance(provider, MassObserver) else DenseWarmupProvider(provider, warmup)
@@ -231,8 +231,8 @@ class ProductPath:
         return final, observer.stacked(self.steps, self.L)  # [S, L, H, nb, nb]
 
     def match(self, bank, conds, threshold: float):
-        from ..bank.signature import resolve_weights
-        from ..reuse.reuse_match import build_match_request, match_request
+        from chorus_core.bank.signature import resolve_weights
+        from chorus_core.reuse.reuse_match import build_match_request, match_request
 
         positive, _, latent = conds
         req = build_match_request(self.patcher, positive[0][1]["clip_vision_output"], positive, latent, None,
@@ -240,7 +240,7 @@ class ProductPath:
         return match_request(bank, req)
 
     def reuse_run(self, match, conds, seed: int, options=None):
-        from ..reuse.reuse_run import ReusePatch
+        from chorus_core.reuse.reuse_run import ReusePatch
 
         patch = ReusePatch(self.patcher, match, options or self.options, block_size=self.bs, scheduler="simple")
         final = self.sample(patch.install(), conds, seed)
@@ -248,7 +248,7 @@ class ProductPath:
 
     def record(self, bank, conds, seed: int) -> str:
         """A recording miss (online prediction as shipped); waits for the bank writer."""
-        from ..reuse import bank_writer
+        from chorus_core.reuse import bank_writer
 
         _, report = self.reuse_run(self.match(bank, conds, RECORD_THRESHOLD), conds, seed)
         if report.mode != "miss" or report.recording != "queued":
@@ -261,7 +261,7 @@ class ProductPath:
     # --- masks of entries ------------------------------------------------------------------
     def entry_maps(self, entry) -> dict:
         """(step, layer) -> bool [H, nq, nk] of an entry (a hit's, a prior's), over the sparse steps."""
-        from ..reuse.entry_source import scaled_bucket_starts
+        from chorus_core.reuse.entry_source import scaled_bucket_starts
 
         starts = scaled_bucket_starts(entry.schedule, self.steps)
         per_bucket = [[entry.block_map(b, l).bool() for l in range(self.L)] for b in range(len(starts))]
@@ -311,9 +311,9 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     ``picks``: which of the ``targets`` spread-out requests this run samples (a slice of them), so
     that long runs can be split by target over several processes and merged with ``--merge``.
     """
-    from ..bank import MaskBank
-    from ..reuse.prior_store import load_prior
-    from ..attention.mask_sources import OnlinePredictionProvider
+    from chorus_core.bank import MaskBank
+    from chorus_core.reuse.prior_store import load_prior
+    from chorus_core.attention.mask_sources import OnlinePredictionProvider
 
     pp = ProductPath(patcher, config, workdir, threshold, log, options)
     size = config.long_size
@@ -462,7 +462,7 @@ def merge_results(docs: list) -> dict:
 
 
 def _starts(entry, pp) -> list:
-    from ..reuse.entry_source import scaled_bucket_starts
+    from chorus_core.reuse.entry_source import scaled_bucket_starts
 
     return scaled_bucket_starts(entry.schedule, pp.steps)
 
@@ -606,7 +606,7 @@ def load_model(args, workdir: Path):
     --tiny's random model, or --checkpoint loaded as UNETLoader does under --preset and --set."""
     if not args.tiny and args.checkpoint is None:
         raise SystemExit("pass --checkpoint FILE (the trained testbed), or --tiny for the CPU smoke run")
-    from ..comfy.comfyui_locator import prepare_in_process
+    from chorus_core.comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.tiny or not torch.cuda.is_available())
     if args.tiny:
@@ -618,7 +618,7 @@ def load_model(args, workdir: Path):
 
 def reuse_options(items: list[str]):
     """The shipped ReuseOptions with ``NAME=VALUE`` items replaced."""
-    from ..reuse.reuse_run import ReuseOptions
+    from chorus_core.reuse.reuse_run import ReuseOptions
 
     return with_overrides(ReuseOptions(), items, "sampler option")
 
@@ -651,7 +651,7 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
                         help="combine the product_path.json of these earlier runs into --out (no sampling)")
     args = parser.parse_args(argv)
-    command = "python -m chorus_core.testbed.product_path " + " ".join(argv or sys.argv[1:])
+    command = "python -m tests.testbed.product_path " + " ".join(argv or sys.argv[1:])
     if args.merge:
         docs = [json.loads((d / "product_path.json").read_text()) for d in args.merge]
         seeds = len({r["seed"] for d in docs for r in d["rows"]})

@@ -1,7 +1,7 @@
 """The quality table (issue 23, items 3 and 5): every product-path run of one checkpoint in one
 table, and the comparisons between runs that choose the sampler's defaults.
 
-    python -m chorus_core.testbed.quality_table --results DIR [--compare A:B ...] [--out DIR]
+    python -m tests.testbed.quality_table --results DIR [--compare A:B ...] [--out DIR]
 
 ``DIR`` holds one folder per run (``product_path.json`` from ``product_path`` or ``--merge``);
 folders named in ``--skip`` (default ``parts``: the pieces a merged run was made of) are left out.
@@ -64,7 +64,7 @@ def _normal(value):
 
 def shipped_options() -> dict:
     """The sampler's options as it ships them (``ReuseOptions``' defaults)."""
-    from ..reuse.reuse_run import ReuseOptions  # the sampler's own defaults, so this table cannot drift from them
+    from chorus_core.reuse.reuse_run import ReuseOptions  # the sampler's own defaults, so this table cannot drift from them
 
     return asdict(ReuseOptions())
 
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", nargs="*", default=["parts"], help="folders that are not runs")
     parser.add_argument("--out", type=Path, help="where quality_table.md/json go (default: --results)")
     args = parser.parse_args(argv)
-    command = "python -m chorus_core.testbed.quality_table " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tests.testbed.quality_table " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = build(args.results, args.compare, command, tuple(args.skip))
     out = args.out or args.results
     out.mkdir(parents=True, exist_ok=True)

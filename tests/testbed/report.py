@@ -1,6 +1,6 @@
 """Mask-quality report on the trained testbed model.
 
-    python -m chorus_core.testbed.report --checkpoint FILE --out DIR [--preset full|smoke] [--set name=value ...]
+    python -m tests.testbed.report --checkpoint FILE --out DIR [--preset full|smoke] [--set name=value ...]
 
 At the long size, for target requests of every template (held-out subjects), compares block
 masks of six sources at matched densities (same kept-block count per query-block row, the
@@ -41,12 +41,12 @@ from typing import Optional
 
 import torch
 
-from .._siblings import import_sibling
-from ..attention.masks import forced_blocks, keep_top_counts, select_blocks
-from ..attention.online_predictor import block_scores
-from ..reuse.population_prior import population_prior
-from ..quality import mass_recall, psnr, sparse_output_error, ssim
-from .workload import TEMPLATES, I2VRequest, generate_request
+from chorus_core._siblings import import_sibling
+from chorus_core.attention.masks import forced_blocks, keep_top_counts, select_blocks
+from chorus_core.attention.online_predictor import block_scores
+from chorus_core.reuse.population_prior import population_prior
+from chorus_core.quality import mass_recall, psnr, sparse_output_error, ssim
+from chorus_core.testbed.workload import TEMPLATES, I2VRequest, generate_request
 from .config import TestbedConfig, config_from_dict, make_config, size_name, tokens_of
 from .models import SDPAAttention, AttentionHook, block_grid_coords, make_batch, predict_velocity, sample, sigma_schedule
 
@@ -106,11 +106,11 @@ def first_density_reaching(rows: list, value_key: str, target: float):
 def load_signature_module():
     """``chorus_core.bank.signature`` without the bank's optional imports (sqlite-utils)."""
     try:
-        from ..bank import signature  # noqa: PLC0415
+        from chorus_core.bank import signature  # noqa: PLC0415
 
         return signature
     except Exception:  # noqa: BLE001
-        path = Path(__file__).resolve().parent.parent / "bank" / "signature.py"
+        path = Path(__file__).resolve().parents[2] / "chorus_core" / "bank" / "signature.py"
         spec = importlib.util.spec_from_file_location("chorus_bank_signature_standalone", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
@@ -641,13 +641,13 @@ def spread_picks(n: int, k: int) -> list:
 def load_default_bucket_edges() -> tuple:
     """``chorus_core.bank.records.DEFAULT_BUCKET_EDGES`` without the bank's optional imports."""
     try:
-        from ..bank.records import DEFAULT_BUCKET_EDGES  # noqa: PLC0415
+        from chorus_core.bank.records import DEFAULT_BUCKET_EDGES  # noqa: PLC0415
 
         return tuple(DEFAULT_BUCKET_EDGES)
     except Exception:  # noqa: BLE001
         import ast
 
-        path = Path(__file__).resolve().parent.parent / "bank" / "records.py"
+        path = Path(__file__).resolve().parents[2] / "chorus_core" / "bank" / "records.py"
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "DEFAULT_BUCKET_EDGES":
                 return tuple(ast.literal_eval(node.value))
@@ -1282,7 +1282,7 @@ def main(argv=None) -> int:
         doc = write_outputs(results, config, args.out, args.device, base["command"], None, args.suffix, base)
         print(json.dumps(doc["summary"], indent=1, default=str))
         return 0
-    from ..comfy.comfyui_locator import prepare_in_process
+    from chorus_core.comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.device == "cpu")
     from .train import load_checkpoint
@@ -1294,7 +1294,7 @@ def main(argv=None) -> int:
     dense_attention = "comfyui" if cos >= 0.9 else "sdpa_flash_efficient"
     print(f"dense attention in the report: {dense_attention} (ComfyUI default gradient cosine {cos})")
     if args.only:
-        command = "python -m chorus_core.testbed.report " + " ".join(argv or sys.argv[1:])
+        command = "python -m tests.testbed.report " + " ".join(argv or sys.argv[1:])
         results = dense_layers_sweep(model, config, args.device, dense_attention=dense_attention)
         results["rows"] = [dict(r, dense_attention=dense_attention) for r in results["rows"]]
         append_section(results, "dense_layers", config, args.out, args.device, command, args.suffix)
@@ -1303,7 +1303,7 @@ def main(argv=None) -> int:
     results = run_report(model, config, args.device, dense_attention=dense_attention)
     results["dense_attention"] = dense_attention
     doc = write_outputs(results, config, args.out, args.device,
-                        "python -m chorus_core.testbed.report " + " ".join(argv or sys.argv[1:]), train_info, args.suffix)
+                        "python -m tests.testbed.report " + " ".join(argv or sys.argv[1:]), train_info, args.suffix)
     print(json.dumps(doc["summary"], indent=1, default=str))
     return 0
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .._siblings import import_sibling
-from ..quality import mass_recall
+from chorus_core._siblings import import_sibling
+from chorus_core.quality import mass_recall
 from .report import top_blocks
 from .run_record import run_record
 
@@ -55,8 +55,8 @@ def density_profile(step_layer_mass: torch.Tensor, seq_len: int, block_size: int
     """What the defaults see in a dense run's block mass ``[S, L, H, nb, nb]``: the oracle's kept
     mass at several densities, and the density top-p selection (the recorder's and online
     prediction's rule) keeps at several ``top_p``, without clamps and within the shipped ones."""
-    from ..attention.masks import select_blocks
-    from ..reuse.reuse_run import ReuseOptions
+    from chorus_core.attention.masks import select_blocks
+    from chorus_core.reuse.reuse_run import ReuseOptions
 
     profile = {"mass_at_density": {str(d): round(float(oracle_mass(step_layer_mass, d, seq_len, block_size).mean()), 4)
                                    for d in PROFILE_DENSITIES},
@@ -105,7 +105,7 @@ def request_name(request) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m chorus_core.testbed.sharpness --checkpoint FILE --out DIR [--preset sharp16k] [--requests 4]``:
+    """``python -m tests.testbed.sharpness --checkpoint FILE --out DIR [--preset sharp16k] [--requests 4]``:
     the sharpness of a checkpoint (e.g. between training chunks) -> ``DIR/sharpness.json``."""
     parser = argparse.ArgumentParser(description="oracle mass at density 0.15 of a testbed checkpoint")
     parser.add_argument("--checkpoint", type=Path, required=True)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=4, help="held-out targets (spread over the list)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    from ..comfy.comfyui_locator import prepare_in_process
+    from chorus_core.comfy.comfyui_locator import prepare_in_process
     from .config import make_config
     from .report import eval_requests, spread_picks
     from .train import load_checkpoint
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     requests = [targets[i] for i in spread_picks(len(targets), min(args.requests, len(targets)))]
     result = measure_sharpness(load_checkpoint(args.checkpoint, config, args.device), config, args.device, requests)
     args.out.mkdir(parents=True, exist_ok=True)
-    run = run_record("python -m chorus_core.testbed.sharpness " + " ".join(argv or sys.argv[1:]),
+    run = run_record("python -m tests.testbed.sharpness " + " ".join(argv or sys.argv[1:]),
                      on_gpu=args.device.startswith("cuda"))
     record = {**run, "checkpoint": str(args.checkpoint), **result}
     (args.out / "sharpness.json").write_text(json.dumps(record, indent=1))

@@ -1,7 +1,7 @@
 """Train the testbed model: ComfyUI's WanModel (I2V) with Wan's flow-matching objective.
 
-    python -m chorus_core.testbed.train --out DIR [--preset full|smoke|sharp16k|...] [--set name=value ...]
-    python -m chorus_core.testbed.train --resume DIR/train_state.pt --time-budget-s 480 --out DIR
+    python -m tests.testbed.train --out DIR [--preset full|smoke|sharp16k|...] [--set name=value ...]
+    python -m tests.testbed.train --resume DIR/train_state.pt --time-budget-s 480 --out DIR
 
 Each run is one chunk: at its end it writes the resumable state ``DIR/train_state.pt`` (model,
 optimizer, step, RNGs, loss log) and a resumed chunk continues exactly (same batches, noise and
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .workload import I2VRequest
+from chorus_core.testbed.workload import I2VRequest
 from .config import PRESETS, TestbedConfig, config_from_dict, config_with_overrides, make_config, size_name, tokens_of
 from .attention_entropy import with_entropy_penalty
 from .models import SDPAAttention, build_model, flow_loss, is_qk_gain, make_batch
@@ -443,7 +443,7 @@ def main(argv=None) -> int:
         path = join_checkpoint_parts(args.join_parts, args.out / CHECKPOINT_NAME)
         print(f"joined -> {path}")
         return 0
-    from ..comfy.comfyui_locator import prepare_in_process
+    from chorus_core.comfy.comfyui_locator import prepare_in_process
 
     prepare_in_process(cpu=args.device == "cpu")
     resume = load_state(args.resume) if args.resume else init_state_from_weights(args.init_from) if args.init_from else None
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     if args.time_budget_s is not None:
         config = replace(config, time_budget_s=args.time_budget_s)
     result = train(config, args.device, resume=resume, stop_after_steps=args.chunk_steps)
-    write_outputs(result, config, args.out, args.device, "python -m chorus_core.testbed.train " + " ".join(argv or sys.argv[1:]),
+    write_outputs(result, config, args.out, args.device, "python -m tests.testbed.train " + " ".join(argv or sys.argv[1:]),
                   args.parts_out)
     print(f"trained to step {result['steps']} ({result['seconds']:.0f}s this chunk) -> {args.out / CHECKPOINT_NAME}, "
           f"{args.out / STATE_NAME}")

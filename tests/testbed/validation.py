@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .models import flow_loss_at, make_batch
-from .workload import I2VRequest
+from chorus_core.testbed.workload import I2VRequest
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
 # Training uses subjects 0.., the quality table 100-399. The workload's seed hash is weak (subject
