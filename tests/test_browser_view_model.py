@@ -49,6 +49,10 @@ console.log(JSON.stringify({
       extra_info: { input_name: "x" } })) },
   }),
   strides: [labelStride(2), labelStride(10), labelStride(40)],
+  recordings: [{ recording: "queued", recorded_entry_id: "0123456789abcdef" },
+               { recording: "recorded", recorded_entry_id: "0123456789abcdef" },
+               { recording: null, warnings: ["masks not recorded: the disk is full"] }].map((r) =>
+    summarise({ mode: "miss", layers, ...r }).recording),
 }));
 """
 
@@ -68,7 +72,10 @@ def test_the_view_says_source_entry_density_and_saving_at_a_glance():
         "density": "kept density 53% (warm-up excluded)",  # (1 + 0.2 + 0.4) / 3
         "saved": "attention blocks skipped 47% (step times come at the end)",
         "savedMeaning": "Mean wall time of this run's sparse steps against its dense warm-up step (usually the first, "
-                        "so it also carries one-time costs); without both, the share of attention blocks skipped."}
+                        "so it also carries one-time costs); without both, the share of attention blocks skipped.",
+        "recording": ""}
+    assert out["recordings"] == ["recording 0123456789ab… queued: on disk, going into the bank",
+                                 "recorded as entry 0123456789ab…", "not recorded (see warnings)"]
     assert [(b["label"], b["kept"], b["dense"]) for b in out["bars"]] == [("L0", 1, True), ("L1", 0.2, False),
                                                                          ("L2", 0.4, False)]
     assert out["kept"] == pytest.approx(1.6 / 3)

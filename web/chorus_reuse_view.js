@@ -43,7 +43,8 @@ function buildView() {
     'border-bottom:1px solid #666"></div>' +
     '<div class="chorus-labels" style="display:flex;gap:1px;height:12px;font-size:9px;color:#aaa"></div>' +
     '<div class="chorus-density" style="white-space:nowrap"></div>' +
-    '<div class="chorus-saved" style="white-space:nowrap;color:#aaa"></div>';
+    '<div class="chorus-saved" style="white-space:nowrap;color:#aaa"></div>' +
+    '<div class="chorus-recording" style="white-space:nowrap;color:#aaa"></div>';
   root.querySelector(".chorus-entry").textContent = "waiting for a run";
   return root;
 }
@@ -60,6 +61,7 @@ function render(view, report) {
   view.querySelector(".chorus-density").textContent = summary.density;
   view.querySelector(".chorus-saved").textContent = summary.saved;
   view.querySelector(".chorus-saved").title = summary.savedMeaning;
+  view.querySelector(".chorus-recording").textContent = summary.recording;
   const bars = layerBars(report);
   const stride = labelStride(bars.length);
   view.querySelector(".chorus-bars").replaceChildren(...bars.map((bar) => {

@@ -84,6 +84,7 @@ export function summarise(report) {
     saved: savedLine(report, density),
     savedMeaning: "Mean wall time of this run's sparse steps against its dense warm-up step (usually the " +
       "first, so it also carries one-time costs); without both, the share of attention blocks skipped.",
+    recording: recordingLine(report),
   };
   return lines;
 }
@@ -95,6 +96,17 @@ function entryLine(report) {
   if (report?.components && Object.keys(report.components).length === 0) return "bank: no entries yet to match";
   if (similarity != null) return `best similarity ${similarity}, below threshold`;
   return report?.mask_source ? `source: ${report.mask_source}` : "";
+}
+
+// Where this run's recording is: "queued" is on disk in the bank's spool (it survives a stop or a
+// crash) and goes into the bank in the background; the bank's stats route lists it until then,
+// and lists it as failed if the writer gave up (it stays spooled for the next start).
+function recordingLine(report) {
+  const id = shortId(report?.recorded_entry_id);
+  if (report?.recording === "queued") return `recording ${id} queued: on disk, going into the bank`;
+  if (report?.recording === "recorded") return `recorded as entry ${id}`;
+  const dropped = (report?.warnings ?? []).find((w) => String(w).startsWith("masks not recorded"));
+  return dropped ? "not recorded (see warnings)" : "";
 }
 
 function shortId(id) {
