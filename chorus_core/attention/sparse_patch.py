@@ -325,6 +325,9 @@ def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:
         run, succeeded = None, False
         try:  # whatever the run source started (a prefetch worker) is released, however this ends
             run = holder.start_run(_sampling_call(guider, args, kwargs))
+            chosen = _chosen_dense_attention(options, holder.key)
+            if chosen is not None:
+                run.leave_dense_to(chosen)
             run.clock, args, kwargs = clock_outer_sample(args, kwargs)
             options[run_key] = run
             result = executor(*args, **kwargs)
@@ -345,6 +348,45 @@ def _sampling_call(guider, args: tuple, kwargs: dict) -> SamplingCall:
     bound = dict(zip(("noise", "latent_image", "sampler", "sigmas"), args), **kwargs)
     return SamplingCall(getattr(guider, "model_patcher", None), bound.get("latent_image"), bound.get("sampler"),
                         bound.get("sigmas"))
+
+
+# ComfyUI's own attention functions, picked by device rather than by the user: FlashAttention-4
+# may take the dense calls from them (dense_attention="auto"). Any other function ComfyUI
+# dispatches to was chosen at start-up and keeps them, as a Model Attention Backend node does.
+_COMFYUI_DEFAULT_ATTENTION = frozenset({"attention_pytorch", "attention_basic", "attention_sub_quad", "attention_split"})
+_STARTUP_ATTENTION = {
+    "attention_sage": "SageAttention (--use-sage-attention)",
+    "attention3_sage": "SageAttention 3",
+    "attention_flash": "FlashAttention (--use-flash-attention)",
+    "attention_xformers": "xformers attention",
+    "attention_comfy_kitchen_int8": "comfy-kitchen INT8 attention (--use-ck-attention)",
+}
+
+
+def _chosen_dense_attention(options: dict, key: str) -> Optional[str]:
+    """The dense attention the user chose for this run, named, or None (ComfyUI's default).
+
+    Chosen: an override below ours that is not Chorus's (Model Attention Backend, another
+    pack's), or the function ComfyUI was started with (its ``optimized_attention``, which every
+    model imports: SageAttention, comfy-kitchen INT8, FlashAttention, xformers).
+    """
+    walk = options.get(OVERRIDE_KEY)
+    while walk is not None and getattr(walk, "chorus_key", None) != key:
+        walk = getattr(walk, "chorus_previous", None)
+    below = getattr(walk, "chorus_previous", None)
+    while below is not None:
+        if getattr(below, "chorus_key", None) is None:
+            return ATTENTION_BACKEND_NODE if is_attention_backend_override(below) else \
+                "the attention override of another node"
+        below = getattr(below, "chorus_previous", None)
+    try:
+        import comfy.ldm.modules.attention as attention
+    except ImportError:
+        return None
+    name = getattr(getattr(attention, "optimized_attention", None), "__name__", None)
+    if name is None or name in _COMFYUI_DEFAULT_ATTENTION:
+        return None
+    return _STARTUP_ATTENTION.get(name, f"ComfyUI's attention function {name}")
 
 
 def _chain_above_later_backend(options: dict, key: str) -> None:

@@ -241,6 +241,14 @@ class SparseRun:
                                             else f"comfyui (ComfyUI's attention function; {why})")
         return self._dense_kernels[key]
 
+    def leave_dense_to(self, backend: str) -> None:
+        """The user chose the dense attention (``backend``: a Model Attention Backend node below
+        Chorus, or the function ComfyUI was started with, e.g. ``--use-sage-attention``): ComfyUI's
+        function runs every call left dense, FlashAttention-4 takes none. Decided once per run."""
+        self.dense_attention = "comfyui"
+        self._dense_kernels.clear()
+        self.stats.dense_backend = f"comfyui ({backend} runs the calls left dense)"
+
     def _no_fast_dense(self, reason: str) -> None:
         self.dense_attention = "comfyui"
         self._dense_kernels.clear()  # decided again, now as "comfyui"
