@@ -39,7 +39,8 @@ a test taking ``convention`` runs each way: the release's own calls, and the new
      cleanup or history).
 ``comfy/ops.py`` at 5522e4fdda42: nothing Chorus calls; its SDPA wrapper repeats k/v for GQA (item 4).
 
-Tests: items 1, 5 ``test_the_newer_container_convention_*``, ``test_containers_reaching_*``; 2, 3, 7, 9
+Tests: items 1, 5 ``test_the_newer_container_convention_*``, ``test_containers_reaching_*``,
+``test_a_compiled_model_with_the_newest_containers_keeps_one_graph``; 2, 3, 7, 9
 ``test_model_attention_backend_runs_every_call_chorus_leaves_dense`` and
 ``test_the_attention_comfyui_was_started_with_*`` (calls reaching the backend counted per route and
 kind; FlashAttention-4's dense forward made available takes none of them, unlike with ComfyUI's
@@ -602,6 +603,74 @@ def test_core_sparse_attentions_override_alone_is_recognised(tiny_wan_patcher):
         with_core.model_options["transformer_options"]["optimized_attention_override"]
     with pytest.raises(CompetingAttentionError, match=r"Model Sparse Attention \(BlockSparseAttention\)"):
         install_sparse_attention(bare, sparse_provider())
+
+
+class SlotContainer:
+    """The newest AttentionTensorContainer as it is (one slot, no bookkeeping), for compiled runs."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def peek(self):
+        if self.tensor is None:
+            raise RuntimeError("attention tensor container has already been consumed")
+        return self.tensor
+
+    def take(self):
+        tensor = self.peek()
+        self.tensor = None
+        return tensor
+
+
+@pytest.mark.parametrize("below", ["nothing", "int8 containers"])
+def test_a_compiled_model_with_the_newest_containers_keeps_one_graph(tiny_wan_patcher, monkeypatch, below):
+    """TorchCompileModel's wrapper with fullgraph=True: the containers, the newest wrap_attn and
+    Chorus's override (with the container path it keeps for a backend below) trace without a break.
+    SDPA as on a GPU (ComfyUI's CPU attention asks psutil for memory and breaks any graph)."""
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.wan.model as wan
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from torch._dynamo.utils import counters
+
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    sdpa = attention.attention_pytorch.__wrapped__
+    newest = newer_wrap_attn(sdpa)
+    monkeypatch.setattr(attention, "optimized_attention", newest)
+
+    def call_site(q, k, v, heads, transformer_options, **kwargs):
+        if k.shape[1] == CLIP_TOKENS:
+            return newest(q, k, v, heads=heads, transformer_options=transformer_options, low_precision_attention=False)
+        return newest(SlotContainer(q), SlotContainer(k), SlotContainer(v), heads=heads,
+                      transformer_options=transformer_options)
+
+    monkeypatch.setattr(wan, "optimized_attention", call_site)
+    base = tiny_wan_patcher
+    if below == "int8 containers":
+        def kitchen(q, k, v, heads, *args, **kwargs):
+            return sdpa(q, k, v, heads, *args, **kwargs)
+
+        backend = newer_wrap_attn(kitchen)
+        backend.container_function = lambda q, k, v, *args, **kwargs: sdpa(q.take(), k.take(), v.take(), *args,
+                                                                            **kwargs)
+        base = apply_model_attention_backend(tiny_wan_patcher, backend)
+    eager = sample(install_sparse_attention(base, provider_with_dense_calls()))
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        patched = install_sparse_attention(base, provider_with_dense_calls()).clone()
+        set_torch_compile_wrapper(model=patched, backend="inductor", fullgraph=True)
+        latent = sample(patched)
+        breaks = sum(counters["graph_break"].values())
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(latent, eager, rtol=1e-3, atol=1e-3)
+    assert breaks == 0
+    stats = get_run_stats(patched)
+    assert (stats.sparse_calls, stats.dense_calls) == (STEPS - 1, DENSE_SELF_CALLS)
 
 
 # --------------------------------------------------------------------------------------------
