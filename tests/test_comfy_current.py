@@ -4,7 +4,7 @@ Runs on both releases of the suite (0.3.64, 0.19.3). What Chorus relies on that 
 0.19.3 and the newest 0.4x files stored for Comfy-Org/ComfyUI, reproduced here in our own words;
 a test taking ``convention`` runs each way: the release's own calls, and the newest's.
 
-``comfy/ldm/modules/attention.py`` at 82997188568a:
+``comfy/ldm/modules/attention.py`` at 82997188568a and 05080f6022b2:
   1. q/k/v may come as single-use ``AttentionTensorContainer`` (``NewerContainer``); ``wrap_attn``
      gives them to an override's ``container_function`` (no ``func``) when it has one, else takes
      them and calls the override with tensors; with no override a decorated function's own
@@ -15,44 +15,50 @@ a test taking ``convention`` runs each way: the release's own calls, and the new
      a ``container_function`` that prequantizes from the containers), ComfyUI-wide with
      ``--use-ck-attention``; SageAttention ComfyUI-wide with ``--use-sage-attention`` as before.
   4. every backend honours ``scale`` and ``enable_gqa`` (k/v with fewer heads).
-``comfy/ldm/wan/model.py`` at 56bf4365f732:
-  5. self-attention and the text cross-attention pass containers, ``heads=`` by name; the I2V image
-     cross-attention passes tensors and ``low_precision_attention=False`` (``newer_wan_calls``).
-  6. ``context_latents`` (in-context reference): their tokens follow the video's in every block's
+  5. (05080f60) ``ComfyAttention``: each attention module's ``comfy_attention``, whose ``function``
+     a checkpoint sets per layer ("comfy_kitchen_int8"); call sites pass it as
+     ``preferred_attention=``; ``wrap_attn`` drops it from the call and runs it only when no
+     override is set, so an override never sees it (``declare_layer_attention``).
+``comfy/ldm/wan/model.py`` at 56bf4365f732 and 0c9a69aefdb1:
+  6. every attention call in containers (56bf4365: the I2V image part still as tensors), ``heads=``
+     by name, ``preferred_attention=self.comfy_attention``, the image part with
+     ``low_precision_attention=False`` (``newer_wan_calls``).
+  7. ``context_latents`` (in-context reference): their tokens follow the video's in every block's
      sequence, ``grid_sizes`` counts the video only (``context_latent_tokens``). Unchanged since
      0.19.3: a reference latent first, ``time_dim_concat`` frames after, ``block_index``,
      ``total_blocks``, ``block_type``, ``grid_sizes`` in transformer_options. New
      ``patches["double_block"]`` (after each block) and q/k for ``attn1_patch``: Chorus uses neither.
 ``comfy/model_patcher.py`` at e59d85a0f377:
-  7. ``set_model_optimized_attention`` (not in 0.19.3): an ``optimized_attention_override`` closure
+  8. ``set_model_optimized_attention`` (not in 0.19.3): an ``optimized_attention_override`` closure
      calling the function, carrying its ``container_function`` (``ModelPatcher``).
-  8. ``prepare_state(timestep, model_options)``: ON_PREPARE_STATE callbacks get
+  9. ``prepare_state(timestep, model_options)``: ON_PREPARE_STATE callbacks get
      ``(patcher, timestep, model_options)``, the model call's options (0.19.3: ``(patcher, timestep)``).
 ``comfy_extras/nodes_model_advanced.py`` at 691e82787be2:
-  9. Model Attention Backend (not in 0.19.3): "pytorch attention" or "comfy kitchen attention" (INT8)
+ 10. Model Attention Backend (not in 0.19.3): "pytorch attention" or "comfy kitchen attention" (INT8)
      through ``set_model_optimized_attention`` (``apply_model_attention_backend``).
 ``comfy_extras/nodes_sparse_attention.py`` and ``sparse_attention_history.py`` at cf3103c5221f:
- 10. Model Sparse Attention (not in 0.19.3): wraps the override on the hook, puts itself back on top
-     from a keyed ON_PREPARE_STATE callback "block_sparse_attention" (item 8's signature), resets in
+ 11. Model Sparse Attention (not in 0.19.3): wraps the override on the hook, puts itself back on top
+     from a keyed ON_PREPARE_STATE callback "block_sparse_attention" (item 9's signature), resets in
      a keyed ON_CLEANUP one, marks its override (``_block_sparse_attention_patch``/``_previous``),
      publishes ``attention_backend_history_v1`` (``install_core_sparse``; 01dafad3 had no marks,
      cleanup or history).
 ``comfy/ops.py`` at 5522e4fdda42: nothing Chorus calls; its SDPA wrapper repeats k/v for GQA (item 4).
 
-Tests: items 1, 5 ``test_the_newer_container_convention_*``, ``test_containers_reaching_*``,
-``test_a_compiled_model_with_the_newest_containers_keeps_one_graph``; 2, 3, 7, 9
+Tests: items 1, 6 ``test_the_newer_container_convention_*``, ``test_containers_reaching_*``,
+``test_a_compiled_model_with_the_newest_containers_keeps_one_graph``; 2, 3, 8, 10
 ``test_model_attention_backend_runs_every_call_chorus_leaves_dense`` and
 ``test_the_attention_comfyui_was_started_with_*`` (calls reaching the backend counted per route and
 kind; FlashAttention-4's dense forward made available takes none of them, unlike with ComfyUI's
-default attention: ``test_with_comfyuis_default_attention_*``), ``test_a_backend_applied_*``; 4
-``test_a_scaled_or_grouped_query_call_*``; 6 ``test_context_latent_tokens_*``, ``test_extra_frames_*``,
-``test_the_block_patch_takes_*``; 8, 10 ``test_core_sparse_attention_is_refused_by_name_in_any_order``,
-``test_core_sparse_attentions_override_alone_*``.
+default attention: ``test_with_comfyuis_default_attention_*``), ``test_a_backend_applied_*``; 5
+``test_the_attention_the_models_layers_declare_*``; 4 ``test_a_scaled_or_grouped_query_call_*``; 7
+``test_context_latent_tokens_*``, ``test_extra_frames_*``, ``test_the_block_patch_takes_*``; 9, 11
+``test_core_sparse_attention_is_refused_by_name_in_any_order``, ``test_core_sparse_attentions_override_alone_*``.
 """
 
 import collections
 import functools
 import math
+import sys
 import types
 
 import pytest
@@ -95,10 +101,13 @@ class NewerContainer:
 
 
 def newer_wrap_attn(func):
-    """newer wrap_attn's dispatch, as read at 82997188568a (the wrapper keeps ``func``'s name)."""
+    """newer wrap_attn's dispatch, as read at 05080f6022b2 (the wrapper keeps ``func``'s name): it
+    drops ``preferred_attention`` (the layer's own ComfyAttention) from the call, and runs its
+    ``function`` when no override is set."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        preferred = kwargs.pop("preferred_attention", None)
         containers = args[:3] if len(args) >= 3 and isinstance(args[0], NewerContainer) else None
         if containers is not None and not all(isinstance(c, NewerContainer) for c in containers):
             raise TypeError("q, k, and v must all be attention tensor containers")
@@ -114,6 +123,8 @@ def newer_wrap_attn(func):
                             return override.container_function(*args, **kwargs)
                         args = tuple(c.take() for c in containers) + args[3:]
                     return override(func, *args, **kwargs)
+                if preferred is not None and preferred.function is not None:
+                    return preferred.function(*args, **kwargs)
             if containers is not None:
                 if wrapper.container_function is not None:
                     return wrapper.container_function(*args, **kwargs)
@@ -129,24 +140,38 @@ def newer_wrap_attn(func):
 
 @pytest.fixture()
 def newer_wan_calls(comfy_runtime, monkeypatch):
-    """The tiny model's attention calls made as newer Wan makes them, through newer_wrap_attn."""
+    """The tiny model's attention calls made as newer Wan (0c9a69aefdb1) makes them, through
+    newer_wrap_attn: every call in containers, ``heads=`` by name, ``preferred_attention=`` the
+    calling module's ``comfy_attention`` (function None unless a test declares one); the image
+    part with ``low_precision_attention=False``."""
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.wan.model as wan
 
     inner = attention.optimized_attention.__wrapped__  # the release's backend without its wrap_attn
     monkeypatch.setattr(attention, "optimized_attention", newer_wrap_attn(inner))
     NewerContainer.made = []
+    undeclared = types.SimpleNamespace(function=None)
 
     def newer_call_site(q, k, v, heads, transformer_options, **kwargs):
         newer_attention = attention.optimized_attention  # what ComfyUI was started with
+        caller = sys._getframe(1).f_locals.get("self")  # the Wan attention module making the call
+        preferred = getattr(caller, "comfy_attention", undeclared)
         if k.shape[1] == CLIP_TOKENS:  # WanI2VCrossAttention's image part
-            return newer_attention(q, k, v, heads=heads, transformer_options=transformer_options,
-                                   low_precision_attention=False, **kwargs)
+            kwargs = {**kwargs, "low_precision_attention": False}
         return newer_attention(NewerContainer(q), NewerContainer(k), NewerContainer(v), heads=heads,
-                               transformer_options=transformer_options, **kwargs)
+                               preferred_attention=preferred, transformer_options=transformer_options, **kwargs)
 
     monkeypatch.setattr(wan, "optimized_attention", newer_call_site)
     return types.SimpleNamespace(inner=inner, wrap=newer_wrap_attn)
+
+
+def declare_layer_attention(patcher, function):
+    """Newest ComfyAttention (attention.py 05080f6022b2): each Wan attention module's
+    ``comfy_attention.function``, set at load when the checkpoint names the layer's attention
+    (e.g. "comfy_kitchen_int8"); here ``function`` for every layer's self- and cross-attention."""
+    for block in patcher.model.diffusion_model.blocks:
+        block.self_attn.comfy_attention = types.SimpleNamespace(function=function)
+        block.cross_attn.comfy_attention = types.SimpleNamespace(function=function)
 
 
 class ModelPatcher:
@@ -263,7 +288,9 @@ class Backend:
         if route == "int8":
             def containers(q, k, v, heads, *args, **kwargs):
                 q, k, v = q.take(), k.take(), v.take()
-                self.calls[("int8 containers", call_kind(k))] += 1
+                low_precision = kwargs.get("low_precision_attention", True) is not False
+                taken = "int8 containers" if low_precision or q.dtype != torch.float32 else "pytorch"
+                self.calls[(taken, call_kind(k))] += 1
                 return inner(q, k, v, heads, *args, **kwargs)
 
             self.function.container_function = containers
@@ -388,8 +415,8 @@ def test_the_newer_container_convention_gives_the_same_sparse_result(tiny_wan_pa
     assert torch.equal(latent, sparse_latent_of_0364)
     stats = get_run_stats(patched)
     assert (stats.sparse_calls, stats.dense_calls) == (SELF_ATTENTION_CALLS, 0)
-    # self-attention and text cross-attention per layer and step, each taken exactly once
-    assert len(NewerContainer.made) == 3 * 2 * SELF_ATTENTION_CALLS
+    # self-attention, image and text cross-attention per layer and step, each taken exactly once
+    assert len(NewerContainer.made) == 3 * 3 * SELF_ATTENTION_CALLS
     assert {c.takes for c in NewerContainer.made} == {1}
 
 
@@ -432,8 +459,8 @@ def test_a_backend_applied_before_chorus_runs_its_dense_calls_through_its_contai
 
     assert torch.equal(latent, sparse_latent_of_0364)
     assert get_run_stats(patched).sparse_calls == SELF_ATTENTION_CALLS
-    # text cross-attention came as containers, image cross-attention as tensors
-    assert counts == {"containers": SELF_ATTENTION_CALLS, "tensors": SELF_ATTENTION_CALLS}
+    # text and image cross-attention came as containers, to the backend's container path
+    assert counts == {"containers": 2 * SELF_ATTENTION_CALLS, "tensors": 0}
     assert {c.takes for c in NewerContainer.made} == {1}
 
 
@@ -448,7 +475,7 @@ def test_a_backend_applied_after_chorus_is_chained_below_it(tiny_wan_patcher, ne
 
     assert torch.equal(latent, sparse_latent_of_0364)
     assert get_run_stats(patched).sparse_calls == SELF_ATTENTION_CALLS
-    assert counts == {"containers": SELF_ATTENTION_CALLS, "tensors": SELF_ATTENTION_CALLS}
+    assert counts == {"containers": 2 * SELF_ATTENTION_CALLS, "tensors": 0}
 
 
 DENSE_SELF_CALLS = LAYERS + (STEPS - 1)  # the warm-up step's layers, then layer 1 at every later step
@@ -544,6 +571,38 @@ def test_the_attention_comfyui_was_started_with_runs_every_call_chorus_leaves_de
     stats = get_run_stats(patched)
     assert (stats.sparse_calls, stats.dense_calls) == (STEPS - 1, DENSE_SELF_CALLS)
     assert stats.dense_backend == f"comfyui ({named} runs the calls left dense)"
+
+
+def test_the_attention_the_models_layers_declare_runs_every_call_chorus_leaves_dense(
+        tiny_wan_patcher, tiny_wan_file, newer_wan_calls, dense_calls_reference, monkeypatch):
+    """Newest: a checkpoint names its layers' attention (ComfyAttention, comfy-kitchen INT8) and
+    every Wan call passes it as ``preferred_attention``; wrap_attn drops it before calling an
+    override, so Chorus's override runs it for the calls it leaves dense."""
+    import comfy.sd
+
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    convention = types.SimpleNamespace(name="newest")
+    native = Backend("attention_comfy_kitchen_int8", newer_wan_calls.inner, newer_wrap_attn)
+    plain = comfy.sd.load_diffusion_model(str(tiny_wan_file))
+    declare_layer_attention(plain, native.function)
+    sample(plain)  # without Chorus: every call runs the declared function, containers kept
+    assert dict(native.calls) == {("int8 containers", "self"): SELF_ATTENTION_CALLS,
+                                  ("int8 containers", "text"): CROSS_CALLS, ("pytorch", "image"): CROSS_CALLS}
+
+    backend = Backend("attention_comfy_kitchen_int8", newer_wan_calls.inner, newer_wrap_attn)
+    declare_layer_attention(tiny_wan_patcher, backend.function)
+    fast = FastDense(monkeypatch)
+    patched = install_sparse_attention(tiny_wan_patcher, provider_with_dense_calls())
+    latent = sample(patched)
+
+    assert torch.equal(latent, dense_calls_reference)
+    assert dict(backend.calls) == expected_backend_calls("int8", convention)
+    assert fast.calls == 0
+    stats = get_run_stats(patched)
+    assert (stats.sparse_calls, stats.dense_calls) == (STEPS - 1, DENSE_SELF_CALLS)
+    assert stats.dense_backend == ("comfyui (the attention the model's layers declare (attention_comfy_kitchen_int8) "
+                                   "runs the calls left dense)")
 
 
 def test_with_comfyuis_default_attention_fa4_takes_the_dense_self_attention(tiny_wan_patcher, convention,

@@ -27,6 +27,10 @@ def sparse_plan_key(key: str) -> str:
     return f"{key}_sparse_plan"
 
 
+def sparse_declared_key(key: str) -> str:
+    return f"{key}_sparse_declared_attention"
+
+
 def feature_reuse_run_key(key: str) -> str:
     return f"{key}_feature_reuse_run"
 

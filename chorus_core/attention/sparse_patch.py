@@ -6,7 +6,11 @@ How it hooks in (never by copying ``forward_orig``, never by module-level monkey
   ``transformer_options`` handed down to block ``i`` (chained to a block patch already there);
 * ``transformer_options["optimized_attention_override"]`` runs a block's self-attention
   block-sparse with the provider's mask; everything else (cross-attention, layers the provider
-  leaves dense) goes to the override that was there before, or to ComfyUI's own function;
+  leaves dense) goes to the override that was there before, or to what ComfyUI would run without
+  Chorus: the function the layer declares (newer ComfyUI's per-layer ``comfy_attention``, which
+  wrap_attn drops before calling an override), else ComfyUI's own function. FlashAttention-4
+  (``dense_attention="auto"``) takes dense calls only from ComfyUI's default functions, never
+  from a backend the user chose (Model Attention Backend, ``--use-sage-attention``, a layer's);
 * a keyed ``DIFFUSION_MODEL`` wrapper counts the video tokens of each model call, so a block
   whose sequence carries extra tokens (a reference latent at the start, extra frames or context
   latents at the end) is recognised; its self-attention runs dense with one warning, since the
@@ -47,11 +51,11 @@ from .hooks import (AttentionCall, block_sparse, clock_outer_sample, container_f
 from .mask_provider import MaskSource, RunSource, SamplingCall
 from .model_checks import (ATTENTION_BACKEND_NODE, CompetingAttentionError, UnsupportedModelError,
                            check_no_competing_sparse_attention, check_supported_model, is_attention_backend_override)
-from .run_keys import (APPLY_MODEL, DIFFUSION_MODEL, OUTER_SAMPLE, OVERRIDE_KEY, sparse_block_key, sparse_plan_key,
-                       sparse_run_key, sparse_video_key)
+from .run_keys import (APPLY_MODEL, DIFFUSION_MODEL, OUTER_SAMPLE, OVERRIDE_KEY, sparse_block_key, sparse_declared_key,
+                       sparse_plan_key, sparse_run_key, sparse_video_key)
 from .run_stats import LayerStats, RunStats, StepStats
 from .sparse_run import (DENSE_ATTENTION_MODES, BlockCall, CallPlan, SparseAttentionState, SparseRun,
-                         video_token_count)
+                         declared_attention, video_token_count)
 
 __all__ = [
     "UnsupportedModelError",
@@ -98,24 +102,29 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
     fast_dense = not _foreign_override_in(previous)
 
     def sparse_answer(args, kwargs):
-        """(block-sparse or fast dense output, or None; the parsed call or None)."""
+        """(block-sparse or fast dense output, or None; the parsed call or None; the function the
+        layer declares for this call, or None)."""
         options = kwargs.get("transformer_options") or {}
         run, block = options.get(run_key), options.get(block_key)
         if run is None or block is None:
-            return None, None
+            return None, None, None
         call = AttentionCall.parse(args, kwargs)
-        if call is None or not block.claims(call):
-            return None, call
+        if call is None:
+            return None, None, None
+        claimed = block.claims(call)
+        declared = block.declared_for_last_call()
+        if not claimed:
+            return None, call, declared
         plan = options.get(plan_key)
         if plan is not None:
-            return _planned_answer(run, plan, block, call, fast_dense), call
+            return _planned_answer(run, plan, block, call, fast_dense), call, declared
         if block.extra_tokens:
             run.dense_for_extra_tokens(block.layer, block)
-            return None, call
-        return run.attend(block.layer, options, call, fast_dense), call
+            return None, call, declared
+        return run.attend(block.layer, options, call, fast_dense), call, declared
 
     def chorus_attention_override(func, *args, **kwargs):
-        out, call = sparse_answer(args, kwargs)
+        out, call, declared = sparse_answer(args, kwargs)
         if call is None and is_container(args[0] if args else kwargs.get("q")):
             call = AttentionCall.parse(args, kwargs)
         if call is not None and call.containers is not None:
@@ -126,13 +135,14 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
         if out is not None:
             return out
         if previous is not None:
-            return previous(func, *args, **kwargs)
-        return func(*args, **kwargs)
+            return previous(func, *args, **kwargs)  # an override wins over a layer's own choice, as in ComfyUI
+        # newer wrap_attn drops the layer's preferred_attention before calling an override: run it here
+        return (declared or func)(*args, **kwargs)
 
     previous_containers = container_function_of(previous)
     if previous_containers is not None:
         def chorus_attention_containers(*args, **kwargs):
-            out, call = sparse_answer(args, kwargs)
+            out, call, _ = sparse_answer(args, kwargs)
             if out is None:
                 return previous_containers(*args, **kwargs)  # containers still unconsumed
             call.consume()
@@ -188,12 +198,16 @@ def _unwrapped(args: tuple, kwargs: dict, call: AttentionCall) -> tuple[tuple, d
 
 def _make_block_patch(key: str, index: int, previous: Optional[Callable]) -> Callable:
     run_key, block_key, video_key = sparse_run_key(key), sparse_block_key(key), sparse_video_key(key)
+    declared_key = sparse_declared_key(key)
 
     def chorus_block_patch(args, extra):
         options = args.get("transformer_options")
         if options is not None and run_key in options:
             layer = options.get("block_index", index)  # newer ComfyUI sets it; trust it first
             block = BlockCall(layer, args["img"].shape[1], _video_tokens(options, video_key))
+            declared = options.get(declared_key)
+            if declared is not None and 0 <= layer < len(declared):
+                block.declared = declared[layer]
             options = {**options, "block_index": layer, block_key: block}
             args = {**args, "transformer_options": options}
         if previous is not None:
@@ -233,13 +247,18 @@ def _make_apply_model_wrapper(key: str) -> Callable:
     the model call, and the call runs again with the rest of the run dense (one warning); so does
     an error torch.compile raises while it traces the planned call (:func:`planned_path_failed`).
     """
-    run_key, plan_key = sparse_run_key(key), sparse_plan_key(key)
+    run_key, plan_key, declared_key = sparse_run_key(key), sparse_plan_key(key), sparse_declared_key(key)
 
     def chorus_plan_model_call(executor, x, t, *args, **kwargs):
         options = kwargs.get("transformer_options", args[3] if len(args) > 3 else None)
         run = options.get(run_key) if isinstance(options, dict) else None
         if run is None:
             return executor(x, t, *args, **kwargs)
+        declared = declared_attention(getattr(executor.class_obj, "diffusion_model", None))
+        if declared is not None:
+            options[declared_key] = declared
+            if any(own is not None for own, _ in declared) and run.dense_attention != "comfyui":
+                run.leave_dense_to(f"the attention the model's layers declare ({_declared_name(declared)})")
         plan = run.plan_call(options, x, executor.class_obj)  # also steps the run clock
         if plan is None:
             with _eager_if(run.observing()):
@@ -258,6 +277,11 @@ def _make_apply_model_wrapper(key: str) -> Callable:
         return out
 
     return chorus_plan_model_call
+
+
+def _declared_name(declared: tuple) -> str:
+    names = sorted({getattr(f, "__name__", repr(f)) for pair in declared for f in pair if f is not None})
+    return ", ".join(names)
 
 
 def _eager_if(observing: bool):

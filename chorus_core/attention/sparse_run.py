@@ -392,6 +392,20 @@ class CallPlan:
         return self.masks[layer] if 0 <= layer < len(self.masks) else None
 
 
+def declared_attention(diffusion_model) -> Optional[tuple]:
+    """Per layer, (self-attention, cross-attention) functions that newer ComfyUI's layers declare
+    (``comfy_attention.function``, set when a checkpoint names an attention method for the layer,
+    e.g. comfy-kitchen INT8), or None when no layer declares one. ComfyUI runs a declared function
+    unless an override is set; Chorus's override runs it for the calls it leaves dense."""
+    pairs = tuple((_declared(getattr(block, "self_attn", None)), _declared(getattr(block, "cross_attn", None)))
+                  for block in getattr(diffusion_model, "blocks", ()))
+    return pairs if any(f is not None for pair in pairs for f in pair) else None
+
+
+def _declared(module) -> Optional[Callable]:
+    return getattr(getattr(module, "comfy_attention", None), "function", None)
+
+
 def video_token_count(x: torch.Tensor, diffusion_model) -> int:
     """Tokens of a video latent ``[B, C, T, H, W]`` after patchify (a plain loop: compiled
     models trace it without a graph break, a generator would break it)."""
@@ -419,6 +433,10 @@ class BlockCall:
     seq_len: int
     video_tokens: Optional[int] = None  # None: not known (no wrapper ran), taken as all of them
     self_attention_seen: bool = False
+    # the functions this layer's self- and cross-attention declare (newer ComfyUI's per-layer
+    # ``comfy_attention``, set from the checkpoint), or None: what ComfyUI would run without Chorus
+    declared: tuple = (None, None)
+    last_call_self: bool = False
 
     @property
     def extra_tokens(self) -> int:
@@ -431,9 +449,14 @@ class BlockCall:
         its self-attention; the cross-attentions (257 CLIP tokens, 512 text tokens) come after
         it, so a video that happens to have 257 or 512 tokens is not mistaken for them.
         """
-        if self.self_attention_seen or not (call.seq_len == call.kv_len == self.seq_len):
+        self.last_call_self = not self.self_attention_seen and call.seq_len == call.kv_len == self.seq_len
+        if not self.last_call_self:
             return False
         self.self_attention_seen = True
         # An attention mask, a custom scale or grouped KV heads: the kernel would drop them.
         named = call.named
         return call.mask is None and "scale" not in named and not named.get("enable_gqa", False)
+
+    def declared_for_last_call(self) -> Optional[Callable]:
+        """The function the layer declares for the call just seen by ``claims`` (self or cross)."""
+        return self.declared[0 if self.last_call_self else 1]
