@@ -144,7 +144,8 @@ def test_a_bank_that_cannot_store_the_recording_keeps_the_generation(pack, tiny_
     flush_writes(sampler_nodes)
     writer = sys.modules[f"{sampler_nodes.__name__.rpartition('.nodes.')[0]}.chorus_core.reuse.bank_writer"]
     outcome = writer.default_writer().outcome(report["recorded_entry_id"])
-    assert outcome.done.is_set() and outcome.error, "the failed write is known to the writer"
+    # the failed write is known to the writer, which tries it again later from the spool
+    assert outcome.error and (outcome.done.is_set() or outcome.next_try is not None)
     assert bank.stats()["entries"] == 0
     assert torch.isfinite(output.args[0]["samples"]).all()
 

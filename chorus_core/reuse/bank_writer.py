@@ -39,6 +39,7 @@ TEST_ONLY_DELAY_ENV = "CHORUS_TEST_ONLY_WRITER_DELAY_S"
 # A spooled write that fails (the bank's lock held by a long import, a database restarting, a
 # full disk) is tried again after each of these; after the last it stays spooled for the next start.
 RETRY_DELAYS_S = (1.0, 2.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0)
+FLUSH_POLL_S = 0.05  # how often flush() looks whether a write now waits out a back-off
 
 
 class GiveUp(Exception):
@@ -193,14 +194,17 @@ class BankWriter:
             return self._serial
 
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every queued write and its follow-up has finished; False when ``timeout`` ran out first."""
+        """Wait until every queued write and its follow-up has finished, or failed and waits out its
+        back-off (it stays spooled: see :meth:`recordings`); False when ``timeout`` ran out first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             items = list(self._unsettled.values())
         for item in items:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not item.settled.wait(left):
-                return False
+            while not (item.settled.is_set() or item.next_try is not None):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                item.settled.wait(FLUSH_POLL_S if left is None else min(FLUSH_POLL_S, left))
         return True
 
     def drain(self, timeout: float) -> tuple[list[str], list[str]]:
@@ -209,6 +213,8 @@ class BankWriter:
         deadline = time.monotonic() + timeout
         items = self.pending()
         for item in items:
+            if item.next_try is not None and item.next_try > deadline:
+                continue  # failed, and its next try comes after the bound: it stays spooled
             item.done.wait(max(0.0, deadline - time.monotonic()))
         written = [i.entry_id for i in items if i.done.is_set() and i.error is None]
         return written, [i.entry_id for i in items if not i.done.is_set() or i.error is not None]
