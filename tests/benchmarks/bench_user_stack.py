@@ -439,6 +439,10 @@ def check_path(arm: str, m: dict) -> None:
         raise RuntimeError(f"{arm}: the run was a {m['run_mode']} ({m['mask_source']}; {m['warnings']})")
     if not m["finite"]:
         raise RuntimeError(f"{arm}: the output is not finite")
+    if not m.get("backend"):  # seen: a compiled hit reusing a dense model's graph (TorchCompileModel's guard
+        # filter drops transformer_options, where the attention override lives) ran every call dense
+        raise RuntimeError(f"{arm}: reported a {m['run_mode']} but ran no block-sparse attention call "
+                           f"(backend None, density {m.get('measured_density')}, {m['seconds']} s)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -466,6 +470,8 @@ def run_row(ctx, doc, spec: str, save) -> None:
     if arm == "hit" and not ctx["recorded"].get(weights):
         raise RuntimeError(f"{spec}: no entry recorded for {weights} in this bank (run {weights}:miss:eager first)")
     compile_s = None
+    if is_compiled and ctx["reset_dynamo"]:
+        torch._dynamo.reset()  # each compiled row compiles afresh, as in a newly started server
     if is_compiled:
         warm = generate(ctx, model, arm, True)
         check_path(arm, warm)
@@ -642,6 +648,9 @@ def parse_args(argv):
     p.add_argument("--bank", default=str(Path(tempfile.gettempdir()) / "us-bank"),
                    help="the bank folder: a later call on the same machine serves hits from the entries recorded here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reset-dynamo", action="store_true",
+                   help="torch._dynamo.reset() before each compiled row: no row reuses another's graphs (a compiled "
+                        "dense model's graph served a later compiled hit, which then ran dense) or its dynamic shapes")
     p.add_argument("--build-only", action="store_true", help="write the two checkpoint files and stop (no ComfyUI)")
     p.add_argument("--budget-s", type=float, default=520.0, help="start no row after this many seconds")
     p.add_argument("--call-limit-s", type=float, default=None,
@@ -685,7 +694,7 @@ def main(argv=None):
     recorded = {}
     ctx = dict(cuda=cuda, req=make_request(latent_thw), steps=args.steps, cfg=args.cfg, density=args.density,
                bank=bank, shape=shape, blocks=blocks, weights_dir=weights_dir, files=files, model=None,
-               model_name=None, load_s={}, recorded=recorded, session=machine_session(),
+               model_name=None, load_s={}, recorded=recorded, session=machine_session(), reset_dynamo=args.reset_dynamo,
                run_id=f"{machine_session()}-{uuid.uuid4().hex[:6]}")
     doc["details"]["sdpa_choice"] = sdpa_choices(cuda, tokens)
     log(f"torch SDPA picks, cuDNN first: {doc['details']['sdpa_choice']}")

@@ -19,7 +19,7 @@ fi
 limit=$(( ${US_LIMIT:-575} - SECONDS ))
 python3 tests/benchmarks/bench_user_stack.py --out "$OUT" --weights-dir "$WD" --shape "${US_SHAPE:-640x640}" \
   --tag "${US_TAG:-call}" --call-limit-s "$limit" --budget-s "$limit" ${US_ROWS:+--rows "$US_ROWS"} \
-  --git-commit "${US_COMMIT:-unknown}" > "$OUT/bench_${US_TAG:-call}.log" 2>&1
+  --git-commit "${US_COMMIT:-unknown}" ${US_EXTRA:-} > "$OUT/bench_${US_TAG:-call}.log" 2>&1
 echo "bench rc=$? after ${SECONDS} s"
 grep -v "^WARNING:root" "$OUT/bench_${US_TAG:-call}.log" | tail -40
 nvidia-smi --query-gpu=name --format=csv,noheader
