@@ -98,3 +98,28 @@ def test_a_server_that_stops_answering_makes_the_match_a_miss_within_the_bound(p
     assert not match.result.hit and took < 6
     assert "runs as a miss" in match.warning and "did not answer within 2 s" in match.warning
     bank.close()
+
+
+def test_a_prior_miss_whose_server_stops_answering_predicts_online_within_the_bound(pg, tiny_wan_patcher, monkeypatch):
+    """The sampling thread's own bank reads (the prior's compatible entries) are bounded too."""
+    import os
+    import signal
+
+    from chorus_core.bank import MaskBank
+    from chorus_core.reuse import reuse_match
+    from chorus_core.reuse.reuse_run import ReuseOptions
+
+    monkeypatch.setattr(reuse_match, "SERVER_ANSWER_S", 2.0)
+    bank = MaskBank.open(pg.url("stalled_prior"))
+    positive, _, latent = request()
+    match = match_for(bank, tiny_wan_patcher, positive, latent, threshold=0.9999)
+    backend = bank.db.query("SELECT pg_backend_pid() AS pid")[0]["pid"]
+    os.kill(backend, signal.SIGSTOP)
+    try:
+        _, report, _ = run_generation(tiny_wan_patcher, match,
+                                      ReuseOptions(dense_warmup_steps=1, miss_mode="prior", record_on_miss=False))
+    finally:
+        os.kill(backend, signal.SIGCONT)
+    assert report.mode == "miss" and report.mask_source.startswith("online")
+    assert any("did not answer within 2 s" in w for w in report.warnings), report.warnings
+    bank.close()

@@ -8,6 +8,7 @@ ComfyUI's data (a ModelPatcher, CONDITIONING lists, LATENT dicts) but none of it
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import weakref
@@ -25,7 +26,7 @@ from ..attention.masks import MaskRecorder
 from .entry_source import BankEntryProvider, schedule_shortfall
 from .model_identity import fingerprint_patcher
 from .prior_store import PRIOR_ENTRIES, load_prior
-from .reuse_match import ReuseMatch, match_grid_problem
+from .reuse_match import ReuseMatch, bounded, match_grid_problem
 from ..attention.step_times import earlier_dense_step, remember_dense_step
 from ..attention.sparse_patch import DENSE_ATTENTION_MODES, get_sparse_state, install_sparse_attention
 from ..attention.sparse_run import SparseRun
@@ -245,7 +246,7 @@ class ReuseRun(SparseRun):
             if similarity < self.match.request.threshold:
                 break
             try:
-                schedule = self.match.bank.entry_schedule(entry_id)
+                schedule = bounded(self.match.bank, functools.partial(self.match.bank.entry_schedule, entry_id))
             except Exception:  # an unreadable row: the worker's load says why and makes it a miss
                 return entry_id, rank
             shortfall = schedule_shortfall(schedule, self.sampling.steps, self.schedule.sigmas)
@@ -285,7 +286,8 @@ class ReuseRun(SparseRun):
             return None
         request, bank, o, fingerprint = self.match.request, self.match.bank, self.options, self.fingerprint
         try:
-            compatible = bank.compatible_entries(fingerprint, request.layout, limit=PRIOR_ENTRIES)
+            compatible = bounded(bank, lambda: bank.compatible_entries(fingerprint, request.layout,
+                                                                       limit=PRIOR_ENTRIES))
         except Exception as exc:  # an unreadable index: predict online instead
             self.report.warnings.append(f"population prior unavailable: {exc}")
             return None
