@@ -10,7 +10,6 @@ one (a miss). Prints what the pack reported for each. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -51,6 +50,27 @@ def kept_density(report: dict) -> float | None:
     return sum(kept) / len(kept) if kept and any(row["sparse_share"] > 0 for row in layers) else None
 
 
+def density_line(report: dict) -> str:
+    """The sparse steps' kept share, and the whole run's (the log's "density": dense calls count as 1)."""
+    kept = kept_density(report)
+    if kept is None:
+        return "kept density: - (every attention call ran dense)"
+    line = f"kept density: {kept:.0%} of key blocks on the sparse steps (about {1 - kept:.0%} skipped)"
+    whole = report.get("density")
+    if whole is None:
+        return line
+    return line + (f"; {whole:.0%} over the whole run, dense steps counted as 100% "
+                   f"(the log's density {whole:.2f})")
+
+
+def timing_line(timings: dict) -> str:
+    """Sampling time, and a dense and a sparse step where the run had them, in seconds."""
+    parts = [f"{label} {timings[key]:.2f}s" for key, label in (("dense_step_s", "dense step"),
+                                                              ("sparse_step_s", "sparse step"))
+             if timings.get(key) is not None]
+    return f"sampling took {timings.get('sampling_s', 0):.2f}s" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def match_line(report: dict) -> str:
     if report["mode"] == "hit":
         return (f"HIT: entry {report['entry_id']} matched with similarity {report['similarity']:.3f} "
@@ -69,14 +89,10 @@ def print_report(title: str, explanation: str, record: dict, seconds: float, fir
         for report in node_output.get("chorus_report", []):
             print(f"   {match_line(report)}")
             print(f"   mask source: {report.get('mask_source') or '-'} (where this run's sparse masks came from)")
-            density = kept_density(report)
-            shown = "-" if density is None else f"{density:.0%}"
-            print(f"   kept density: {shown} of key blocks on the sparse steps (the dense warm-up step excluded; "
-                  f"{'' if density is None else f'about {1 - density:.0%} of the attention blocks skipped'})")
+            print(f"   {density_line(report)}")
             layers = " ".join(f"L{l['layer']}:{l['sparse_share']:.0%}" for l in report["layers"])
             print(f"   share of each layer's attention calls that ran sparse: {layers}")
-            timings = report.get("timings", {})
-            print(f"   sampling took {timings.get('sampling_s', 0):.2f}s; all timings (ms unless _s): {json.dumps(timings)}")
+            print(f"   {timing_line(report.get('timings', {}))}")
             if report.get("recorded_entry_id"):
                 print(f"   recorded new bank entry {report['recorded_entry_id']}: a later similar request can hit it")
             for warning in report.get("warnings", []):

@@ -1,6 +1,6 @@
 """The demo's report explains each line: miss, hit, dissimilar miss, mask source, kept density."""
 
-from demo import REQUESTS, kept_density, match_line, print_report
+from demo import REQUESTS, density_line, kept_density, match_line, print_report, timing_line
 
 LAYERS = [{"layer": 0, "sparse_share": 0.0, "density": None}, {"layer": 1, "sparse_share": 0.875, "density": 0.3}]
 
@@ -36,8 +36,8 @@ def test_the_first_request_line_says_its_time_includes_loading(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == f"== {title}: success in 6.2s (includes loading the model)"
     assert "   mask source: online prediction (where this run's sparse masks came from)" in lines
-    assert ("   kept density: 65% of key blocks on the sparse steps (the dense warm-up step excluded; about 35% of "
-            "the attention blocks skipped)") in lines
+    assert "   kept density: 65% of key blocks on the sparse steps (about 35% skipped)" in lines
+    assert "   sampling took 1.50s" in lines
     assert "   recorded new bank entry e1: a later similar request can hit it" in lines
     assert [r[0].split(" (")[0] for r in REQUESTS] == ["first request", "similar request", "dissimilar request"]
 
@@ -51,3 +51,17 @@ def test_the_demo_bank_holds_every_entry_its_reports_recorded_after_the_server_s
     out = capsys.readouterr().out
     assert out.count("recorded new bank entry") == 2
     assert "The server has stopped; the bank holds 2 entries, and the reports recorded 2." in out
+
+
+def test_the_density_line_gives_the_sparse_steps_and_the_whole_run_as_the_log_does():
+    report = {"layers": LAYERS, "density": 0.7375}
+    assert density_line(report) == ("kept density: 65% of key blocks on the sparse steps (about 35% skipped); "
+                                    "74% over the whole run, dense steps counted as 100% (the log's density 0.74)")
+    assert density_line({"layers": [{"layer": 0, "sparse_share": 0.0, "density": None}]}) == (
+        "kept density: - (every attention call ran dense)")
+
+
+def test_timings_are_a_sentence_not_raw_json():
+    assert timing_line({"sampling_s": 2.5, "dense_step_s": 0.61, "sparse_step_s": 0.4, "match_ms": 3.0}) == (
+        "sampling took 2.50s (dense step 0.61s, sparse step 0.40s)")
+    assert timing_line({}) == "sampling took 0.00s"
