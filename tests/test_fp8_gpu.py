@@ -119,9 +119,47 @@ def check_fp8(model, weight_dtype):
         assert "fp8_ops" in type(layer).__qualname__, type(layer).__qualname__
 
 
+# torch 2.11 + comfy-kitchen 0.2.40 on ComfyUI 0.19.3: compiling an fp8_scaled model (QuantizedTensor
+# weights) a second time in a process fails in dynamo, ComfyUI's own dense model too (device runs of
+# 2026-12-05, tests/benchmarks/results/user_stack_640.md); not Chorus's to fix, so said, not hidden
+DYNAMO_FP8_SCALED = "vr must not be None for symbol"
+
+
+def check_hit_ran_sparse(report):
+    assert report.mode == "hit", report.warnings
+    assert report.backend is not None, "the hit ran no block-sparse call"  # e.g. a dense graph reused
+    assert report.backend.split(" ")[0] in ("triton", "fa4"), report.backend  # the GPU kernels
+    assert not report.dense_steps  # a hit runs every step sparse
+
+
 @pytest.mark.parametrize("file_format, weight_dtype", LOADS, ids=[f"{f}-{d}" for f, d in LOADS])
-def test_a_miss_records_and_the_same_request_hits_on_an_fp8_model_eager_and_compiled(model_files, tmp_path,
-                                                                                     file_format, weight_dtype):
+def test_a_miss_records_and_the_same_request_hits_on_an_fp8_model(model_files, tmp_path, file_format,
+                                                                  weight_dtype):
+    import bench_end_to_end as e2e
+
+    from chorus_core.bank import MaskBank
+
+    model = load(file_format, weight_dtype)
+    check_fp8(model, weight_dtype)
+    req = e2e.make_request(LATENT)
+    assert torch.isfinite(sample(model, req)).all()
+    bank = MaskBank.open(tmp_path / "bank")
+    try:
+        miss, miss_report = chorus_run(model, bank, req, False)
+        hit, hit_report = chorus_run(model, bank, req, False)
+    finally:
+        bank.close()
+    assert (miss_report.mode, miss_report.recording) == ("miss", "queued"), miss_report.warnings
+    assert miss_report.recorded_entry_id and hit_report.entry_id == miss_report.recorded_entry_id
+    check_hit_ran_sparse(hit_report)
+    assert torch.isfinite(miss).all() and torch.isfinite(hit).all()
+
+
+@pytest.mark.parametrize("file_format, weight_dtype", LOADS, ids=[f"{f}-{d}" for f, d in LOADS])
+def test_compiled_a_miss_records_and_the_same_request_hits_on_an_fp8_model(model_files, tmp_path, file_format,
+                                                                           weight_dtype):
+    """TorchCompileModel on the patched model: the compiled miss records, the compiled hit runs the
+    entry's masks, and served the eager hit's entry it gives the eager hit's output up to compiling."""
     import bench_end_to_end as e2e
     import bench_user_stack as us
     from torch._dynamo.utils import counters
@@ -129,36 +167,54 @@ def test_a_miss_records_and_the_same_request_hits_on_an_fp8_model_eager_and_comp
     from chorus_core.bank import MaskBank
 
     model = load(file_format, weight_dtype)
-    check_fp8(model, weight_dtype)
     req = e2e.make_request(LATENT)
     dense = sample(model, req)
-    assert torch.isfinite(dense).all()
-
     banks = {how: MaskBank.open(tmp_path / f"bank_{how}") for how in ("eager", "compiled")}
     try:
-        hits = {}
-        for how in ("eager", "compiled"):
-            torch._dynamo.reset()
-            counters.clear()
-            miss, miss_report = chorus_run(model, banks[how], req, how == "compiled")
-            hit, hit_report = chorus_run(model, banks[how], req, how == "compiled")
-            assert (miss_report.mode, miss_report.recording) == ("miss", "queued"), (how, miss_report.warnings)
-            assert miss_report.recorded_entry_id
-            assert (hit_report.mode, hit_report.entry_id) == ("hit", miss_report.recorded_entry_id), \
-                (how, hit_report.warnings)
-            assert hit_report.backend.split(" ")[0] in ("triton", "fa4"), hit_report.backend  # the GPU kernels
-            assert not hit_report.dense_steps  # a hit runs every step sparse
-            assert torch.isfinite(miss).all() and torch.isfinite(hit).all()
-            if how == "compiled":
-                assert counters["stats"]["unique_graphs"] > 0  # TorchCompileModel compiled the fp8 model
-            hits[how] = hit
-        # the eager entry served compiled: the same masks, so the outputs differ by compiling alone
-        same_entry, report = chorus_run(model, banks["eager"], req, True)
-        assert report.mode == "hit"
+        chorus_run(model, banks["eager"], req, False)
+        eager_hit, _ = chorus_run(model, banks["eager"], req, False)
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            miss, miss_report = chorus_run(model, banks["compiled"], req, True)
+            hit, hit_report = chorus_run(model, banks["compiled"], req, True)
+            same_entry, same_report = chorus_run(model, banks["eager"], req, True)
+        except AssertionError as exc:
+            if file_format == "fp8_scaled" and DYNAMO_FP8_SCALED in str(exc):
+                pytest.xfail(f"dynamo fails recompiling an fp8_scaled model: {str(exc).splitlines()[0]}")
+            raise
     finally:
         for bank in banks.values():
             bank.close()
+    assert counters["stats"]["unique_graphs"] > 0  # TorchCompileModel compiled the fp8 model
+    assert (miss_report.mode, miss_report.recording) == ("miss", "queued"), miss_report.warnings
+    assert hit_report.entry_id == miss_report.recorded_entry_id
+    check_hit_ran_sparse(hit_report)
+    check_hit_ran_sparse(same_report)
+    assert torch.isfinite(miss).all() and torch.isfinite(hit).all()
     torch._dynamo.reset()
-    compiled_dense = sample(us.compiled(model), req)
-    control = rel_rms(compiled_dense, dense)  # how far compiling moves the dense fp8 model
-    assert rel_rms(same_entry, hits["eager"]) <= 2.0 * control + 0.02, (rel_rms(same_entry, hits["eager"]), control)
+    control = rel_rms(sample(us.compiled(model), req), dense)  # how far compiling moves the dense fp8 model
+    assert rel_rms(same_entry, eager_hit) <= 2.0 * control + 0.02, (rel_rms(same_entry, eager_hit), control)
+
+
+@pytest.mark.xfail(reason="seen at 40 blocks on ComfyUI 0.19.3 (user_stack_640.md, call c7): TorchCompileModel's "
+                          "guard filter drops transformer_options, where the attention override lives, so a hit "
+                          "compiled after the same model was compiled dense reuses the dense graph and runs no "
+                          "block-sparse call; a chorus_core issue, not fixed here", strict=False)
+def test_a_compiled_hit_after_a_compiled_dense_run_of_the_same_model_runs_sparse(model_files, tmp_path):
+    import bench_end_to_end as e2e
+    import bench_user_stack as us
+
+    from chorus_core.bank import MaskBank
+
+    model = load("bf16", "fp8_e4m3fn_fast")
+    req = e2e.make_request(LATENT)
+    bank = MaskBank.open(tmp_path / "bank")
+    try:
+        chorus_run(model, bank, req, False)  # records the entry, eager
+        torch._dynamo.reset()
+        sample(us.compiled(model), req)  # the user's compiled dense run first
+        _, report = chorus_run(model, bank, req, True)
+    finally:
+        bank.close()
+    check_hit_ran_sparse(report)

@@ -550,12 +550,30 @@ def ratios(rows: list[dict]) -> None:
             r[key] = round(base / r["seconds"], 3) if base else None
 
 
-COLUMNS = ["name", "role", "weights", "attention", "compiled", "seconds", "compile_s", "step_ms", "load_s",
+COLUMNS = ["name", "role", "weights", "compute_dtype", "attention", "compiled", "seconds", "compile_s", "step_ms", "load_s",
            "model_load_s", "measured_density", "graphs", "peak_gib", "flush_s", "vs_dense_same_weights",
            "vs_fastest_dense_fp8", "vs_dense_bf16", "run"]
 
 
+def compute_dtype(summary: dict | None) -> str | None:
+    """The dtype ComfyUI computes the loaded model in (its manual cast dtype, else its weights')."""
+    if not summary:
+        return None
+    cast = summary.get("manual_cast_dtype")
+    return (cast if cast and cast != "None" else summary.get("storage_dtype") or "").replace("torch.", "") or None
+
+
+def label_rows(doc: dict) -> None:
+    """Each row's compute dtype, and its attention named with it: ComfyUI 0.19.3 runs Wan in float16
+    on this GPU whatever the file holds (WAN21 lists float16 first among its inference dtypes)."""
+    for r in doc["rows"]:
+        r["compute_dtype"] = compute_dtype(doc["details"]["models"].get(r["weights"]))
+        short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(r["compute_dtype"] or "", "bf16")
+        r["attention"] = r["attention"].replace("chorus_block_sparse_bf16", f"chorus_block_sparse_{short}")
+
+
 def write_results(out_dir: Path, name: str, doc: dict) -> None:
+    label_rows(doc)
     ratios(doc["rows"])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -570,6 +588,9 @@ def write_results(out_dir: Path, name: str, doc: dict) -> None:
     for r in doc["rows"]:
         lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in COLUMNS) + " |")
     lines += ["", "Models as loaded:", ""] + [f"- {k}: {v}" for k, v in d["models"].items()]
+    if d.get("invalid_rows"):
+        lines += ["", "Rows that did not run their arm (kept out of the table):", ""]
+        lines += [f"- {r['name']} (run {r['run']}): {r['seconds']} s; {r['invalid']}" for r in d["invalid_rows"]]
     lines += ["", "Notes:", ""] + [f"- {n}" for n in d["notes"] + [f"error: {e}" for e in d["errors"]]]
     (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
 
@@ -615,7 +636,9 @@ def new_doc(args, cuda, shape, blocks, tokens) -> dict:
                         "weights_files": [], "models": {}, "notes": list(args.note), "errors": []}}
 
 
-def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> None:
+def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str], invalid: list[str]) -> None:
+    """One table from several calls' files; ``invalid`` (NAME@RUN=REASON) moves rows that did not run
+    their arm out of the table into ``details.invalid_rows``, with the reason."""
     docs = [json.loads(p.read_text()) for p in paths]
     merged = docs[0]
     merged["details"]["runs"] = [dict(run=r, date=d["date"], machine=d["machine"], command=d["command"],
@@ -630,6 +653,15 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str]) -> N
         merged["details"]["notes"] += [n for n in d["details"]["notes"] if n not in merged["details"]["notes"]]
         merged["details"]["weights_files"] += d["details"]["weights_files"]
     merged["details"]["notes"] += notes
+    merged["details"].setdefault("invalid_rows", [])
+    for spec in invalid:
+        key, reason = spec.split("=", 1)
+        row_name, run = key.split("@", 1)
+        moved = [r for r in merged["rows"] if r["name"] == row_name and r["run"] == run]
+        if not moved:
+            raise SystemExit(f"--invalid {spec}: no row {row_name} in run {run}")
+        merged["rows"] = [r for r in merged["rows"] if r not in moved]
+        merged["details"]["invalid_rows"] += [dict(r, invalid=reason) for r in moved]
     merged["command"], merged["date"] = command, max(d["date"] for d in docs)
     write_results(out_dir, RESULT_NAMES[merged["details"]["shape"]], merged)
 
@@ -661,6 +693,8 @@ def parse_args(argv):
     p.add_argument("--command", default=None)
     p.add_argument("--note", action="append", default=[])
     p.add_argument("--merge", default=None, metavar="JSON,JSON")
+    p.add_argument("--invalid", action="append", default=[], metavar="NAME@RUN=REASON",
+                   help="with --merge: a row that did not run its arm, moved out of the table with the reason")
     return p.parse_args(argv)
 
 
@@ -668,7 +702,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.merge:
         command = shlex.join(["python", sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
-        return merge([Path(p) for p in args.merge.split(",")], Path(args.out), command, args.note)
+        return merge([Path(p) for p in args.merge.split(",")], Path(args.out), command, args.note, args.invalid)
     cuda = torch.cuda.is_available() and not args.tiny
     device = "cuda" if cuda else "cpu"
     if args.tiny:
