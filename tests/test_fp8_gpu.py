@@ -14,6 +14,15 @@ a 5 x 33 x 64 latent (2,720 tokens) through Chorus Sparse Attention (``ReusePatc
 MODEL-patch node's code) after Similarity Match: eager, a miss on an empty bank records an entry and
 the same request then hits it; compiled (ComfyUI's TorchCompileModel node, inductor), the same on a
 bank of its own. The 40-block runs at Wan 14B shapes are tests/benchmarks/bench_user_stack.py's.
+
+Seen on the device (H100, ComfyUI 0.19.3, torch 2.11, comfy-kitchen 0.2.40; 2026-12-05), in this
+file's first form (one test doing eager then compiled, commit f5444ce): on the fp8_scaled load the
+eager miss recorded and the eager hit served it, the compiled miss (first compile after
+``torch._dynamo.reset()``) ran, and the compiled hit (a new install, so a recompile) failed in dynamo
+with ``AssertionError: vr must not be None for symbol s31`` (comfy/ops.py:214, cast_bias_weight;
+tests/benchmarks/results/user_stack_runs/test_fp8_gpu_log.txt); ``-x`` stopped the fp8_e4m3fn_fast
+case. This form (eager and compiled apart, that dynamo failure an xfail, the dense-graph reuse seen
+at 40 blocks an xfail) has not run on a GPU yet.
 """
 
 import os
