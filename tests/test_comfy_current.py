@@ -683,11 +683,13 @@ class SlotContainer:
         return tensor
 
 
-@pytest.mark.parametrize("below", ["nothing", "int8 containers"])
+@pytest.mark.parametrize("below", ["nothing", "int8 containers", "declared per layer"])
 def test_a_compiled_model_with_the_newest_containers_keeps_one_graph(tiny_wan_patcher, monkeypatch, below):
     """TorchCompileModel's wrapper with fullgraph=True: the containers, the newest wrap_attn and
-    Chorus's override (with the container path it keeps for a backend below) trace without a break.
-    SDPA as on a GPU (ComfyUI's CPU attention asks psutil for memory and breaks any graph)."""
+    Chorus's override (with the container path it keeps for a backend below, or the function a
+    layer declares) trace without a break. SDPA as on a GPU (ComfyUI's CPU attention asks psutil
+    for memory and breaks any graph). The layer's comfy_attention is found by block_index here
+    (the newest Wan passes its own module's; a frame lookup would break the graph)."""
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.wan.model as wan
     from comfy_api.torch_helpers import set_torch_compile_wrapper
@@ -699,14 +701,22 @@ def test_a_compiled_model_with_the_newest_containers_keeps_one_graph(tiny_wan_pa
     newest = newer_wrap_attn(sdpa)
     monkeypatch.setattr(attention, "optimized_attention", newest)
 
+    blocks = tiny_wan_patcher.model.diffusion_model.blocks
+    undeclared = types.SimpleNamespace(function=None)
+
     def call_site(q, k, v, heads, transformer_options, **kwargs):
+        block = blocks[transformer_options["block_index"]]  # set by Chorus's block patch on 0.3.64
+        module = block.self_attn if k.shape[1] == q.shape[1] else block.cross_attn
         if k.shape[1] == CLIP_TOKENS:
-            return newest(q, k, v, heads=heads, transformer_options=transformer_options, low_precision_attention=False)
+            kwargs = {**kwargs, "low_precision_attention": False}
         return newest(SlotContainer(q), SlotContainer(k), SlotContainer(v), heads=heads,
-                      transformer_options=transformer_options)
+                      preferred_attention=getattr(module, "comfy_attention", undeclared),
+                      transformer_options=transformer_options, **kwargs)
 
     monkeypatch.setattr(wan, "optimized_attention", call_site)
     base = tiny_wan_patcher
+    if below == "declared per layer":
+        declare_layer_attention(tiny_wan_patcher, newer_wrap_attn(sdpa))
     if below == "int8 containers":
         def kitchen(q, k, v, heads, *args, **kwargs):
             return sdpa(q, k, v, heads, *args, **kwargs)
