@@ -129,7 +129,7 @@ class PostgresBank(BankStorage):
                 f"Cannot reach the PostgreSQL mask bank at {self._where()} "
                 f"({self._scrub(exc)}). Check that the server runs and accepts connections from "
                 "this machine, and the user, password (PGPASSWORD or ~/.pgpass) and database; "
-                "until then generations run without the bank (dense attention).") from None
+                "until then each generation runs as a miss (online masks, no entry reused).") from None
 
     def _connection(self) -> psycopg.Connection:
         """The open connection, reconnecting after a lost one (e.g. a server restart)."""
