@@ -650,16 +650,20 @@ def test_core_sparse_attention_is_refused_by_name_in_any_order(tiny_wan_patcher,
     assert (core_calls, core.reinstalls, dict(backend.calls)) == ([], 0, {})
 
 
-def test_core_sparse_attentions_override_alone_is_recognised(tiny_wan_patcher):
-    """Its override carried without its callbacks (options copied onto another patcher)."""
+@pytest.mark.parametrize("identity", ["as read", "renamed, marked"])
+def test_core_sparse_attentions_override_alone_is_recognised(tiny_wan_patcher, identity):
+    """Its override carried without its callbacks (options copied onto another patcher), by its
+    name or, renamed, by the mark cf3103c5 puts on it."""
     from chorus_core.attention.model_checks import CompetingAttentionError
     from chorus_core.attention.sparse_patch import install_sparse_attention
 
     with_core = tiny_wan_patcher.clone()
     install_core_sparse(with_core, [])
+    override = with_core.model_options["transformer_options"]["optimized_attention_override"]
+    if identity != "as read":
+        override.__module__, override.__qualname__ = "comfy_extras.block_sparse", "sparse_override"
     bare = tiny_wan_patcher.clone()
-    bare.model_options["transformer_options"]["optimized_attention_override"] = \
-        with_core.model_options["transformer_options"]["optimized_attention_override"]
+    bare.model_options["transformer_options"]["optimized_attention_override"] = override
     with pytest.raises(CompetingAttentionError, match=r"Model Sparse Attention \(BlockSparseAttention\)"):
         install_sparse_attention(bare, sparse_provider())
 

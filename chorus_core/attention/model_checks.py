@@ -42,9 +42,11 @@ ATTENTION_BACKEND_NODE = "Model Attention Backend (ModelAttentionBackend)"
 
 
 def is_core_sparse_override(function) -> bool:
-    """Core's Model Sparse Attention override (comfy_extras/nodes_sparse_attention.py, newer ComfyUI)."""
+    """Core's Model Sparse Attention override (comfy_extras/nodes_sparse_attention.py, newer ComfyUI;
+    from cf3103c5 it is marked with its patch, ``_block_sparse_attention_patch``)."""
     return (getattr(function, "__module__", "") or "").endswith("nodes_sparse_attention") or \
-        getattr(function, "__qualname__", "") == "make_attention_override.<locals>.override"
+        getattr(function, "__qualname__", "") == "make_attention_override.<locals>.override" or \
+        getattr(function, "_block_sparse_attention_patch", None) is not None
 
 
 def is_attention_backend_override(function) -> bool:
@@ -65,7 +67,7 @@ def check_no_competing_sparse_attention(model_patcher, transformer_options: dict
     found = CORE_SPARSE_CALLBACK_KEY in callbacks
     while override is not None and not found:
         found = is_core_sparse_override(override)
-        override = getattr(override, "chorus_previous", None)
+        override = getattr(override, "chorus_previous", getattr(override, "_block_sparse_attention_previous", None))
     if found:
         raise CompetingAttentionError(
             f"Chorus sparse attention and core's {CORE_SPARSE_NODE} node patch the same model: both would make "
