@@ -70,14 +70,18 @@ def comfy_server(tmp_path_factory, comfyui_path):
 
     base = prepare_base_directory(tmp_path_factory.mktemp("comfy_base"))
     _save_tiny_model_in_subprocess(comfyui_path, base / "models" / "diffusion_models" / TINY_MODEL_NAME)
-    server = ComfyServer(base, comfyui=comfyui_path)
+    yield from serve(ComfyServer(base, comfyui=comfyui_path), "comfyui_server.log")
+
+
+def serve(server, log_name: str):
+    """Start ``server``, yield it, stop it and keep its log under tests/artifacts (for a fixture)."""
     server.start()
     try:
         yield server
     finally:
         server.stop()
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        (ARTIFACTS / "comfyui_server.log").write_text(server.log_text())
+        (ARTIFACTS / log_name).write_text(server.log_text())
 
 
 def _save_tiny_model_in_subprocess(comfyui_path, target):

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ARTIFACTS, REPO_ROOT
+from conftest import REPO_ROOT, serve
 from example_workflows_tool import (WAN22_EXPERT_NODES, WAN22_LORAS, WAN22_MODELS, wan21_i2v_template_chorus,
                                     wan22_i2v_14b_template_chorus)
 
@@ -58,14 +58,7 @@ def template_server(tmp_path_factory, comfyui_path):
             "from checkpoint_formats import write_wan22_template_files; "
             f"write_wan22_template_files({str(base / 'models')!r}, {WAN22_MODELS!r}, {WAN22_LORAS!r}, {EXPERT_SEEDS!r})")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
-    server = ComfyServer(base, comfyui=comfyui_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        (ARTIFACTS / "official_templates_server.log").write_text(server.log_text())
+    yield from serve(ComfyServer(base, comfyui=comfyui_path), "official_templates_server.log")
 
 
 def run(server, prompt) -> dict:
