@@ -8,8 +8,9 @@ results file renamed fails here, not in front of a reader."""
 
 import fnmatch
 import re
+import subprocess
 import unicodedata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -24,7 +25,6 @@ TOP_LEVEL = ("tests/", "docs/", "chorus_core/", "nodes/", "kernels/", "example_w
 FILE_SUFFIXES = (".md", ".json", ".log", ".txt", ".png")
 # Backticked names that are not files of this repository (the members of a bank export tar).
 NOT_REPO_FILES = {"entries.json"}
-SKIPPED_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", "node_modules"}
 
 
 def github_slug(heading: str) -> str:
@@ -85,19 +85,17 @@ def code_spans(page: Path) -> list[str]:
 
 
 def repo_files() -> list[str]:
-    """Every file and folder of the working tree, as a path relative to the root with '/'."""
-    found = []
-    stack = [REPO_ROOT]
-    while stack:
-        folder = stack.pop()
-        for child in folder.iterdir():
-            if child.name in SKIPPED_DIRS:
-                continue
-            relative = child.relative_to(REPO_ROOT).as_posix()
-            found.append(relative)
-            if child.is_dir() and not child.is_symlink():
-                stack.append(child)
-    return found
+    """Every file and folder a clone of the repository has (tracked, or new and not ignored), relative, with '/'.
+
+    Asked of git rather than walked: a file only this working tree has (a venv, a downloaded template)
+    must not make a citation pass here that fails on a clean clone.
+    """
+    listed = subprocess.run(["git", "-C", str(REPO_ROOT), "ls-files", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    folders = {str(PurePosixPath(path).parent) for path in listed} - {"."}
+    for folder in list(folders):
+        folders.update(str(parent) for parent in PurePosixPath(folder).parents if str(parent) != ".")
+    return sorted(set(listed) | folders)
 
 
 def exists(path: str) -> bool:
