@@ -90,8 +90,8 @@ def install_signal_drain() -> None:
         return  # only the main thread may set handlers (ComfyUI loads the pack there)
     for signum in (signal.SIGTERM, signal.SIGINT):
         previous = signal.getsignal(signum)
-        if getattr(previous, "chorus_drain", False):
-            continue  # installed already
+        if getattr(previous, "chorus_drain", False) or previous == signal.SIG_IGN:
+            continue  # installed already, or ComfyUI was started to ignore it: it goes on ignoring it
         handler = _drain_then(previous)
         signal.signal(signum, handler)
 
@@ -103,7 +103,7 @@ def _drain_then(previous):
         drain_before_exit(signal.Signals(signum).name)
         if callable(previous):
             previous(signum, frame)
-        elif previous != signal.SIG_IGN:  # the default: end as the signal would have
+        else:  # the default: end as the signal would have
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 

@@ -249,3 +249,22 @@ def test_a_received_bank_with_priors_linked_to_the_models_keeps_them_and_the_gen
         "miss", "population prior of 1 entries", "queued")
     assert bank.stats()["entries"] == 2
     assert [(p.name, p.read_bytes()) for p in checkpoints.iterdir()] == [("wan2.1_i2v_14b.safetensors", b"weights")]
+
+
+def test_a_signal_comfyui_was_started_to_ignore_stays_ignored(pack):
+    """``nohup`` or a background job starts ComfyUI with SIGINT ignored: the drain leaves it so (it would
+    otherwise drain and go on running, swallowing the signal), and still takes SIGTERM."""
+    import signal
+    from importlib import import_module
+
+    lifecycle = import_module(pack[0].__name__.rsplit(".nodes.", 1)[0] + ".nodes.spool_lifecycle")
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        lifecycle.install_signal_drain()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert getattr(signal.getsignal(signal.SIGTERM), "chorus_drain", False)
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)

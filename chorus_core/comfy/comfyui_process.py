@@ -24,6 +24,13 @@ from .comfyui_locator import PACK_DIR, locate_comfyui
 PACK_FOLDER_NAME = "chorus"
 
 
+# Python that resets SIGINT to its default, then becomes ComfyUI (exec: the same pid). A server started
+# from a background job (a CI runner, `cmd &`) inherits SIGINT ignored and would ignore Ctrl-C where a
+# user's ComfyUI would not. A preexec_fn could do the same, but is not safe in a process with threads.
+_WITH_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
@@ -66,7 +73,7 @@ class ComfyServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 240) -> "ComfyServer":
-        args = [sys.executable, str(self.comfyui / "main.py"), "--listen", "127.0.0.1",
+        args = [sys.executable, "-c", _WITH_DEFAULT_SIGINT, str(self.comfyui / "main.py"), "--listen", "127.0.0.1",
                 "--port", str(self.port), "--base-directory", str(self.base_dir),
                 "--disable-auto-launch", *(["--cpu"] if self.cpu else []), *self.extra_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
