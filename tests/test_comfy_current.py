@@ -65,6 +65,7 @@ import pytest
 import torch
 
 from chorus_core.attention.mask_provider import DenseProvider, StaticBlockMapProvider
+from test_compile_patch import CountingDense  # FlashAttention-4's dense forward on the CPU, counted
 
 pytestmark = pytest.mark.comfy
 
@@ -296,24 +297,6 @@ class Backend:
             self.function.container_function = containers
 
 
-class FastDense:
-    """FlashAttention-4's dense forward made available on the CPU and counted (as in
-    test_compile_patch): so a test sees whether Chorus's dense_attention="auto" takes a call."""
-
-    def __init__(self, monkeypatch):
-        import kernels.dense_attention as dense
-        import kernels.fa4_block_sparse as fa4
-
-        self.calls = 0
-        monkeypatch.setattr(dense, "dense_unsupported_for", lambda device, dtype, head_dim: None)
-        monkeypatch.setattr(fa4, "fa4_dense_fwd", self)
-
-    def __call__(self, q, k, v, o):
-        self.calls += 1
-        o.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v))
-        return o
-
-
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
@@ -529,7 +512,7 @@ def test_model_attention_backend_runs_every_call_chorus_leaves_dense(tiny_wan_pa
     from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     backend = Backend(name, convention.inner, convention.wrap)
-    fast = FastDense(monkeypatch)
+    fast = CountingDense(monkeypatch)
     patched = install_sparse_attention(apply_model_attention_backend(tiny_wan_patcher, backend.function),
                                        provider_with_dense_calls())
     latent = sample(patched)
@@ -560,7 +543,7 @@ def test_the_attention_comfyui_was_started_with_runs_every_call_chorus_leaves_de
     monkeypatch.setattr(attention, "optimized_attention", backend.function)
     if convention.name == "release":
         monkeypatch.setattr(wan, "optimized_attention", backend.function)  # bound when Wan was imported
-    fast = FastDense(monkeypatch)
+    fast = CountingDense(monkeypatch)
     patched = install_sparse_attention(tiny_wan_patcher, provider_with_dense_calls())
     latent = sample(patched)
 
@@ -592,7 +575,7 @@ def test_the_attention_the_models_layers_declare_runs_every_call_chorus_leaves_d
 
     backend = Backend("attention_comfy_kitchen_int8", newer_wan_calls.inner, newer_wrap_attn)
     declare_layer_attention(tiny_wan_patcher, backend.function)
-    fast = FastDense(monkeypatch)
+    fast = CountingDense(monkeypatch)
     patched = install_sparse_attention(tiny_wan_patcher, provider_with_dense_calls())
     latent = sample(patched)
 
@@ -609,7 +592,7 @@ def test_with_comfyuis_default_attention_fa4_takes_the_dense_self_attention(tiny
                                                                            monkeypatch):
     from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
-    fast = FastDense(monkeypatch)
+    fast = CountingDense(monkeypatch)
     patched = install_sparse_attention(tiny_wan_patcher, provider_with_dense_calls())
     sample(patched)
     assert fast.calls == DENSE_SELF_CALLS
