@@ -73,6 +73,7 @@ sys.path.insert(0, str(BENCH_DIR.parents[1]))  # the repository: chorus_core
 
 import bench_end_to_end as e2e  # noqa: E402  (request, machine name, cuDNN SDPA; puts the repo on sys.path,
 import bench_reuse_loop as loop  # noqa: E402  so both are imported before ComfyUI's folder goes in front)
+from bench_few_step import graphs_compiled, timed_model_loads  # noqa: E402  (compile count, weight moves)
 import torch  # noqa: E402
 
 HEAD_DIM, BLOCK = 128, 128
@@ -300,17 +301,6 @@ def compiled(model):
         return m
 
 
-def graphs_compiled() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"].get("unique_graphs", 0))
-
-
-def sync(cuda):
-    if cuda:
-        torch.cuda.synchronize()
-
-
 SDPA_ORDER = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
@@ -348,27 +338,6 @@ def sdpa_choices(cuda: bool, tokens: int) -> dict:
     return out
 
 
-@contextlib.contextmanager
-def timed_model_loads(cuda: bool):
-    import comfy.model_management as mm
-
-    seconds, load = [], mm.load_models_gpu
-
-    def timed(*args, **kwargs):
-        began = time.perf_counter()
-        try:
-            return load(*args, **kwargs)
-        finally:
-            sync(cuda)
-            seconds.append(time.perf_counter() - began)
-
-    mm.load_models_gpu = timed
-    try:
-        yield seconds
-    finally:
-        mm.load_models_gpu = load
-
-
 # --------------------------------------------------------------------------------------------
 # One generation
 # --------------------------------------------------------------------------------------------
@@ -397,13 +366,13 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
     stamps, patch = [], None
 
     def callback(step, x0, x, total):
-        sync(cuda)
+        e2e.sync(cuda)
         stamps.append(time.perf_counter())
 
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    sync(cuda)
+    e2e.sync(cuda)
     graphs_before = graphs_compiled()
     start = time.perf_counter()
     with timed_model_loads(cuda) as loads, cudnn_first(cuda), torch.inference_mode():
@@ -414,7 +383,7 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
             sampled = compiled(sampled)
         out = comfy.sample.sample(sampled, noise, ctx["steps"], ctx["cfg"], SAMPLER, SCHEDULER, positive, negative,
                                   latent, callback=callback, disable_pbar=True, seed=0)
-    sync(cuda)
+    e2e.sync(cuda)
     end = time.perf_counter()
     step_ms = [round((b - a) * 1e3, 1) for a, b in zip([start] + stamps[:-1], stamps)]
     m = dict(seconds=round(end - start, 3), step_ms=step_ms, graphs=graphs_compiled() - graphs_before,
