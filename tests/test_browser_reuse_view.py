@@ -15,6 +15,7 @@ import shutil
 import sys
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,17 @@ NEW_FRONTEND = "1.58.1"
 NEW_FRONTEND_ROOT = Path(sys.prefix) / f"frontend-{NEW_FRONTEND}" / "comfyui_frontend_package" / "static"
 CONFIGS = [("1.27.10", "canvas"), (NEW_FRONTEND, "canvas"), (NEW_FRONTEND, "vue")]
 SAMPLER = "3"
+SCRIPT_TIMEOUT_S, LOAD_TIMEOUT_S = 240, 90
+# Which of the page's requests are still open, for the account of a load that hangs.
+TRACK_PENDING_REQUESTS = """
+window.chorusTestPending = new Set();
+const chorusTestFetch = window.fetch;
+window.fetch = function (input, init) {
+    const label = (init?.method ?? 'GET') + ' ' + (input?.url ?? String(input));
+    window.chorusTestPending.add(label);
+    return chorusTestFetch.apply(this, arguments).finally(() => window.chorusTestPending.delete(label));
+};
+"""
 # Node ids are numbers in 1.27.10 and may be strings in 1.58.1 (whose graphs can also hold subgraphs).
 SAMPLER_NODE = f"({APP}.graph.getNodeById({SAMPLER}) ?? {APP}.graph.getNodeById('{SAMPLER}'))"
 
@@ -97,7 +109,11 @@ def _chromium():
                  "--window-size=1600,1300"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_script_timeout(240)
+    driver.set_script_timeout(SCRIPT_TIMEOUT_S)
+    # Selenium's own HTTP timeout (120 s) is shorter than a script's: a slow script would fail as an
+    # opaque urllib3 ReadTimeoutError, and every later command would queue behind it.
+    driver.command_executor.client_config.timeout = SCRIPT_TIMEOUT_S + 60
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": TRACK_PENDING_REQUESTS})
     return driver
 
 
@@ -119,9 +135,29 @@ def _wait_for(driver, script, timeout):
 
 
 def _load(driver, workflow):
+    """The node types of the loaded graph. A load that hangs is retried once on a fresh page, with a
+    warning that says what the page was waiting for; a second hang fails with the same account."""
+    loaded = _load_once(driver, workflow)
+    assert "error" not in loaded, f"the frontend refused the workflow: {loaded['error']}"
+    if "hung" not in loaded:
+        return loaded["types"]
+    warnings.warn(f"loading a workflow hung; retrying on a reloaded page: {loaded}")
+    driver.refresh()
+    _wait_for(driver, f"return !!{APP}?.graph && !!window.chorusReuseReports", 120)
+    loaded = _load_once(driver, workflow)
+    assert "hung" not in loaded, f"loading the workflow hung twice: {loaded}"
+    return loaded["types"]
+
+
+def _load_once(driver, workflow):
     return driver.execute_async_script(f"""
         const done = arguments[arguments.length - 1];
-        {APP}.loadGraphData(arguments[0]).then(() => done({APP}.graph._nodes.map(n => n.type)));
+        const types = () => {APP}.graph._nodes.map(n => n.type);
+        const timer = setTimeout(() => done({{hung: {LOAD_TIMEOUT_S}, types: types(),
+                                               pending: [...(window.chorusTestPending ?? [])]}}),
+                                 {LOAD_TIMEOUT_S * 1000});
+        {APP}.loadGraphData(arguments[0]).then(() => {{ clearTimeout(timer); done({{types: types()}}); }},
+                                               (error) => {{ clearTimeout(timer); done({{types: [], error: String(error)}}); }});
     """, workflow)
 
 
