@@ -197,6 +197,29 @@ class BlobFolder:
                     removed += 1
         return removed
 
+    def quarantined(self) -> list[dict]:
+        """The regular files kept in ``quarantine/``: ``{"key": name, "bytes", "moved"}``; ``moved`` is
+        the time of the rename that put it there (a rename sets the file's ctime, not its mtime)."""
+        found = []
+        for entry in _scandir(self.quarantine_dir):
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed by another writer since the scan
+                continue
+            if stat.S_ISREG(info.st_mode):
+                found.append({"key": entry.name, "bytes": info.st_size, "moved": info.st_ctime})
+        return found
+
+    def remove_quarantined(self, names) -> None:
+        """Unlink those of ``names`` that are regular files directly inside ``quarantine/``."""
+        for name in names:
+            path = self.quarantine_dir / name
+            if name != os.path.basename(name) or not validation.inside(self._real_quarantine, path):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
+
     # ---- scanning (never follows a link) -------------------------------------------------
     def count(self, limit: int | None = None) -> int:
         """How many content-addressed blob files ``blobs/`` holds (stops at ``limit``)."""

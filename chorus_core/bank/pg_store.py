@@ -316,12 +316,23 @@ class PostgresBank(BankStorage):
         self.db.execute(f"INSERT INTO entries ({cols}) VALUES ({', '.join('?' * len(row))})",
                         list(row.values()))
 
-    def _store_entry(self, row: dict, data: bytes) -> None:
+    def _store_entry(self, row: dict, data: bytes):
+        """The blob, the row and the budget's evictions commit together (or, killed, none of them)."""
         with self._write():
             self._put_blob(data, row["blob_sha256"])
             fault("add-blob-written")
             self._insert(row)
+            eviction, _ = self._keep_budget(protect=[row["id"]], written=row["id"])
             fault("add-before-commit")
+        return eviction
+
+    def _quarantined_blobs(self) -> list[dict]:
+        return [{"key": r["id"], "bytes": int(r["bytes"] or 0), "moved": r["moved"]} for r in self.db.query(
+            "SELECT id, COALESCE(octet_length(data), 0) AS bytes, moved FROM quarantine")]
+
+    def _remove_quarantined(self, keys: list) -> None:
+        if keys:
+            self.db.execute("DELETE FROM quarantine WHERE id = ANY(?)", [list(keys)])
 
     def stage_blob(self, data: bytes, sha: str) -> None:
         """Nothing to do before an import's transaction: the blob goes in with its row."""

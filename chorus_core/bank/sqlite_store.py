@@ -194,14 +194,42 @@ class SQLiteBank(BankStorage):
     def _read_blob(self, sha: str, size: int) -> tuple[bytes | None, str | None]:
         return self._files.read(sha, size)
 
-    def _store_entry(self, row: dict, data: bytes) -> None:
-        """Blob file first (temp + fsync + rename), then the row in one transaction."""
+    def _store_entry(self, row: dict, data: bytes):
+        """Blob file first (temp + fsync + rename), then the row and the budget's evictions in one
+        transaction, then the evicted blobs (unlinked after the commit: see :meth:`delete`)."""
         self._write_blob(data, row["blob_sha256"])
         fault("add-blob-written")
         with self._write():
             self._ensure_blob(data, row["blob_sha256"])
             insert_row(self.conn, row)
+            eviction, released = self._keep_budget(protect=[row["id"]], written=row["id"])
             fault("add-before-commit")
+        fault("evict-after-commit")
+        self._release_blobs(released)
+        if eviction:
+            self._sweep_orphans_when_due()
+        return eviction
+
+    def _quarantined_blobs(self) -> list[dict]:
+        return self._files.quarantined()
+
+    def _remove_quarantined(self, keys: list) -> None:
+        self._files.remove_quarantined(keys)
+
+    def _sweep_orphans_when_due(self) -> None:
+        """At most once per ``STALE_TEMP_S`` per bank, a writer that evicted removes old orphan
+        blobs (a writer killed between an eviction's commit and its unlinks leaves some), so a
+        budgeted bank needs nobody to run ``verify`` for its disk to match its budget."""
+        with self._write(bump=False):
+            last = self.conn.execute("SELECT value FROM meta WHERE key = 'orphan_sweep'").fetchone()
+            if last is not None and time.time() - float(last[0] or 0) < STALE_TEMP_S:
+                return
+            self.conn.execute("DELETE FROM meta WHERE key = 'orphan_sweep'")
+            self.conn.execute("INSERT INTO meta (key, value) VALUES ('orphan_sweep', ?)", [str(time.time())])
+        problems = []
+        self._remove_orphans(problems)
+        for problem in problems:
+            warnings.warn(f"Chorus mask bank: {problem}", stacklevel=4)
 
     def _has_entry(self, entry_id: str) -> bool:
         return self.conn.execute("SELECT 1 FROM entries WHERE id = ?", [entry_id]).fetchone() is not None

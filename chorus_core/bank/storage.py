@@ -20,6 +20,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from . import budget as budgets
 from . import transfer, validation
 from .encoding import PackedBlockMaps, encode_masks
 from .entry_masks import EntryMasks
@@ -55,7 +56,8 @@ class BankStorage:
     Public API (the same on every backend): ``open`` (usually through
     :func:`chorus_core.bank.open_bank`, which picks the backend from the location),
     ``add_entry``, ``has_entry``, ``match``, ``load_masks``, ``compatible_entries``, ``quarantine``,
-    ``verify``, ``delete``, ``prune``, ``eviction_order``, ``stats``, ``entries``, ``recent``,
+    ``verify``, ``delete``, ``prune``, ``eviction_order``, ``budget``, ``set_budget``,
+    ``budget_status``, ``stats``, ``entries``, ``recent``,
     ``show``, ``export``, ``import_file``, ``content_token``, ``close``, ``reopen``; for
     export and import (:mod:`.transfer`) also ``check_writable``, ``read_entry_blob``,
     ``stage_blob`` and ``add_imported_rows``; attributes ``read_only``, ``label`` (the
@@ -67,8 +69,9 @@ class BankStorage:
     (one serialised write transaction), ``_bump``, ``_meta``, ``_get_row``, ``_has_entry``,
     ``_read_blob(sha, size) -> (data, reason)``, ``_store_entry(row, data)``,
     ``stage_blob(data, sha)``, ``_import_row(row, read_data)``, ``_record_hit``,
-    ``_quarantine_row``, ``_skip_key``, ``_delete_rows(ids) -> (count, blobs to release)`` and,
-    where blobs live outside the database, ``_release_blobs``.
+    ``_quarantine_row``, ``_skip_key``, ``_delete_rows(ids) -> (count, blobs to release)``,
+    ``_quarantined_blobs()`` and ``_remove_quarantined(keys)`` (the kept quarantined blobs, which
+    count against the budget) and, where blobs live outside the database, ``_release_blobs``.
     """
 
     root: Path | None
@@ -139,6 +142,74 @@ class BankStorage:
         fault("prune-after-commit")
         self._release_blobs(released)
         return doomed
+
+    # ---- the budget (budget.py: what it is and which entries are worth least) -------------
+    @guarded
+    def budget(self) -> budgets.Budget:
+        """The budget stored in this bank (every process writing it keeps the same one)."""
+        rows = self.db.query("SELECT key, value FROM meta WHERE key IN (?, ?)",
+                             [budgets.BYTES_KEY, budgets.ENTRIES_KEY])
+        return budgets.budget_from_meta({r["key"]: r["value"] for r in rows})
+
+    @guarded
+    def set_budget(self, max_bytes: int | None = None, max_entries: int | None = None) -> budgets.Eviction:
+        """Store the bank's budget and evict at once what no longer fits; every later write keeps it.
+
+        :param max_bytes: most bytes of blobs (healthy entries and kept quarantined blobs); None: no limit
+        :param max_entries: most healthy entries; None: no limit (both None removes the budget)
+        :return: what was evicted to fit
+        :raises BankInvalidArgument: a limit that is not a positive whole number
+        """
+        self.check_writable()
+        wanted = budgets.check_budget(max_bytes, max_entries)
+        with self._write(bump=False):
+            for key, value in ((budgets.BYTES_KEY, wanted.max_bytes), (budgets.ENTRIES_KEY, wanted.max_entries)):
+                self.db.execute("DELETE FROM meta WHERE key = ?", [key])
+                if value is not None:
+                    self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?)", [key, str(value)])
+            eviction, released = self._keep_budget()
+        self._release_blobs(released)
+        if eviction:
+            budgets.note_eviction(self.label, eviction)
+        return eviction
+
+    @guarded
+    def budget_status(self) -> dict:
+        """The budget and what counts against it: ``max_bytes``, ``max_entries``, ``bytes`` (healthy
+        entries' blobs plus kept quarantined blobs), ``entries``, ``quarantined_blobs``, ``quarantined_bytes``."""
+        held = self.db.query("SELECT COUNT(*) AS n, COALESCE(SUM(blob_bytes), 0) AS b FROM entries "
+                             "WHERE status = 'ok'")
+        held = next(iter(held))
+        quarantined = self._quarantined_blobs()
+        q_bytes = sum(q["bytes"] for q in quarantined)
+        limit = self.budget()
+        return {"max_bytes": limit.max_bytes, "max_entries": limit.max_entries,
+                "bytes": int(held["b"]) + q_bytes, "entries": int(held["n"]),
+                "quarantined_blobs": len(quarantined), "quarantined_bytes": q_bytes}
+
+    def _keep_budget(self, protect=(), written: str | None = None) -> tuple[budgets.Eviction, list]:
+        """Inside a write transaction (the bank's lock held, so the budget and the rows are those
+        every other writer sees): evict the entries worth least until the bank fits its budget,
+        and quarantined blobs past their keeping time. Returns (what went, blobs to release after
+        the commit). The rows and their blobs go in this transaction, or (folder bank) the blobs
+        after it: a crash leaves unreferenced blobs, never a row without its blob."""
+        limit = self.budget()
+        quarantined = self._quarantined_blobs()
+        if not limit.limited and not quarantined:
+            return budgets.Eviction(budget=limit, written=written), []
+        rows = list(self.db.query("SELECT id, blob_bytes, hits, COALESCE(last_hit, created) AS last_use, created "
+                                  "FROM entries WHERE status = 'ok'"))
+        doomed, drop_q = budgets.choose_evictions(rows, quarantined, limit, time.time(), protect=set(protect))
+        gone, gone_q = set(doomed), set(drop_q)
+        freed = sum(r["blob_bytes"] or 0 for r in rows if r["id"] in gone)
+        freed += sum(q["bytes"] for q in quarantined if q["key"] in gone_q)
+        self._remove_quarantined(drop_q)
+        released = self._delete_rows(doomed)[1] if doomed else []
+        if doomed:
+            self._bump("generation")
+            self._bump("removals")
+        fault("evict-before-commit")
+        return budgets.Eviction(doomed, freed, len(drop_q), limit, written), released
 
     def _release_blobs(self, keys: list) -> None:
         """After a deletion commits: remove blobs kept outside the database (none by default)."""
@@ -235,7 +306,9 @@ class BankStorage:
         entry_id = entry_id or uuid.uuid4().hex  # a background write names its entry up front
         row = self._row(entry_id, fingerprint, layout, schedule, signature, density, recall,
                         tags, validation.blob_name(sha), len(data), sha)
-        self._store_entry(row, data)
+        eviction = self._store_entry(row, data)  # keeps the budget in the same transaction
+        if eviction:
+            budgets.note_eviction(self.label, eviction)
         return entry_id
 
     @staticmethod
@@ -468,8 +541,13 @@ class BankStorage:
                     self._import_row(row, reader)
                 handled += 1
             fault("import-before-commit")
+            eviction, released = budgets.Eviction(), []
             if handled > present:
                 self._bump("generation")
+                eviction, released = self._keep_budget()  # an import is a write: it keeps the budget too
+        self._release_blobs(released)
+        if eviction:
+            budgets.note_eviction(self.label, eviction)
         return handled, present
 
     def _import_reader(self, row: dict, read_data):
