@@ -1,4 +1,4 @@
-"""Command line: ``python -m chorus_core.bank {init,stats,list,show,verify,prune,export,import} PATH``.
+"""Command line: ``python -m chorus_core.bank {init,stats,list,show,verify,prune,budget,export,import} PATH``.
 
 PATH is a bank folder, or a PostgreSQL bank URL ``postgresql://USER@HOST:PORT/DB?schema=NAME``
 (give the password through PGPASSWORD or ~/.pgpass, not on the command line: other users of
@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-bytes", type=_size, help="e.g. 20G, 500M, 1048576 (positive)")
     c.add_argument("--max-entries", type=_count, help="a positive whole number")
     c.add_argument("--dry-run", action="store_true")
+    c = cmd("budget", "show the bank's size budget, or set it: stored in the bank, kept by every writer")
+    c.add_argument("--max-bytes", type=_size, help="e.g. 20G (a limit not given is removed)")
+    c.add_argument("--max-entries", type=_count, help="a positive whole number")
+    c.add_argument("--unlimited", action="store_true", help="remove the budget")
     c = cmd("export", "write entries and blobs to one tar file")
     c.add_argument("file")
     c.add_argument("--tag")
@@ -95,9 +99,22 @@ def _run(args) -> object:
                 raise BankError("prune needs --max-bytes and/or --max-entries, e.g. --max-bytes 20G.")
             removed = bank.prune(args.max_bytes, args.max_entries, dry_run=args.dry_run)
             return {"removed": removed, "dry_run": args.dry_run, **bank.stats()}
+        if args.command == "budget":
+            return _budget(bank, args)
         if args.command == "export":
             return {"exported": bank.export(args.file, tag=args.tag, ids=args.ids), "file": args.file}
         return bank.import_file(args.file)
+
+
+def _budget(bank, args) -> dict:
+    """Without limits: the budget and what counts against it; with them: set, evicting what no longer fits."""
+    limits = args.max_bytes is not None or args.max_entries is not None
+    if args.unlimited and limits:
+        raise BankError("budget: --unlimited removes the budget; give it without --max-bytes and --max-entries.")
+    if not (limits or args.unlimited):
+        return bank.budget_status()
+    eviction = bank.set_budget(args.max_bytes, args.max_entries)
+    return {**bank.budget_status(), "evicted": len(eviction.entry_ids), "bytes_freed": eviction.bytes_freed}
 
 
 def _replay_spool(bank) -> dict:
