@@ -95,6 +95,8 @@ def print_report(title: str, explanation: str, record: dict, seconds: float, fir
             print(f"   {timing_line(report.get('timings', {}))}")
             if report.get("recorded_entry_id"):
                 print(f"   recorded new bank entry {report['recorded_entry_id']}: a later similar request can hit it")
+            for eviction in report.get("evictions", []):
+                print(f"   {eviction['line']}")
             for warning in report.get("warnings", []):
                 print(f"   warning: {warning}")
 

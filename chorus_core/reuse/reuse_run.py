@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from . import bank_writer, recording_queue
 from ..bank import BankIncompatible, Schedule
+from ..bank.budget import take_evictions
 from ..bank.spool import Recording
 from ..bank.encoding import PackedBlockMaps
 from .entry_prefetch import EntryPrefetch
@@ -88,6 +89,10 @@ class RunReport:
     backend: str | None = None  # block-sparse kernel backend and why (e.g. "fa4 (FlashAttention-4 ...)")
     dense_backend: str | None = None  # what the dense self-attention calls ran on, and why
     warnings: list = field(default_factory=list)
+    # Entries this process's writes to the bank evicted to keep its budget since the last report on it
+    # (a queued recording is written after its own run reports: its eviction shows in the next report).
+    # Each: {"written", "evicted", "entry_ids", "bytes_freed", "quarantined_removed", "max_bytes", "max_entries", "line"}
+    evictions: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -348,6 +353,8 @@ class ReuseRun(SparseRun):
                                         for k, v in asdict(self.prefetch.timings).items()})
         if self.recording is not None:
             self._record()
+        if self.match is not None:
+            self.report.evictions = [e.to_json() for e in take_evictions(self.match.bank.label)]
         self.report.timings["finish_ms"] = round((time.perf_counter() - started) * 1e3, 2)
         return self.report
 
