@@ -41,3 +41,15 @@ def test_the_stream_is_the_same_for_a_seed_and_differs_for_another():
     assert [d[0] for d in draws[0]] == [d[0] for d in draws[1]]
     assert all((a[2] == b[2]).all() for a, b in zip(draws[0], draws[1]))
     assert any((a[2] != b[2]).any() for a, b in zip(draws[0], draws[2]))
+
+
+def test_a_budget_policy_never_holds_more_than_its_budget(tmp_path):
+    lifecycle.main(["--requests", "2000", "--kinds", "12", "--policies", "none,budget_10,budget_50", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "bank_lifecycle.json").read_text())
+    none, tight, loose = (row for row in doc["rows"] if row.get("final"))
+    for row, share in ((tight, 10), (loose, 50)):
+        assert FINAL_KEYS <= set(row) and row["budget_bytes"] == int(none["bytes"] * share / 100)
+        assert row["within_budget"] and 0 < row["peak_bytes"] <= row["budget_bytes"]  # after every write
+        assert all(w["bytes"] <= row["budget_bytes"] for w in doc["rows"] if w["policy"] == row["policy"])
+    assert tight["entries"] < loose["entries"] < none["entries"]
+    assert tight["hit_rate"] <= loose["hit_rate"] <= none["hit_rate"]
