@@ -1,7 +1,7 @@
 """How a mask bank grows under production-like traffic: a seeded request stream through the real bank code.
 
 Run: .venv/bin/python tests/benchmarks/bench_bank_lifecycle.py [--requests 100000] [--kinds 300] [--seed 0]
-     [--policies none,prune_25] [--backend folder|postgresql --url postgresql://...]
+     [--policies none,prune_25,budget_10,budget_25,budget_50] [--url postgresql://...]
 Writes tests/benchmarks/results/bank_lifecycle.{json,md,png}.
 
 The stream (mask level, no model): a *kind* of request is an effect template at a recurring layout;
@@ -16,9 +16,12 @@ the shipped recording). A miss records the request's oracle mask (add_entry); a 
 masks (load_masks, the real decode) and scores their recall: the share of the request's own attention
 mass they keep, against the oracle mask's.
 
-Policies: ``none`` (every miss adds an entry: today's behaviour) and ``prune_<P>`` (after each add,
-``prune(max_bytes=P % of the final size of 'none')``: the people's tool run as a writer would, as a
-stand-in for the budget the issue asks for).
+Policies: ``none`` (every miss adds an entry: today's behaviour), ``prune_<P>`` (after each add,
+``prune(max_bytes=P % of the final size of 'none')``: the people's tool, least recently used first, run
+as a writer would) and ``budget_<P>`` (the bank's own budget, ``set_budget(max_bytes=P % of the final
+size of 'none')`` once: every add evicts the entries worth least in its own transaction). After every
+add the bank's budgeted bytes are read; a budget row's ``peak_bytes`` is the most seen, and
+``within_budget`` says whether it never exceeded the budget.
 """
 
 from __future__ import annotations
@@ -99,7 +102,9 @@ def recall(mask: np.ndarray, attention: np.ndarray) -> float:
 def run_policy(policy: str, stream_args: tuple, bank_location: str, budget_bytes: int | None, log) -> dict:
     stream = Stream(*stream_args)
     bank = open_bank(bank_location)
-    served, oracle, latencies, hits, windows, kinds_seen = [], [], [], 0, [], set()
+    if policy.startswith("budget_"):
+        bank.set_budget(max_bytes=budget_bytes)
+    served, oracle, latencies, hits, windows, kinds_seen, peak = [], [], [], 0, [], set(), 0
     masks_of: dict[str, np.ndarray] = {}
     started = time.perf_counter()
     for index in range(stream.requests):
@@ -119,8 +124,9 @@ def run_policy(policy: str, stream_args: tuple, bank_location: str, budget_bytes
             mask = oracle_mask(attention)
             bank.add_entry(FINGERPRINT, LAYOUT, SCHEDULE, mask[None], signature, density=float(mask.mean()),
                            tags=[f"kind{kind}"])
-            if budget_bytes is not None:
+            if policy.startswith("prune_"):
                 bank.prune(max_bytes=budget_bytes)
+            peak = max(peak, bank.budget_status()["bytes"])
         if (index + 1) % WINDOW == 0:
             windows.append(window_row(policy, index + 1, bank.stats(), hits, served, oracle, latencies,
                                       len(kinds_seen)))
@@ -129,7 +135,10 @@ def run_policy(policy: str, stream_args: tuple, bank_location: str, budget_bytes
                 f"{windows[-1]['hit_rate']:.3f}, {time.perf_counter() - started:.0f} s")
     stats = bank.stats()
     bank.close()
-    return {"windows": windows, "final": final_row(policy, windows, stats, len(kinds_seen))}
+    final = final_row(policy, windows, stats, len(kinds_seen))
+    if budget_bytes is not None:
+        final.update(budget_bytes=budget_bytes, peak_bytes=peak, within_budget=peak <= budget_bytes)
+    return {"windows": windows, "final": final}
 
 
 def window_row(policy, requests, stats, hits, served, oracle, latencies, kinds_seen) -> dict:
@@ -161,12 +170,14 @@ def write_results(doc: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bank_lifecycle.json").write_text(json.dumps(doc, indent=2) + "\n")
     lines = [f"# Bank lifecycle ({doc['date']}, {doc['machine']})", "", f"`{doc['command']}` at {doc['git_commit'][:10]}",
-             "", "| policy | entries | kinds seen | hit rate | bytes | served recall |", "|---|---|---|---|---|---|"]
+             "", "| policy | entries | kinds seen | hit rate | last 1,000 hit rate | bytes | budget | peak bytes "
+             "| served recall |", "|---|---|---|---|---|---|---|---|---|"]
     for row in doc["rows"]:
         if row.get("final"):
             recall_text = "n/a" if row["served_recall"] is None else f"{row['served_recall']:.4f}"
             lines.append(f"| {row['policy']} | {row['entries']} | {row['kinds_seen']} | {row['hit_rate']:.3f} | "
-                         f"{row['bytes']} | {recall_text} |")
+                         f"{row['last_window_hit_rate']:.3f} | {row['bytes']} | {row.get('budget_bytes', '-')} | "
+                         f"{row.get('peak_bytes', '-')} | {recall_text} |")
     (out / "bank_lifecycle.md").write_text("\n".join(lines) + "\n")
     plot(doc, out / "bank_lifecycle.png")
 
@@ -197,7 +208,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--kinds", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", default="none,prune_25")
+    parser.add_argument("--policies", default="none,prune_25,budget_10,budget_25,budget_50")
     parser.add_argument("--url", default=None, help="a PostgreSQL bank URL instead of a temporary folder bank")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -205,9 +216,9 @@ def main(argv=None) -> int:
     rows, unbounded = [], None
     for policy in args.policies.split(","):
         budget = None
-        if policy.startswith("prune_"):
+        if policy.startswith(("prune_", "budget_")):
             if unbounded is None:
-                raise SystemExit("a prune_<P> policy needs 'none' run before it (its budget is a share of that size)")
+                raise SystemExit(f"{policy} needs 'none' run before it (its budget is a share of that size)")
             budget = max(1, int(unbounded * int(policy.split("_")[1]) / 100))
         with tempfile.TemporaryDirectory() as tmp:
             result = run_policy(policy, (args.requests, args.kinds, args.seed), args.url or str(Path(tmp) / policy),
