@@ -16,9 +16,10 @@ the machine, under :func:`local_spool_root` (ComfyUI: beside the folder banks, i
 A spool file is untrusted when replayed (it may come with a received bank folder): it must be
 a regular file, no link; its header is read first and bounded; its record is checked like an
 imported row; it is read up to the size its header declares and that size must be the
-file's. A file that fails is moved to ``spool/quarantine/`` with a warning, never fatal. A
-recording whose model files (where the recorder knew them) are all gone is dropped with a log
-line: no request can ever hit it.
+file's. A file that fails, or whose recording the bank refuses (:func:`refused`: its masks or
+values, never a busy, absent or full bank), is moved to ``spool/quarantine/`` with a warning,
+never fatal. A recording whose model files (where the recorder knew them) are all gone is
+dropped with a log line: no request can ever hit it.
 """
 
 from __future__ import annotations
@@ -105,6 +106,25 @@ class Recording:
 
 class SpoolDamaged(ValueError):
     """A spool file that cannot be a recording Chorus wrote (cut short, altered, hostile)."""
+
+
+class RecordingRefused(BankError):
+    """The bank refused a recording for what it holds; its spool file has been quarantined.
+
+    :param reason: a short text naming no path, for the web view and the routes
+    """
+
+    def __init__(self, entry_id: str, exc: BaseException):
+        self.reason = f"the bank refused it ({type(exc).__name__}); its spool file was quarantined"
+        super().__init__(f"Recording {entry_id}: {self.reason}: {exc}")
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether adding a recording failed for the recording's own content (masks that do not fit
+    their layout, a value the bank rejects): the same file fails the same way on every try.
+    Anything else (a lock held by an import, a server away, a full or read-only disk) can pass,
+    so that write is tried again."""
+    return isinstance(exc, (BankIncompatible, ValueError, TypeError))  # BankInvalidArgument is a ValueError
 
 
 # ---- where ------------------------------------------------------------------------------
@@ -359,15 +379,23 @@ def commit(bank, path: Path, recording: Recording, wait: float = 60.0) -> bool:
     """The writer's add of a recording it spooled itself: claim the file, add the entry, remove
     the file. True when this call added it; False when another process replayed it first.
 
-    :raises BankError: the bank refused the write (the file stays spooled), or another
-        process held the file for ``wait`` seconds
+    :raises RecordingRefused: the bank refused the recording itself (:func:`refused`); the
+        file was quarantined
+    :raises BankError: the write failed otherwise (the file stays spooled), or another process
+        held the file for ``wait`` seconds
     """
     with claimed(path, wait) as fd:
         if fd is None:
             if os.path.lexists(path):
                 raise BankError(f"another process has held the spool file {path.name} for {wait:.0f} s")
             return False
-        added = recording.add_to(bank)
+        try:
+            added = recording.add_to(bank)
+        except Exception as exc:
+            if not refused(exc):
+                raise
+            quarantine_file(path, f"the bank refused it: {exc}")
+            raise RecordingRefused(recording.entry_id, exc) from exc
         finish(path)
         return added
 
@@ -427,10 +455,12 @@ def _replay_recording(bank, path: Path, recording: Recording) -> tuple[str, str]
         return "dropped", entry_id
     try:
         added = recording.add_to(bank)
-    except BankIncompatible as exc:  # shape or empty rows: the file was altered
-        quarantine_file(path, str(exc))
-        return "quarantined", path.name
-    except BankError as exc:
+    except Exception as exc:
+        if refused(exc):  # fails the same way at every start: never left spooled for ever
+            quarantine_file(path, f"the bank refused it: {exc}")
+            return "quarantined", path.name
+        if not isinstance(exc, BankError):
+            raise
         log.warning("Chorus: the spooled recording %s stays spooled for the next try: %s", entry_id, exc)
         return "left", f"{entry_id} ({exc})"
     finish(path)

@@ -43,7 +43,9 @@ FLUSH_POLL_S = 0.05  # how often flush() looks whether a write now waits out a b
 
 
 class GiveUp(Exception):
-    """A write that trying again cannot help (its spool file was damaged, or its model is gone)."""
+    """A write that trying again cannot help (the bank refused the recording, its spool file was
+    damaged, or its model is gone). Its message is shown by the routes and the web view: a
+    short reason that names no path."""
 SIMILAR_WAIT_S = 60.0  # longest a request waits for a similar pending entry before it misses
 
 
@@ -59,7 +61,8 @@ class PendingWrite:
     after: Optional[Callable[[], None]] = None  # follow-up work no request waits for (the prior's refresh)
     done: threading.Event = field(default_factory=threading.Event)  # the entry is in the bank (or failed)
     settled: threading.Event = field(default_factory=threading.Event)  # ``after`` has run too
-    error: Optional[str] = None
+    error: Optional[str] = None  # the whole text, for the log (it may name server paths)
+    reason: Optional[str] = None  # why it failed for good, short and without paths (routes, web view)
     spool_path: Optional[object] = None  # the recording's spool file (a Path) until the entry is in
     retry: Optional[Callable[[], None]] = None  # writes it again from its spool file (holds no masks)
     attempts: int = 0  # failed tries so far
@@ -112,8 +115,7 @@ class BankWriter:
             if self._retry_later(item, exc):
                 return False
             item.after = None  # nothing to refresh for an entry that is not there
-            kept = "; it stays spooled and is replayed when the bank is next opened" if item.spool_path else ""
-            log.warning("Chorus: recorded masks %s were not written: %s%s", item.entry_id, item.error, kept)
+            _give_up(item, exc)
         self._finish(item)
         return True
 
@@ -179,14 +181,20 @@ class BankWriter:
 
     def recordings(self, bank_key=None) -> list[dict]:
         """What the web view and routes show: each pending write and each recent failed one, as
-        ``{"entry_id", "state": "queued"|"retrying"|"failed", "attempts", "error", "retry_in_s"}``."""
+        ``{"entry_id", "state": "queued"|"retrying"|"failed", "attempts", "error", "reason", "retry_in_s"}``
+        (``error`` is the whole text, ``reason`` a short one without paths, once failed)."""
         key = None if bank_key is None else str(bank_key)
-        now = time.monotonic()
         with self._lock:
             items = list(self._pending.values()) + [i for i in self._finished.values() if i.error is not None]
-        return [{"entry_id": i.entry_id, "state": _state(i), "attempts": i.attempts, "error": i.error,
-                 "retry_in_s": None if i.next_try is None else round(max(0.0, i.next_try - now), 1)}
-                for i in items if key is None or i.bank_root == key]
+        return [_shown(i) for i in items if key is None or i.bank_root == key]
+
+    def recording_state(self, entry_id: str) -> dict:
+        """One recording as :meth:`recordings` shows it, or state ``recorded`` once it is in the bank,
+        ``unknown`` when this process never had it or has forgotten it (:data:`HISTORY`)."""
+        item = self.outcome(entry_id)
+        if item is None:
+            return {"entry_id": entry_id, "state": "unknown"}
+        return _shown(item)
 
     def state_token(self) -> int:
         """Changes whenever a write is queued or finishes."""
@@ -220,10 +228,30 @@ class BankWriter:
         return written, [i.entry_id for i in items if not i.done.is_set() or i.error is not None]
 
 
+def _give_up(item: PendingWrite, exc: Exception) -> None:
+    """Say in the log, and in ``item.reason`` for the routes, why the write stops being tried."""
+    if isinstance(exc, GiveUp):  # trying again cannot help: not retried, nor left for the next start
+        item.reason = str(exc)
+        log.warning("Chorus: recorded masks %s will not be written (not retried: the same write would "
+                    "fail again): %s", item.entry_id, item.error)
+        return
+    kept = item.spool_path is not None
+    item.reason = f"{type(exc).__name__} after {item.attempts} tries" + ("; stays spooled for the next start"
+                                                                         if kept else "")
+    log.warning("Chorus: recorded masks %s were not written: %s%s", item.entry_id, item.error,
+                "; it stays spooled and is replayed when the bank is next opened" if kept else "")
+
+
 def _state(item: PendingWrite) -> str:
     if item.done.is_set():
-        return "failed"
+        return "failed" if item.error is not None else "recorded"
     return "retrying" if item.attempts else "queued"
+
+
+def _shown(item: PendingWrite) -> dict:
+    retry_in = None if item.next_try is None else round(max(0.0, item.next_try - time.monotonic()), 1)
+    return {"entry_id": item.entry_id, "state": _state(item), "attempts": item.attempts, "error": item.error,
+            "reason": item.reason, "retry_in_s": retry_in}
 
 
 def _test_only_delay() -> None:
@@ -274,6 +302,11 @@ _drained = False
 def recordings(bank_key) -> list[dict]:
     """This process's pending and recently failed writes to one bank (:meth:`BankWriter.recordings`)."""
     return [] if _default is None else _default.recordings(bank_key)
+
+
+def recording_state(entry_id: str) -> dict:
+    """Where one recording of this process is (:meth:`BankWriter.recording_state`); polled by the web view."""
+    return {"entry_id": entry_id, "state": "unknown"} if _default is None else _default.recording_state(entry_id)
 
 
 def flush_all(timeout: Optional[float] = None) -> bool:

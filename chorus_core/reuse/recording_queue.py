@@ -44,15 +44,20 @@ def hand_over(bank, recording: spool.Recording, after=None) -> tuple[str | None,
 def _commit(bank, path, recording: spool.Recording) -> None:
     # Its own connection: SQLite connections are not shared between threads mid-transaction.
     with bank.reopen() as writer_bank:
-        spool.commit(writer_bank, path, recording)
+        try:
+            spool.commit(writer_bank, path, recording)
+        except spool.RecordingRefused as exc:  # the same write would fail again: no back-off, no retry
+            raise bank_writer.GiveUp(exc.reason) from exc
 
 
 def _replay(bank, path) -> None:
     """A failed write tried again from its spool file (what a later start would do)."""
     with bank.reopen() as writer_bank:
         outcome, name = spool.replay_file(writer_bank, path, wait=60.0)
-    if outcome in ("quarantined", "dropped"):
-        raise bank_writer.GiveUp(f"its spool file was {outcome} (the log says why)")
+    if outcome == "quarantined":
+        raise bank_writer.GiveUp("its spool file was damaged or the bank refused it; it was quarantined")
+    if outcome == "dropped":
+        raise bank_writer.GiveUp("its model's files were deleted, so no request could use it; dropped")
     if outcome == "left":
         why = name.partition(" (")[2].rstrip(")") or "another process holds its spool file"
         raise BankError(why)
