@@ -334,9 +334,9 @@ def test_observed_sources_compile_the_same_graphs_whatever_the_depth(tiny_wan_pa
         assert maps.shape[1] == DEEP_LAYERS and (maps == expected_maps).float().mean() > 0.99
 
 
-def test_an_observed_run_on_torch_without_compile_stances_runs_as_before(tiny_wan_patcher, dynamo, monkeypatch):
-    """torch before 2.6 has no torch.compiler.set_stance: observed calls then break the graph as
-    they used to, and the run still completes with the eager result."""
+def test_an_observed_run_on_torch_without_compile_stances_runs_eager_too(tiny_wan_patcher, dynamo, monkeypatch):
+    """torch before 2.6 has no torch.compiler.set_stance; observed calls never needed it (they run
+    the model's uncompiled modules), so they run eager there too: no graph break, the eager result."""
     from comfy_api.torch_helpers import set_torch_compile_wrapper
 
     from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
@@ -348,5 +348,57 @@ def test_an_observed_run_on_torch_without_compile_stances_runs_as_before(tiny_wa
     out = sample(patched)
 
     torch.testing.assert_close(out, expected, **CLOSE)
-    assert sum(dynamo["graph_break"].values()) > 0  # the old way: a graph break per observed call
+    assert dict(dynamo["graph_break"]) == {}
     assert get_run_stats(patched).sparse_calls == LAYERS * (STEPS - 1) and get_run_stats(patched).warnings == []
+
+
+def counted_compiled_function(runs: list):
+    """A function torch.compile'd with a backend that counts each run of its compiled code."""
+    def backend(graph_module, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return graph_module.forward(*args)
+        return run
+
+    return torch.compile(lambda v: v * 2 + 1, backend=backend)
+
+
+@pytest.mark.parametrize("compile_first", [False, True], ids=["compile_added_after", "compile_added_before"])
+def test_an_observed_call_leaves_other_threads_compiled_code_compiled(tiny_wan_patcher, dynamo, compile_first):
+    """An observed model call runs eager for itself only: while one thread is inside it, another
+    thread's compiled function still runs its compiled code (a process-global compile stance
+    made it eager), whichever order TorchCompileModel and Chorus were applied in."""
+    import threading
+
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    from chorus_core.attention.sparse_patch import install_sparse_attention
+
+    runs, inside, resume = [], threading.Event(), threading.Event()
+    other_thread_function = counted_compiled_function(runs)
+    other_thread_function(torch.ones(3))
+
+    def pausing_backend(func, *args, **kwargs):  # the override below Chorus: cross-attention comes here
+        if not torch.compiler.is_compiling() and not inside.is_set():  # the first eager (observed) call
+            inside.set()
+            resume.wait(60)
+        return func(*args, **kwargs)
+
+    below = tiny_wan_patcher.clone()
+    below.model_options["transformer_options"]["optimized_attention_override"] = pausing_backend
+    if compile_first:
+        set_torch_compile_wrapper(model=below, backend="inductor")
+    patched = install_sparse_attention(below, online_source(LAYERS)).clone()
+    if not compile_first:
+        set_torch_compile_wrapper(model=patched, backend="inductor")
+    run = threading.Thread(target=sample, args=(patched,))
+    run.start()
+    try:
+        assert inside.wait(300), "the run never reached an observed model call"
+        other_thread_function(torch.ones(3))
+    finally:
+        resume.set()
+        run.join(300)
+
+    assert not run.is_alive()
+    assert len(runs) == 2  # the compiled code ran again, not the eager function

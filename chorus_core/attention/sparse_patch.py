@@ -35,7 +35,6 @@ The model passed in is never changed. Statistics of the current or last run:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -46,6 +45,7 @@ from typing import Optional
 
 import torch
 
+from .graph_keys import graph_kwarg
 from .hooks import (AttentionCall, block_sparse, clock_outer_sample, container_function_of, is_container, mark_own,
                     unwrap_own)
 from .mask_provider import MaskSource, RunSource, SamplingCall
@@ -261,11 +261,12 @@ def _make_apply_model_wrapper(key: str) -> Callable:
                 run.leave_dense_to(f"the attention the model's layers declare ({_declared_name(declared)})")
         plan = run.plan_call(options, x, executor.class_obj)  # also steps the run clock
         if plan is None:
-            with _eager_if(run.observing()):
-                return executor(x, t, *args, **kwargs)
+            if run.observing():
+                return _call_uncompiled(executor, x, t, *args, **kwargs)
+            return executor(x, t, *args, **kwargs)
         options[plan_key] = plan
-        try:
-            out = executor(x, t, *args, **kwargs)
+        try:  # the extra keyword gives this plan its own compiled graph (see graph_keys)
+            out = executor(x, t, *args, **kwargs, **{graph_kwarg(plan, options, declared): True})
         except Exception as exc:
             if not planned_path_failed(exc):
                 raise
@@ -284,19 +285,38 @@ def _declared_name(declared: tuple) -> str:
     return ", ".join(names)
 
 
-def _eager_if(observing: bool):
-    """Compiled code runs eager inside (a context manager) when ``observing``.
+def _call_uncompiled(executor, *args, **kwargs):
+    """Run this model call on the model's uncompiled modules, and only this call.
 
     Masks decided per call (online prediction, recording) need host work in every layer: traced,
     each such call breaks the graph and the pieces recompile per layer, per step count and per
     request (H200: 17 graphs and a 40 s first step), so such a model call runs eager and planned
-    calls keep the compiled graph. torch before 2.6 has no stance (the graph breaks as before), and
-    inside code being traced (a caller compiled more than the model) the stance cannot change.
+    calls keep the compiled graph. Not by ``torch.compiler.set_stance("force_eager")``: the stance
+    is process-global, so every other thread's compiled code would run eager meanwhile. An
+    innermost APPLY_MODEL wrapper (after TorchCompileModel's, whichever order they were added in)
+    swaps each compiled module for its original for the call. Inside code being traced (a caller
+    compiled more than the model) nothing can be swapped: the call runs as it comes.
     """
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    if not observing or set_stance is None or torch.compiler.is_compiling():
-        return contextlib.nullcontext()
-    return set_stance("force_eager")
+    if torch.compiler.is_compiling():
+        return executor(*args, **kwargs)
+    chain = type(executor).new_class_executor(executor.original, executor.class_obj,
+                                              [*executor.wrappers, _uncompiled_modules], executor.idx)
+    return chain(*args, **kwargs)
+
+
+def _uncompiled_modules(executor, *args, **kwargs):
+    """APPLY_MODEL wrapper, innermost: the model's compiled modules are their originals for this call."""
+    from torch._dynamo.eval_frame import OptimizedModule  # what torch.compile(module) returns
+
+    swapped = [(parent, name, child) for parent in executor.class_obj.modules()
+               for name, child in parent.named_children() if isinstance(child, OptimizedModule)]
+    for parent, name, child in swapped:
+        setattr(parent, name, child._orig_mod)
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        for parent, name, child in reversed(swapped):
+            setattr(parent, name, child)
 
 
 _KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
