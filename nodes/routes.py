@@ -1,5 +1,5 @@
 """Read-only HTTP routes under /chorus/api/: bank statistics (with recordings still pending or
-failed, and how many wait in the spool) and recent entries.
+failed, and how many wait in the spool), recent entries, and one recording's state.
 
 Banks are named, never given as paths: a name is looked up among the folders registered as
 ``chorus_banks`` and the named PostgreSQL banks, so a client cannot point the server at an
@@ -52,15 +52,30 @@ def _public_stats(name: str, bank) -> dict:
 
 
 def _recordings(bank) -> list[dict]:
-    """This server's recordings still on their way into ``bank``, and those that failed: the error's
-    kind only (its text may name server paths; the ComfyUI log has it whole)."""
+    """This server's recordings still on their way into ``bank``, and those that failed."""
     from ..chorus_core.reuse.bank_writer import recordings
 
-    shown = []
-    for item in recordings(bank.label):
-        kind = (item["error"] or "").split(":", 1)[0]
-        shown.append({**item, "error": f"{kind} (the ComfyUI log says why)" if kind else None})
-    return shown
+    return [_public_recording(item) for item in recordings(bank.label)]
+
+
+def _public_recording(item: dict) -> dict:
+    """A recording's state with the error's kind and short reason only (the whole text may name
+    server paths; the ComfyUI log has it)."""
+    kind = (item.get("error") or "").split(":", 1)[0]
+    return {**item, "error": f"{kind} (the ComfyUI log says why)" if kind else None}
+
+
+async def recording_state(request: web.Request) -> web.Response:
+    """Where one recording of this server is: queued, retrying, recorded, failed (with a short reason)
+    or unknown (never queued here, or forgotten since). Polled by the web view while a recording is
+    queued: answered from the writer's memory, no bank is opened."""
+    from ..chorus_core.bank.validation import is_entry_id
+    from ..chorus_core.reuse.bank_writer import recording_state as state_of
+
+    entry_id = request.match_info["entry_id"]
+    if not is_entry_id(entry_id):
+        raise web.HTTPBadRequest(text="an entry id is 32 lowercase hex digits")
+    return web.json_response(_public_recording(state_of(entry_id)))
 
 
 async def list_banks(request: web.Request) -> web.Response:
@@ -118,5 +133,6 @@ def register() -> None:
     routes.get("/chorus/api/banks")(list_banks)
     routes.get("/chorus/api/banks/{name}/stats")(bank_stats)
     routes.get("/chorus/api/banks/{name}/recent")(recent_entries)
+    routes.get("/chorus/api/recordings/{entry_id}")(recording_state)
     _registered = True
     logging.debug("Chorus: routes registered under /chorus/api/")

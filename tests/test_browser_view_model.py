@@ -51,7 +51,11 @@ console.log(JSON.stringify({
   strides: [labelStride(2), labelStride(10), labelStride(40)],
   recordings: [{ recording: "queued", recorded_entry_id: "0123456789abcdef" },
                { recording: "recorded", recorded_entry_id: "0123456789abcdef" },
-               { recording: null, warnings: ["masks not recorded: the disk is full"] }].map((r) =>
+               { recording: null, warnings: ["masks not recorded: the disk is full"] },
+               ...[{ state: "recorded" }, { state: "retrying", attempts: 1 }, { state: "unknown" },
+                   { state: "failed", reason: "the bank refused it (BankIncompatible); its spool file was quarantined" },
+                   { state: "failed", error: "BankError (the ComfyUI log says why)" }].map((polled) => (
+                 { recording: "queued", recorded_entry_id: "0123456789abcdef", recording_state: polled }))].map((r) =>
     summarise({ mode: "miss", layers, ...r }).recording),
 }));
 """
@@ -74,8 +78,14 @@ def test_the_view_says_source_entry_density_and_saving_at_a_glance():
         "savedMeaning": "Mean wall time of this run's sparse steps against its dense warm-up step (usually the first, "
                         "so it also carries one-time costs); without both, the share of attention blocks skipped.",
         "recording": ""}
-    assert out["recordings"] == ["recording 0123456789ab… queued: on disk, going into the bank",
-                                 "recorded as entry 0123456789ab…", "not recorded (see warnings)"]
+    assert out["recordings"] == [
+        "recording 0123456789ab… queued: on disk, going into the bank", "recorded as entry 0123456789ab…",
+        "not recorded (see warnings)",
+        # what the view's poll of /chorus/api/recordings/<id> found after the report
+        "recorded as entry 0123456789ab…", "recording 0123456789ab… queued: its write failed, trying again (try 2)",
+        "recording 0123456789ab… queued: this server no longer tracks it (restarted?)",
+        "recording 0123456789ab… failed: the bank refused it (BankIncompatible); its spool file was quarantined",
+        "recording 0123456789ab… failed: BankError (the ComfyUI log says why)"]
     assert [(b["label"], b["kept"], b["dense"]) for b in out["bars"]] == [("L0", 1, True), ("L1", 0.2, False),
                                                                          ("L2", 0.4, False)]
     assert out["kept"] == pytest.approx(1.6 / 3)

@@ -121,3 +121,20 @@ def test_a_transient_failure_is_retried_and_the_state_says_recorded_once_in(bank
     assert item.error is None and len(calls) == 2
     assert bank_writer.recording_state(rec.entry_id)["state"] == "recorded"
     assert bank_writer.recording_state("0" * 32) == {"entry_id": "0" * 32, "state": "unknown"}
+
+
+def test_a_recording_whose_model_was_deleted_before_its_write_is_dropped_not_written(bank, tmp_path, caplog):
+    """Its model is gone (deleted between the generation and the write): no request could ever
+    hit the entry, so it is dropped at its first try, as a replay drops it, and shown failed."""
+    model = tmp_path / "wan.safetensors"
+    model.write_bytes(b"weights")
+    rec = recording(seed=6, model_files=(str(model),))
+    model.unlink()
+
+    recording_queue.hand_over(bank, rec)
+    item = wait_done(rec.entry_id)
+
+    assert item.reason == "its model's files were deleted, so no request could use it; dropped"
+    assert item.attempts == 1
+    assert bank.stats()["entries"] == 0 and spool.spooled_count(bank) == 0
+    assert f"dropped the spooled recording {rec.entry_id}" in caplog.text

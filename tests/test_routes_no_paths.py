@@ -55,3 +55,21 @@ def test_stats_name_the_bank_not_its_folder_and_a_damaged_bank_says_so_briefly(r
     for answer in (json.dumps(stats), text):
         assert str(banks) not in answer and "sqlite" not in answer.lower()
     assert str(banks) in caplog.text  # the whole text is in the server's log
+
+
+def test_a_recordings_state_is_answered_from_memory_and_a_bad_id_is_refused(routes_and_banks):
+    """The web view polls it while a recording is queued: no bank is opened, no path answered."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    routes, _ = routes_and_banks
+
+    def ask(entry_id):
+        request = make_mocked_request("GET", f"/chorus/api/recordings/{entry_id}", match_info={"entry_id": entry_id})
+        try:
+            return json.loads(asyncio.run(routes.recording_state(request)).text)
+        except web.HTTPException as exc:
+            return exc.status
+
+    assert ask("0" * 32) == {"entry_id": "0" * 32, "state": "unknown", "error": None}
+    assert ask("../../etc/passwd") == 400

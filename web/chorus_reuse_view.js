@@ -9,15 +9,21 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { chorusErrorsOnce } from "./chorus_node_errors.js";
 import { resolveNodePath } from "./chorus_node_paths.js";
-import { DENSE_COLOUR, labelStride, layerBars, percent, summarise } from "./chorus_view_model.js";
+import { DENSE_COLOUR, RECORDING_PENDING, labelStride, layerBars, percent, summarise } from "./chorus_view_model.js";
 
 const EXTENSION = "chorus.reuse_view";
 const VIEW_TYPES = new Set(["ChorusSparseWanSampler", "ChorusSparseAttention"]);
 const WIDGET_NAME = "chorus_reuse_view";
 const VIEW_HEIGHT = 132;
+// A queued recording's write happens after the report: its state is asked for every POLL_MS until
+// it is recorded or failed, at most POLL_LIMIT times (ten minutes, past the writer's back-offs).
+const POLL_MS = 2000;
+const POLL_LIMIT = 300;
 
 // Last report per node id path, for tests and other extensions (window.chorusReuseReports).
 const reports = new Map();
+// "node path, entry id" of the recordings whose state is being asked for.
+const following = new Set();
 
 function element(tag, className, text) {
   const el = document.createElement(tag);
@@ -117,6 +123,34 @@ function onStep({ detail }) {
 function showFinal(node, report) {
   const previous = reports.get(String(node)) ?? {};
   show(node, { ...previous, ...report, step: report.steps });
+  if (report.recording === "queued" && report.recorded_entry_id) followRecording(node, report.recorded_entry_id);
+}
+
+// Ask for the recording's state until it settles; stops by itself, and as soon as the node shows
+// another run (its report then names another recording, or none).
+function followRecording(idPath, entryId) {
+  const key = `${idPath} ${entryId}`;
+  if (following.has(key)) return;
+  following.add(key);
+  const current = () => reports.get(String(idPath));
+  let left = POLL_LIMIT;
+  const tick = async () => {
+    const state = current()?.recorded_entry_id === entryId && left-- > 0 ? await recordingState(entryId) : null;
+    if (current()?.recorded_entry_id !== entryId || left < 0) return following.delete(key);
+    if (state) show(idPath, { ...current(), recording_state: state });
+    if (state && !RECORDING_PENDING.has(state.state)) return following.delete(key);
+    setTimeout(tick, POLL_MS);
+  };
+  setTimeout(tick, POLL_MS);
+}
+
+async function recordingState(entryId) {
+  try {
+    const answer = await api.fetchApi(`/chorus/api/recordings/${encodeURIComponent(entryId)}`);
+    return answer.ok ? await answer.json() : null;
+  } catch {
+    return null; // the server is restarting: asked again at the next tick
+  }
 }
 
 function onExecuted({ detail }) {

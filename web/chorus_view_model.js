@@ -98,15 +98,29 @@ function entryLine(report) {
   return report?.mask_source ? `source: ${report.mask_source}` : "";
 }
 
+// States of a queued recording that may still change: the view keeps asking the server.
+export const RECORDING_PENDING = new Set(["queued", "retrying"]);
+
 // Where this run's recording is: "queued" is on disk in the bank's spool (it survives a stop or a
-// crash) and goes into the bank in the background; the bank's stats route lists it until then,
-// and lists it as failed if the writer gave up (it stays spooled for the next start).
+// crash) and goes into the bank in the background. The report is sent before that write, so the
+// view asks the server (/chorus/api/recordings/<id>, kept as report.recording_state) until the
+// write is recorded or has failed.
 function recordingLine(report) {
   const id = shortId(report?.recorded_entry_id);
+  const polled = report?.recording === "queued" ? report?.recording_state?.state : null;
+  if (polled === "recorded") return `recorded as entry ${id}`;
+  if (polled === "failed") return `recording ${id} failed: ${failureReason(report.recording_state)}`;
+  if (polled === "retrying") return `recording ${id} queued: its write failed, trying again (try ${report.recording_state.attempts + 1})`;
+  if (polled === "unknown") return `recording ${id} queued: this server no longer tracks it (restarted?)`;
   if (report?.recording === "queued") return `recording ${id} queued: on disk, going into the bank`;
   if (report?.recording === "recorded") return `recorded as entry ${id}`;
   const dropped = (report?.warnings ?? []).find((w) => String(w).startsWith("masks not recorded"));
   return dropped ? "not recorded (see warnings)" : "";
+}
+
+// The server's short reason (never a server path), else the error's kind.
+function failureReason(state) {
+  return state?.reason ?? state?.error ?? "the ComfyUI log says why";
 }
 
 function shortId(id) {

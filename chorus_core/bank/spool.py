@@ -109,14 +109,18 @@ class SpoolDamaged(ValueError):
 
 
 class RecordingRefused(BankError):
-    """The bank refused a recording for what it holds; its spool file has been quarantined.
+    """A recording that can never go in (the bank refused what it holds, or its model is gone);
+    its spool file has been quarantined or removed.
 
     :param reason: a short text naming no path, for the web view and the routes
     """
 
-    def __init__(self, entry_id: str, exc: BaseException):
-        self.reason = f"the bank refused it ({type(exc).__name__}); its spool file was quarantined"
-        super().__init__(f"Recording {entry_id}: {self.reason}: {exc}")
+    def __init__(self, entry_id: str, reason: str, detail: str = ""):
+        self.reason = reason
+        super().__init__(f"Recording {entry_id}: {reason}" + (f" ({detail})" if detail else ""))
+
+
+MODEL_GONE = "its model's files were deleted, so no request could use it; dropped"
 
 
 def refused(exc: BaseException) -> bool:
@@ -379,8 +383,8 @@ def commit(bank, path: Path, recording: Recording, wait: float = 60.0) -> bool:
     """The writer's add of a recording it spooled itself: claim the file, add the entry, remove
     the file. True when this call added it; False when another process replayed it first.
 
-    :raises RecordingRefused: the bank refused the recording itself (:func:`refused`); the
-        file was quarantined
+    :raises RecordingRefused: the bank refused the recording itself (:func:`refused`; the file
+        was quarantined), or its model's files are gone (the file was removed)
     :raises BankError: the write failed otherwise (the file stays spooled), or another process
         held the file for ``wait`` seconds
     """
@@ -389,13 +393,17 @@ def commit(bank, path: Path, recording: Recording, wait: float = 60.0) -> bool:
             if os.path.lexists(path):
                 raise BankError(f"another process has held the spool file {path.name} for {wait:.0f} s")
             return False
+        if recording.models_gone():
+            drop_file(path, recording)
+            raise RecordingRefused(recording.entry_id, MODEL_GONE)
         try:
             added = recording.add_to(bank)
         except Exception as exc:
             if not refused(exc):
                 raise
             quarantine_file(path, f"the bank refused it: {exc}")
-            raise RecordingRefused(recording.entry_id, exc) from exc
+            reason = f"the bank refused it ({type(exc).__name__}); its spool file was quarantined"
+            raise RecordingRefused(recording.entry_id, reason, str(exc)) from exc
         finish(path)
         return added
 
@@ -449,9 +457,7 @@ def replay_file(bank, path: Path, wait: float = 0.0) -> tuple[str, str]:
 def _replay_recording(bank, path: Path, recording: Recording) -> tuple[str, str]:
     entry_id = recording.entry_id
     if recording.models_gone():
-        log.warning("Chorus: dropped the spooled recording %s: its model (%s) no longer exists, so no "
-                    "request could use it", entry_id, ", ".join(os.path.basename(p) for p in recording.model_files))
-        finish(path)
+        drop_file(path, recording)
         return "dropped", entry_id
     try:
         added = recording.add_to(bank)
@@ -465,6 +471,13 @@ def _replay_recording(bank, path: Path, recording: Recording) -> tuple[str, str]
         return "left", f"{entry_id} ({exc})"
     finish(path)
     return ("added" if added else "present"), entry_id
+
+
+def drop_file(path: Path, recording: Recording) -> None:
+    """Remove the spool file of a recording whose model is gone (call while holding its claim), and say so."""
+    log.warning("Chorus: dropped the spooled recording %s: its model (%s) no longer exists, so no request "
+                "could use it", recording.entry_id, ", ".join(os.path.basename(p) for p in recording.model_files))
+    finish(path)
 
 
 def quarantine_file(path: Path, reason: str) -> None:

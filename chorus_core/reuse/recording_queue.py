@@ -57,7 +57,7 @@ def _replay(bank, path) -> None:
     if outcome == "quarantined":
         raise bank_writer.GiveUp("its spool file was damaged or the bank refused it; it was quarantined")
     if outcome == "dropped":
-        raise bank_writer.GiveUp("its model's files were deleted, so no request could use it; dropped")
+        raise bank_writer.GiveUp(spool.MODEL_GONE)
     if outcome == "left":
         why = name.partition(" (")[2].rstrip(")") or "another process holds its spool file"
         raise BankError(why)
