@@ -213,3 +213,14 @@ def test_an_existing_bank_opens_read_only_by_its_combo_value_whatever_new_bank_n
     prompt = _with({"5.bank": "validation_existing", "5.new_bank_name": "", "5.read_only": True})
     record = comfy_server.run_prompt(prompt, timeout=300)
     assert record["status"]["status_str"] == "success", record["status"]
+
+
+def test_a_refused_prompt_reads_each_problem_once_in_the_clients_error(comfy_server):
+    """Tried as a new user: ComfyUI's raw answer showed a two-input rule's message three times."""
+    message = "max_density must be between 0.01 and 1 (a share of key blocks), got 1.5."
+    with pytest.raises(RuntimeError) as refused:
+        comfy_server.queue_prompt(_with({"3.max_density": 1.5}))
+    text = str(refused.value)
+    assert text.count(message) == 1, text
+    assert f"node {SAMPLER} ChorusSparseWanSampler (input min_density, max_density): {message}" in text
+    assert text.splitlines()[0] == "POST /prompt failed (400): Prompt outputs failed validation"

@@ -134,7 +134,8 @@ class ComfyServer:
             with urllib.request.urlopen(request, timeout=30) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            raise RuntimeError(f"POST {route} failed ({exc.code}): {exc.read().decode(errors='replace')}") from exc
+            body = exc.read().decode(errors="replace")
+            raise RuntimeError(f"POST {route} failed ({exc.code}): {describe_refusal(body)}") from exc
 
     def queue_prompt(self, prompt: dict) -> str:
         """Submit an API-format workflow; returns its prompt id."""
@@ -176,6 +177,40 @@ class ComfyServer:
                 return history[prompt_id]
             time.sleep(0.1)
         raise RuntimeError(f"prompt {prompt_id} finished but /history has no record of it")
+
+
+def describe_refusal(body: str) -> str:
+    """A refused prompt's errors for a person, each once: ComfyUI's answer repeats a rule's message
+    on every input the rule reads, beside its own generic ``message`` fields. Any other body is
+    returned as it came."""
+    try:
+        answer = json.loads(body)
+        node_errors = answer.get("node_errors") or {}
+        top = answer.get("error") or {}
+    except (ValueError, AttributeError):
+        return body
+    lines = [top.get("message", "ComfyUI refused the prompt")]
+    if top.get("details"):
+        lines[0] += f": {top['details']}"
+    for node_id, entry in node_errors.items():
+        for detail, inputs in _errors_by_detail(entry.get("errors", [])).items():
+            on = f" (input {', '.join(inputs)})" if inputs else ""
+            lines.append(f"  node {node_id} {entry.get('class_type', '')}{on}: {detail}")
+    return "\n".join(lines)
+
+
+def _errors_by_detail(errors: list) -> dict:
+    """{detail: [input names]}, the detail without ComfyUI's "input - " prefix."""
+    grouped: dict = {}
+    for error in errors:
+        name = (error.get("extra_info") or {}).get("input_name")
+        detail = error.get("details") or error.get("message", "")
+        if name and detail.startswith(f"{name} - "):
+            detail = detail[len(name) + 3:]
+        inputs = grouped.setdefault(detail or error.get("message", ""), [])
+        if name:
+            inputs.append(name)
+    return grouped
 
 
 def _ends(message: dict, prompt_id: str) -> bool:
