@@ -162,10 +162,6 @@ class ChorusMaskBankLoader(io.ComfyNode):
                 io.Combo.Input("bank", options=[NEW_BANK, *existing_banks()], tooltip="An existing bank, or create a new one named below."),
                 io.String.Input("new_bank_name", default="wan21_i2v", tooltip="Name of the bank to create when 'bank' is '(create new bank)': a plain folder name, at most 255 bytes."),
                 io.Boolean.Input("read_only", default=False, tooltip="Match against the bank but never add entries (shared or curated banks)."),
-                io.String.Input("budget", optional=True, default="",
-                                tooltip="The bank's size budget, e.g. 20G: stored in the bank, so every worker writing it "
-                                        "keeps it, evicting the entries worth least (fewest hits per byte, longest unused). "
-                                        "Empty leaves the bank's stored budget as it is; 'none' removes it."),
             ],
             outputs=[MaskBankType.Output(display_name="mask_bank")],
         )
@@ -177,7 +173,7 @@ class ChorusMaskBankLoader(io.ComfyNode):
         return bank_problem(bank, new_bank_name, read_only) or True
 
     @classmethod
-    def fingerprint_inputs(cls, bank, new_bank_name, read_only, budget=""):
+    def fingerprint_inputs(cls, bank, new_bank_name, read_only):
         from ..chorus_core.bank import BankError, MaskBank
         from ..chorus_core.bank.bank_url import is_bank_url, redact
         from ..chorus_core.reuse.bank_writer import default_writer
@@ -198,21 +194,15 @@ class ChorusMaskBankLoader(io.ComfyNode):
             return float("nan")  # never equal to itself: execute() runs and reports the error
 
     @classmethod
-    def execute(cls, bank, new_bank_name, read_only, budget="") -> io.NodeOutput:
+    def execute(cls, bank, new_bank_name, read_only) -> io.NodeOutput:
         from ..chorus_core.bank import BankError, MaskBank
-        from ..chorus_core.bank.budget import parse_budget_setting
 
         problem = bank_problem(bank, new_bank_name, read_only)
         if problem:  # linked inputs are known only now
             raise ValueError(problem)
         path = bank_path(_bank_name(bank, new_bank_name))
         try:
-            wanted = parse_budget_setting(budget)
-            if wanted is not None and read_only:
-                raise BankError("a read-only bank cannot store a budget; untick read_only or leave budget empty.")
             opened = MaskBank.open(path, read_only=read_only, create=not read_only)
-            if wanted is not None:
-                _store_budget(opened, wanted)
         except BankError as exc:
             raise ValueError(f"Chorus Mask Bank Loader: {exc}") from exc
         if not read_only:  # recordings a stopped process left spooled (no-op once replayed)
@@ -220,18 +210,6 @@ class ChorusMaskBankLoader(io.ComfyNode):
 
             replay_in_background(path)
         return io.NodeOutput(opened)
-
-
-def _store_budget(opened, wanted) -> None:
-    """The Loader's budget (bytes) into the bank, keeping a max-entries limit set from the command line."""
-    stored = opened.budget()
-    max_entries = stored.max_entries if wanted.limited else None  # "none" removes the whole budget
-    if (wanted.max_bytes, max_entries) != (stored.max_bytes, stored.max_entries):
-        try:
-            opened.set_budget(wanted.max_bytes, max_entries)
-        except BaseException:
-            opened.close()
-            raise
 
 
 class ChorusSimilarityMatch(io.ComfyNode):

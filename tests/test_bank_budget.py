@@ -64,14 +64,6 @@ def test_a_damaged_stored_budget_means_no_limit_not_evict_all():
     assert budgets.budget_from_meta({"budget_bytes": "0"}) == budgets.Budget()
 
 
-def test_budget_settings_as_people_type_them():
-    assert budgets.parse_budget_setting("") is None  # the Loader's default: leave the stored one alone
-    assert budgets.parse_budget_setting(" none ") == budgets.Budget()
-    assert budgets.parse_budget_setting("1.5G") == budgets.Budget(int(1.5 * 2**30))
-    with pytest.raises(BankInvalidArgument):
-        budgets.parse_budget_setting("-3G")
-
-
 # ---- writes keep it ------------------------------------------------------------------------
 def test_every_write_keeps_the_budget(bank):
     size = entry_bytes(bank)

@@ -100,20 +100,6 @@ def parse_size(text) -> int:
     return int(value)
 
 
-def parse_budget_setting(text) -> Budget | None:
-    """A budget as a person types it (a node input): ``""`` -> None (leave the stored one alone),
-    ``"none"`` -> no limit, ``"20G"`` -> that many bytes.
-
-    :raises BankInvalidArgument: neither empty, "none" nor a positive size
-    """
-    text = str(text or "").strip()
-    if not text:
-        return None
-    if text.lower() in ("none", "unlimited", "off"):
-        return Budget()
-    return Budget(max_bytes=parse_size(text))
-
-
 def check_budget(max_bytes, max_entries) -> Budget:
     """A budget from user values: None (no limit) or positive whole numbers.
 
