@@ -17,7 +17,6 @@ import signal
 import threading
 
 log = logging.getLogger("chorus")
-POSTGRES_SPOOL_FOLDER = ".postgres-spool"  # hidden: never offered as a bank name
 _replayed: set[str] = set()
 _replay_lock = threading.Lock()
 
@@ -27,7 +26,7 @@ def on_start(bank_roots: list[str], postgres_banks: dict[str, str]) -> None:
     from ..chorus_core.bank import spool
 
     if bank_roots:
-        spool.set_local_spool_root(os.path.join(bank_roots[0], POSTGRES_SPOOL_FOLDER))
+        spool.set_local_spool_root(os.path.join(bank_roots[0], spool.POSTGRES_SPOOL_FOLDER))
     install_signal_drain()
     locations = [os.path.join(root, name) for root in bank_roots if os.path.isdir(root)
                  for name in sorted(os.listdir(root))]

@@ -332,3 +332,41 @@ def test_bank_rows_match_between_backends(pg, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_cli_replays_a_postgres_banks_spool_where_comfyui_keeps_it(pg, tmp_path):
+    """With no CHORUS_SPOOL_ROOT, the CLI finds a PostgreSQL bank's local spool where a ComfyUI start
+    does (models/chorus_banks/.postgres-spool): in the ComfyUI the pack is installed in, or in
+    the one --comfyui names."""
+    import shutil
+
+    from conftest import REPO_ROOT
+    from test_bank_spool import recording
+
+    from chorus_core.bank import spool
+
+    url = pg.url(pg.fresh_schema())
+    with MaskBank.open(url) as bank:
+        spool_name = spool.spool_folder_at(None, bank.label).name  # one folder per bank
+    comfyui, other_base = tmp_path / "ComfyUI", tmp_path / "base"
+    pack = comfyui / "custom_nodes" / "chorus"  # installed as the README says: a clone in custom_nodes
+    shutil.copytree(REPO_ROOT / "chorus_core", pack / "chorus_core", ignore=shutil.ignore_patterns("__pycache__"))
+    (comfyui / "main.py").write_text("")
+    other_base.mkdir()
+    installed, named = recording(seed=1), recording(seed=2)
+    spool.write_spool(spool.comfyui_spool_root(comfyui) / spool_name, installed)
+    spool.write_spool(spool.comfyui_spool_root(other_base) / spool_name, named)
+    env = {k: v for k, v in os.environ.items() if k != spool.SPOOL_ROOT_ENV}
+
+    def cli(*argv, cwd):
+        done = subprocess.run([sys.executable, "-m", "chorus_core.bank", *argv, url, "--json"], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    assert cli("stats", cwd=pack)["spooled"] == 1
+    assert cli("verify", cwd=pack)["spool"]["added"] == [installed.entry_id]
+    assert cli("verify", "--comfyui", str(other_base), cwd=REPO_ROOT)["spool"]["added"] == [named.entry_id]
+    with MaskBank.open(url, read_only=True) as bank:
+        assert sorted(r["id"] for r in bank.entries()) == sorted([installed.entry_id, named.entry_id])
+    assert not spool.pending_files(spool.comfyui_spool_root(comfyui) / spool_name)

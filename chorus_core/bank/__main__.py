@@ -5,8 +5,12 @@ PATH is a bank folder, or a PostgreSQL bank URL ``postgresql://USER@HOST:PORT/DB
 the machine can read command lines). Output never shows a URL's password.
 
 Commands that write (init, verify, prune, import) first replay the recordings a stopped ComfyUI
-left in the bank's spool (a PostgreSQL bank's spool is local: set CHORUS_SPOOL_ROOT to ComfyUI's
-``models/chorus_banks/.postgres-spool``); ``stats`` counts them.
+left in the bank's spool, as a ComfyUI start does; ``stats`` counts them. A folder bank's spool
+is in its folder. A PostgreSQL bank's spool is local to the machine, where ComfyUI keeps it:
+``<ComfyUI>/models/chorus_banks/.postgres-spool``, found by itself when this pack is installed
+in ``<ComfyUI>/custom_nodes``; else give --comfyui DIR (ComfyUI's folder, or its
+--base-directory). CHORUS_SPOOL_ROOT, when set, wins over both (as it does in ComfyUI); with
+none of these, ``~/.cache/chorus/spool``.
 
 Exit codes: 0 done; 1 ``verify`` quarantined or repaired something (a spool file too); 2 the command could not
 run (the message on stderr says why and what to do). No command prints a traceback.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -39,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("path", help="bank folder (holds bank.sqlite and blobs/) or "
                                     "postgresql://USER@HOST:PORT/DB?schema=NAME")
         c.add_argument("--json", action="store_true", help="print JSON")
+        c.add_argument("--comfyui", metavar="DIR",
+                       help="the ComfyUI folder (or --base-directory) whose spool of PostgreSQL banks "
+                            "to replay; default: the ComfyUI this pack is installed in")
         return c
 
     cmd("init", "create an empty bank (or migrate an old one)")
@@ -80,8 +88,18 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _use_comfyui_spool(comfyui) -> None:
+    """Spool PostgreSQL banks where that ComfyUI does (CHORUS_SPOOL_ROOT still wins, as in ComfyUI)."""
+    if comfyui is not None and not os.path.isdir(comfyui):
+        raise BankError(f"--comfyui {comfyui} is not a folder; give ComfyUI's folder (or its --base-directory).")
+    comfyui = comfyui or spool.installed_comfyui()
+    if comfyui is not None:
+        spool.set_local_spool_root(spool.comfyui_spool_root(comfyui))
+
+
 def _run(args) -> object:
     read_only = args.command in ("stats", "list", "show", "export")
+    _use_comfyui_spool(args.comfyui)
     with MaskBank.open(args.path, read_only=read_only, create=args.command == "init") as bank:
         replayed = None if read_only else _replay_spool(bank)
         if args.command == "stats":

@@ -11,7 +11,8 @@ add each entry once.
 
 Where: ``<bank folder>/spool/``; a PostgreSQL bank has no folder, so its spool is local to
 the machine, under :func:`local_spool_root` (ComfyUI: beside the folder banks, in
-``models/chorus_banks/.postgres-spool/``), one folder per bank.
+``models/chorus_banks/.postgres-spool/``, where the CLI looks too: :func:`comfyui_spool_root`),
+one folder per bank.
 
 A spool file is untrusted when replayed (it may come with a received bank folder): it must be
 a regular file, no link; its header is read first and bounded; its record is checked like an
@@ -56,6 +57,9 @@ SUFFIX = ".spool"
 FOLDER = "spool"  # inside a bank folder
 QUARANTINE = "quarantine"  # inside the spool folder
 SPOOL_ROOT_ENV = "CHORUS_SPOOL_ROOT"  # where PostgreSQL banks spool on this machine
+# A ComfyUI spools its PostgreSQL banks here, inside its first chorus_banks folder (hidden: never
+# offered as a bank name); the CLI looks in the same place (comfyui_spool_root).
+POSTGRES_SPOOL_FOLDER = ".postgres-spool"
 MAX_META_BYTES = 1 << 20  # a record is a few kB (signatures, sigmas); more is hostile
 MAX_MODEL_FILES = 16
 STALE_TEMP_S = 3600.0  # a temp file this old belongs to a process that died while spooling
@@ -144,6 +148,21 @@ def local_spool_root() -> Path:
     if env:
         return Path(env).expanduser()
     return _local_root or Path.home() / ".cache" / "chorus" / "spool"
+
+
+def comfyui_spool_root(comfyui) -> Path:
+    """Where the ComfyUI in folder ``comfyui`` (or started with ``--base-directory comfyui``)
+    spools its PostgreSQL banks: ``models/chorus_banks/.postgres-spool``."""
+    return Path(comfyui) / "models" / "chorus_banks" / POSTGRES_SPOOL_FOLDER
+
+
+def installed_comfyui() -> Path | None:
+    """The ComfyUI folder this pack is installed in (``<ComfyUI>/custom_nodes/<pack>``), or None."""
+    pack = Path(__file__).absolute().parents[2]
+    comfyui = pack.parent.parent
+    if pack.parent.name == "custom_nodes" and (comfyui / "main.py").is_file():
+        return comfyui
+    return None
 
 
 def spool_folder(bank) -> Path:
