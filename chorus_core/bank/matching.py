@@ -2,7 +2,8 @@
 
 One float32 matrix per compatibility key (model fingerprint + grid + token order + blocks),
 loaded from SQL on first use and refreshed when the bank's generation counter changes:
-new rows are appended, any removal reloads. Similarity is one mat-vec: with unit components,
+new rows are appended (a merged entry, renumbered, replaces its vector), any removal reloads.
+Similarity is one mat-vec: with unit components,
 sum_c w_c cos_c = dot(concat(w_c q_c), concat(e_c)). Stored and query components are scaled to
 unit length here whatever the bank holds, and weights are >= 0, so similarity lies in [-1, 1].
 Above ``EXACT_LIMIT`` entries a sketch (the first ``SKETCH`` dims of each component's random
@@ -82,15 +83,27 @@ SKETCH_COLS = np.concatenate([np.arange(j * DIM, j * DIM + SKETCH)
 class _Group:
     def __init__(self):
         self.ids: list[str] = []
+        self.position: dict[str, int] = {}  # id -> its row in ``mat``
         self.mat = np.zeros((0, len(COMPONENTS) * DIM), np.float32)
         self.sketch = None
         self.max_rowid = 0
 
     def append(self, rows) -> None:
+        """New rows are appended; a row seen before (a merge moved it to a new rowid with a new
+        signature) replaces its old vector, so an id is never listed twice."""
         if not rows:
             return
-        self.ids.extend(r["id"] for r in rows)
-        self.mat = np.concatenate([self.mat, stack_vectors(rows)])
+        vectors = stack_vectors(rows)
+        fresh = []
+        for i, row in enumerate(rows):
+            at = self.position.get(row["id"])
+            if at is None:
+                self.position[row["id"]] = len(self.ids)
+                self.ids.append(row["id"])
+                fresh.append(i)
+            else:
+                self.mat[at] = vectors[i]
+        self.mat = np.concatenate([self.mat, vectors[fresh]])
         self.max_rowid = max(self.max_rowid, max(r["rowid"] for r in rows))
         self.sketch = (np.ascontiguousarray(self.mat[:, SKETCH_COLS])
                        if len(self.ids) > EXACT_LIMIT else None)

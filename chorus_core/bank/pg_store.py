@@ -326,6 +326,20 @@ class PostgresBank(BankStorage):
             fault("add-before-commit")
         return eviction
 
+    def _put_merged_blob(self, data: bytes, sha: str) -> None:
+        self._put_blob(data, sha)  # in the merge's transaction: it commits with the row or not at all
+
+    def _renumber(self, entry_id: str) -> None:
+        """The next value of the rowid sequence, taken under the bank's lock as an insert takes it."""
+        self.db.execute("UPDATE entries SET rowid = nextval(pg_get_serial_sequence('entries', 'rowid')) "
+                        "WHERE id = ?", [entry_id])
+
+    def _unused_after_switch(self, sha: str) -> list:
+        """The old blob goes in the merge's own transaction when no entry uses it any more."""
+        self.db.execute("DELETE FROM blobs b WHERE sha256 = ? AND NOT EXISTS "
+                        "(SELECT 1 FROM entries e WHERE e.blob_sha256 = b.sha256)", [sha])
+        return []
+
     def _quarantined_blobs(self) -> list[dict]:
         return [{"key": r["id"], "bytes": int(r["bytes"] or 0), "moved": r["moved"]} for r in self.db.query(
             "SELECT id, COALESCE(octet_length(data), 0) AS bytes, moved FROM quarantine")]

@@ -210,6 +210,14 @@ class SQLiteBank(BankStorage):
             self._sweep_orphans_when_due()
         return eviction
 
+    def _put_merged_blob(self, data: bytes, sha: str) -> None:
+        """Temp file, fsync, rename: on disk before the row names it (a crash leaves an orphan)."""
+        self._write_blob(data, sha)
+
+    def _renumber(self, entry_id: str) -> None:
+        self.conn.execute("UPDATE entries SET rowid = (SELECT MAX(rowid) FROM entries) + 1 WHERE id = ?",
+                          [entry_id])
+
     def _quarantined_blobs(self) -> list[dict]:
         return self._files.quarantined()
 

@@ -16,7 +16,9 @@ the shipped recording). A miss records the request's oracle mask (add_entry); a 
 masks (load_masks, the real decode) and scores their recall: the share of the request's own attention
 mass they keep, against the oracle mask's.
 
-Policies: ``none`` (every miss adds an entry: today's behaviour), ``prune_<P>`` (after each add,
+Policies: ``none`` (every miss adds an entry: today's behaviour), ``merge`` (the bank's merge policy at
+``MERGE_THRESHOLDS``: a miss whose recording is close to an entry in signature and masks updates that entry,
+chorus_core/bank/merge.py), ``prune_<P>`` (after each add,
 ``prune(max_bytes=P % of the final size of 'none')``: the people's tool, least recently used first, run
 as a writer would) and ``budget_<P>`` (the bank's own budget, ``set_budget(max_bytes=P % of the final
 size of 'none')`` once: every add evicts the entries worth least in its own transaction). After every
@@ -49,6 +51,9 @@ LAYOUT = LatentLayout(grid=(4, 8, 8), block_size=(16, 16))  # 256 tokens, 16 x 1
 SCHEDULE = Schedule(steps=4, sampler="euler", scheduler="simple", shift=5.0, step_buckets=[(0, 4)])
 FINGERPRINT = ModelFingerprint("wan2.1", dim=HEADS * 128, layers=LAYERS, heads=HEADS, in_dim=36, digest="0" * 64)
 TOP_P, ZIPF, WINDOW = 0.9, 1.1, 1000
+# (signature similarity, mask agreement) for policy "merge": midway between the two kinds of pairs that
+# threshold_study() measures (see its docstring and the JSON's "threshold_study").
+MERGE_THRESHOLDS = (0.65, 0.55)
 
 
 def unit(vec: np.ndarray) -> np.ndarray:
@@ -99,11 +104,14 @@ def recall(mask: np.ndarray, attention: np.ndarray) -> float:
     return float((attention * mask).sum(-1).mean())
 
 
-def run_policy(policy: str, stream_args: tuple, bank_location: str, budget_bytes: int | None, log) -> dict:
+def run_policy(policy: str, stream_args: tuple, bank_location: str, budget_bytes: int | None, log,
+               merge_thresholds: tuple = MERGE_THRESHOLDS) -> dict:
     stream = Stream(*stream_args)
     bank = open_bank(bank_location)
     if policy.startswith("budget_"):
         bank.set_budget(max_bytes=budget_bytes)
+    if policy == "merge":
+        bank.set_merge_policy(*merge_thresholds)
     served, oracle, latencies, hits, windows, kinds_seen, peak = [], [], [], 0, [], set(), 0
     masks_of: dict[str, np.ndarray] = {}
     started = time.perf_counter()
@@ -122,8 +130,9 @@ def run_policy(policy: str, stream_args: tuple, bank_location: str, budget_bytes
             oracle.append(recall(oracle_mask(attention), attention))
         else:
             mask = oracle_mask(attention)
-            bank.add_entry(FINGERPRINT, LAYOUT, SCHEDULE, mask[None], signature, density=float(mask.mean()),
-                           tags=[f"kind{kind}"])
+            written = bank.add_entry(FINGERPRINT, LAYOUT, SCHEDULE, mask[None], signature,
+                                     density=float(mask.mean()), tags=[f"kind{kind}"])
+            masks_of.pop(written, None)  # merged into: its masks changed
             if policy.startswith("prune_"):
                 bank.prune(max_bytes=budget_bytes)
             peak = max(peak, bank.budget_status()["bytes"])
@@ -134,11 +143,49 @@ def run_policy(policy: str, stream_args: tuple, bank_location: str, budget_bytes
             log(f"{policy}: {index + 1} requests, {windows[-1]['entries']} entries, hit rate "
                 f"{windows[-1]['hit_rate']:.3f}, {time.perf_counter() - started:.0f} s")
     stats = bank.stats()
+    merge_status = bank.merge_status()
     bank.close()
     final = final_row(policy, windows, stats, len(kinds_seen))
+    if policy == "merge":
+        final.update(merge_similarity=merge_status["similarity"], merge_agreement=merge_status["agreement"],
+                     votes_bytes=merge_status["votes_bytes"])
     if budget_bytes is not None:
         final.update(budget_bytes=budget_bytes, peak_bytes=peak, within_budget=peak <= budget_bytes)
     return {"windows": windows, "final": final}
+
+
+def threshold_study(stream_args: tuple, pairs: int = 2000) -> dict:
+    """What the merge thresholds are chosen from: for requests of one kind (two photos) and for a request
+    and its most similar request of another kind, the signature similarity and the mask agreement
+    (Jaccard of their oracle masks). Drawn from the last half of the stream, when every kind exists.
+    A threshold is put midway between the other kinds' maximum and the same kind's 1st percentile."""
+    from chorus_core.bank.merge import agreement
+
+    stream = Stream(*stream_args)
+    by_kind: dict[int, list] = {}
+    for index in range(stream.requests // 2, stream.requests // 2 + pairs):
+        kind, signature, attention = stream.draw(index)
+        by_kind.setdefault(kind, []).append((signature, oracle_mask(attention)))
+    firsts = {k: v[0] for k, v in by_kind.items()}
+    same_sim, same_agree, other_sim, other_agree = [], [], [], []
+    for kind, seen in by_kind.items():
+        for (sig_a, mask_a), (sig_b, mask_b) in zip(seen, seen[1:]):
+            same_sim.append(sig_a.similarity(sig_b)[0])
+            same_agree.append(agreement(mask_a, mask_b))
+        sim, other = max((seen[0][0].similarity(firsts[o][0])[0], o) for o in firsts if o != kind)
+        other_sim.append(sim)
+        other_agree.append(agreement(seen[0][1], firsts[other][1]))
+
+    def spread(values):
+        return {q: round(float(np.percentile(values, p)), 4) for q, p in (("min", 0), ("p1", 1), ("p50", 50),
+                                                                         ("p99", 99), ("max", 100))}
+
+    result = {"same_kind_pairs": len(same_sim), "other_kind_pairs": len(other_sim),
+              "similarity": {"same_kind": spread(same_sim), "nearest_other_kind": spread(other_sim)},
+              "agreement": {"same_kind": spread(same_agree), "nearest_other_kind": spread(other_agree)}}
+    for key in ("similarity", "agreement"):
+        result[key]["midway"] = round((result[key]["same_kind"]["p1"] + result[key]["nearest_other_kind"]["max"]) / 2, 4)
+    return result
 
 
 def window_row(policy, requests, stats, hits, served, oracle, latencies, kinds_seen) -> dict:
@@ -178,6 +225,19 @@ def write_results(doc: dict, out: Path) -> None:
             lines.append(f"| {row['policy']} | {row['entries']} | {row['kinds_seen']} | {row['hit_rate']:.3f} | "
                          f"{row['last_window_hit_rate']:.3f} | {row['bytes']} | {row.get('budget_bytes', '-')} | "
                          f"{row.get('peak_bytes', '-')} | {recall_text} |")
+    study = doc.get("threshold_study")
+    if study:
+        lines += ["", f"Merge thresholds measured on {study['same_kind_pairs']} same-kind pairs and "
+                  f"{study['other_kind_pairs']} nearest-other-kind pairs (min / p1 / p50 / p99 / max):", ""]
+        for key in ("similarity", "agreement"):
+            same, other = study[key]["same_kind"], study[key]["nearest_other_kind"]
+            lines.append(f"- {key}: same kind {' / '.join(str(v) for v in same.values())}; nearest other kind "
+                         f"{' / '.join(str(v) for v in other.values())}; midway {study[key]['midway']}")
+        merged = [r for r in doc["rows"] if r.get("final") and r["policy"] == "merge"]
+        if merged:
+            lines.append(f"- policy merge ran at similarity {merged[0]['merge_similarity']}, agreement "
+                         f"{merged[0]['merge_agreement']}; its kept votes: {merged[0]['votes_bytes']} bytes "
+                         "(meta rows, not in the budget's bytes)")
     (out / "bank_lifecycle.md").write_text("\n".join(lines) + "\n")
     plot(doc, out / "bank_lifecycle.png")
 
@@ -211,6 +271,8 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", default="none,prune_25,budget_10,budget_25,budget_50")
     parser.add_argument("--url", default=None, help="a PostgreSQL bank URL instead of a temporary folder bank")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--merge-similarity", type=float, default=MERGE_THRESHOLDS[0])
+    parser.add_argument("--merge-agreement", type=float, default=MERGE_THRESHOLDS[1])
     args = parser.parse_args(argv)
     command = "python tests/benchmarks/bench_bank_lifecycle.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows, unbounded = [], None
@@ -222,7 +284,7 @@ def main(argv=None) -> int:
             budget = max(1, int(unbounded * int(policy.split("_")[1]) / 100))
         with tempfile.TemporaryDirectory() as tmp:
             result = run_policy(policy, (args.requests, args.kinds, args.seed), args.url or str(Path(tmp) / policy),
-                                budget, print)
+                                budget, print, (args.merge_similarity, args.merge_agreement))
         rows += result["windows"] + [result["final"]]
         if policy == "none":
             unbounded = result["final"]["bytes"]
@@ -230,6 +292,8 @@ def main(argv=None) -> int:
     doc = {"benchmark": "bench_bank_lifecycle", "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": machine(), "command": command, "git_commit": commit,
            "backend": "postgresql" if args.url else "folder", "rows": rows}
+    if "merge" in args.policies.split(","):
+        doc["threshold_study"] = threshold_study((args.requests, args.kinds, args.seed))
     write_results(doc, Path(args.out))
     for row in rows:
         if row.get("final"):
