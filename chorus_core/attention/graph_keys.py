@@ -1,7 +1,7 @@
 """A name that tells a compiled diffusion model's graphs apart by what Chorus's override does.
 
 A compiled model call reads its masks and kernels from ``transformer_options``. ComfyUI's own
-TorchCompileModel node (newer releases) compiles with a guard filter that drops every guard
+TorchCompileModel node (0.19.3 here; not 0.3.64) compiles with a guard filter that drops every guard
 whose source is under ``transformer_options``, so that per-step patches do not recompile. Then
 dynamo cannot tell a Chorus call from a plain one: a model compiled and run without Chorus first
 reuses that dense graph for a later hit (which then runs dense while reporting a hit), and one
