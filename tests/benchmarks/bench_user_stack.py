@@ -9,7 +9,10 @@ device)::
     python tests/benchmarks/bench_user_stack.py --build-only --weights-dir /tmp/us-weights   # files only
     python tests/benchmarks/bench_user_stack.py --merge A.json,B.json --out DIR              # calls -> one table
 
-or on the CPU at a tiny width and grid, to test the script end to end: ``--tiny``.
+or on the CPU at a tiny width and grid, to test the script end to end: ``--tiny``. A row is
+``WEIGHTS:ARM:eager|compiled``, with ``:sage`` at the end for ComfyUI's ``--use-sage-attention``
+(``sageattention`` 1.0.6) on the row's dense calls: a dense baseline like the cuDNN rows, and for a
+Chorus row the attention of its dense steps and layers.
 
 What runs: a Wan 2.1 I2V model at 14B width (dim 5120, 40 heads x 128, ffn 13824, 40 blocks, with
 the CLIP-image projector; 16.4 B parameters) with random weights, written once to two files in
@@ -375,7 +378,8 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
     e2e.sync(cuda)
     graphs_before = graphs_compiled()
     start = time.perf_counter()
-    with timed_model_loads(cuda) as loads, cudnn_first(cuda), torch.inference_mode():
+    with timed_model_loads(cuda) as loads, cudnn_first(cuda), comfyui_attention(ctx["attention"]), \
+            torch.inference_mode():
         sampled = model
         if arm != "dense":
             sampled, patch = chorus_patched(ctx, model, arm)
@@ -419,22 +423,57 @@ def check_path(arm: str, m: dict) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+COMFYUI_ATTENTIONS = ("sdpa", "sage")
+
+
 def parse_row(spec: str) -> tuple[str, str, bool]:
-    weights, arm, how = spec.split(":")
-    if weights not in WEIGHTS or arm not in ("dense", "miss", "hit", "online") or how not in ("eager", "compiled"):
-        raise SystemExit(f"bad row {spec!r}: WEIGHTS:dense|miss|hit|online:eager|compiled")
+    weights, arm, how = spec.split(":")[:3]
+    if weights not in WEIGHTS or arm not in ("dense", "miss", "hit", "online") or how not in ("eager", "compiled") \
+            or row_attention(spec) not in COMFYUI_ATTENTIONS or spec.count(":") > 3:
+        raise SystemExit(f"bad row {spec!r}: WEIGHTS:dense|miss|hit|online:eager|compiled[:sage]")
     return weights, arm, how == "compiled"
 
 
-def attention_name(arm: str, m: dict) -> str:
+def row_attention(spec: str) -> str:
+    """ComfyUI's own attention for the row: ``sdpa`` (torch SDPA, cuDNN first) unless ``:sage`` ends it."""
+    parts = spec.split(":")
+    return parts[3] if len(parts) > 3 else "sdpa"
+
+
+def attention_name(arm: str, m: dict, comfyui_attention: str = "sdpa") -> str:
+    dense = "cudnn_sdpa" if comfyui_attention == "sdpa" else "sageattention_1.0.6"
     if arm == "dense":
-        return "cudnn_sdpa"
+        return dense
     backend = (m.get("backend") or "").split(" ")[0] or "none"
-    return f"chorus_block_sparse_bf16 ({backend}; dense steps: cudnn_sdpa)"
+    return f"chorus_block_sparse_bf16 ({backend}; dense steps: {m.get('dense_backend') or dense})"
+
+
+@contextlib.contextmanager
+def comfyui_attention(name: str):
+    """The attention ComfyUI runs for the whole model, as its start-up flag picks it: ``sdpa`` leaves
+    ComfyUI's own pick; ``sage`` is what ``--use-sage-attention`` runs (ComfyUI's attention_sage over
+    ``sageattention`` 1.0.6, the Triton one on the package index, carried by user_stack_env.sh).
+    In process there is no start-up flag, so the module attributes the flag sets are set here, and
+    put back after the row."""
+    if name == "sdpa":
+        yield
+        return
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.wan.model as wan
+    import sageattention
+
+    saved = attention.optimized_attention, wan.optimized_attention, getattr(attention, "sageattn", None)
+    attention.sageattn = sageattention.sageattn  # imported by attention.py only under the flag
+    attention.optimized_attention = wan.optimized_attention = attention.attention_sage
+    try:
+        yield
+    finally:
+        attention.optimized_attention, wan.optimized_attention, attention.sageattn = saved
 
 
 def run_row(ctx, doc, spec: str, save) -> None:
     weights, arm, is_compiled = parse_row(spec)
+    ctx["attention"] = row_attention(spec)
     model = ctx_model(ctx, doc, weights)
     if arm == "hit" and not ctx["recorded"].get(weights):
         raise RuntimeError(f"{spec}: no entry recorded for {weights} in this bank (run {weights}:miss:eager first)")
@@ -459,7 +498,7 @@ def run_row(ctx, doc, spec: str, save) -> None:
         if not m["recorded_entry_id"]:
             raise RuntimeError(f"{spec}: the miss recorded nothing ({m['warnings']})")
     row = dict(name=spec.replace(":", "_"), role="miss" if arm == "online" else arm, weights=weights,
-               attention=attention_name(arm, m), compiled=is_compiled, steps=ctx["steps"], cfg=ctx["cfg"],
+               attention=attention_name(arm, m, ctx["attention"]), compiled=is_compiled, steps=ctx["steps"], cfg=ctx["cfg"],
                shape=ctx["shape"], blocks=ctx["blocks"], seconds=m["seconds"], compile_s=compile_s,
                arm=arm, load_s=ctx["load_s"][weights], density=None if arm == "dense" else ctx["density"],
                session=ctx["session"], run=ctx["run_id"], **{k: v for k, v in m.items() if k != "seconds"})
@@ -644,7 +683,9 @@ def parse_args(argv):
     p.add_argument("--cfg", type=float, default=1.0)
     p.add_argument("--density", type=float, default=0.15)
     p.add_argument("--blocks", type=int, default=40)
-    p.add_argument("--rows", default=DEFAULT_ROWS, help="WEIGHTS:ARM:eager|compiled, comma-separated, in order")
+    p.add_argument("--rows", default=DEFAULT_ROWS,
+                   help="WEIGHTS:ARM:eager|compiled[:sage], comma-separated, in order (:sage: ComfyUI's "
+                        "--use-sage-attention for the row's dense calls)")
     p.add_argument("--weights-dir", default=str(Path(tempfile.gettempdir()) / "us-weights"))
     p.add_argument("--bank", default=str(Path(tempfile.gettempdir()) / "us-bank"),
                    help="the bank folder: a later call on the same machine serves hits from the entries recorded here")
@@ -698,6 +739,7 @@ def main(argv=None):
     ctx = dict(cuda=cuda, req=make_request(latent_thw), steps=args.steps, cfg=args.cfg, density=args.density,
                bank=bank, shape=shape, blocks=blocks, weights_dir=weights_dir, files=files, model=None,
                model_name=None, load_s={}, recorded=recorded, session=machine_session(), reset_dynamo=args.reset_dynamo,
+               attention="sdpa",
                run_id=f"{machine_session()}-{uuid.uuid4().hex[:6]}")
     doc["details"]["sdpa_choice"] = sdpa_choices(cuda, tokens)
     log(f"torch SDPA picks, cuDNN first: {doc['details']['sdpa_choice']}")

@@ -13,7 +13,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
 pip download -q --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: -d dl \
-  comfy-kitchen==0.2.40 comfy-aimdo==0.6.0 torchsde==0.2.6 trampoline==0.1.2
+  comfy-kitchen==0.2.40 comfy-aimdo==0.6.0 torchsde==0.2.6 trampoline==0.1.2 sageattention==1.0.6
 mkdir site
 for w in dl/*.whl; do (cd site && unzip -q -o "../$w"); done
 so=site/comfy_kitchen/backends/cuda/_C.abi3.so

@@ -16,7 +16,8 @@
 #   .carry/us1/site.tar.xz             comfy_kitchen 0.2.40 (Python part), comfy_aimdo 0.6.0 (its
 #                                      py3-none-any wheel: no native library, so no DynamicVRAM, as
 #                                      in-process ComfyUI never enables it), torchsde 0.2.6,
-#                                      trampoline 0.1.2, and a stand-in for PyAV (av/__init__.py says
+#                                      trampoline 0.1.2, sageattention 1.0.6 (Triton; the :sage rows),
+#                                      and a stand-in for PyAV (av/__init__.py says
 #                                      why: comfy_api imports av, sampling never uses it)
 #   .carry/us1/ck.sha256               the CUDA library's sha256 and part count
 #   .carry/ckN/ck.part.NN              the parts of comfy_kitchen/backends/cuda/_C.abi3.so, xz

@@ -1,0 +1,42 @@
+"""The user-stack benchmark runs end to end at a tiny size on the CPU, :sage rows included."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+
+pytestmark = pytest.mark.comfy
+BENCH = REPO_ROOT / "tests" / "benchmarks" / "bench_user_stack.py"
+
+
+def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_calls(tmp_path, comfyui_path):
+    rows = "bf16:dense:eager,bf16:dense:eager:sage,bf16:miss:eager,bf16:hit:eager:sage,bf16:hit:eager"
+    done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
+                           "--bank", tmp_path / "bank", "--rows", rows], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = {r["name"]: r for r in json.loads((tmp_path / "user_stack_tiny.json").read_text())["rows"]}
+    assert result["bf16_dense_eager"]["attention"] == "cudnn_sdpa"
+    assert result["bf16_dense_eager_sage"]["attention"] == "sageattention_1.0.6"
+    assert result["bf16_dense_eager_sage"]["role"] == "dense"  # a dense baseline like the others
+    # ComfyUI's attention_sage ran (on CPU tensors it falls back to torch, and says so)
+    assert "Error running sage attention" in done.stdout + done.stderr
+    assert "SageAttention" in result["bf16_hit_eager_sage"]["dense_backend"]
+    assert "SageAttention" not in (result["bf16_hit_eager"]["dense_backend"] or "")  # put back after the row
+    assert result["bf16_hit_eager_sage"]["run_mode"] == "hit"
+
+
+def test_a_row_names_only_known_attentions():
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_user_stack as bench
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    assert bench.parse_row("fp8_scaled:hit:compiled:sage") == ("fp8_scaled", "hit", True)
+    assert bench.row_attention("fp8_scaled:hit:compiled") == "sdpa"
+    for bad in ("fp8_scaled:hit:compiled:flash", "fp8_scaled:hit:compiled:sage:x"):
+        with pytest.raises(SystemExit):
+            bench.parse_row(bad)
