@@ -49,6 +49,9 @@ console.log(JSON.stringify({
       extra_info: { input_name: "x" } })) },
   }),
   strides: [labelStride(2), labelStride(10), labelStride(40)],
+  evicted: [[], [{ evicted: 1, bytes_freed: 8600000 }], [{ evicted: 2, bytes_freed: 2.5e9 }, { evicted: 1, bytes_freed: 1e9 }],
+            [{ evicted: 0, bytes_freed: 0, quarantined_removed: 1 }]].map((evictions) =>
+    summarise({ mode: "miss", layers, recording: "recorded", recorded_entry_id: "0123456789abcdef", evictions }).recording),
   recordings: [{ recording: "queued", recorded_entry_id: "0123456789abcdef" },
                { recording: "recorded", recorded_entry_id: "0123456789abcdef" },
                { recording: null, warnings: ["masks not recorded: the disk is full"] },
@@ -86,6 +89,10 @@ def test_the_view_says_source_entry_density_and_saving_at_a_glance():
         "recording 0123456789ab… queued: this server no longer tracks it (restarted?)",
         "recording 0123456789ab… failed: the bank refused it (BankIncompatible); its spool file was quarantined",
         "recording 0123456789ab… failed: BankError (the ComfyUI log says why)"]
+    # a write that kept the bank's budget by evicting entries says so once (quarantined blobs alone: nothing)
+    assert out["evicted"] == [
+        "recorded as entry 0123456789ab…", "recorded as entry 0123456789ab… · bank budget: 1 entry evicted (8.6 MB freed)",
+        "recorded as entry 0123456789ab… · bank budget: 3 entries evicted (3.5 GB freed)", "recorded as entry 0123456789ab…"]
     assert [(b["label"], b["kept"], b["dense"]) for b in out["bars"]] == [("L0", 1, True), ("L1", 0.2, False),
                                                                          ("L2", 0.4, False)]
     assert out["kept"] == pytest.approx(1.6 / 3)

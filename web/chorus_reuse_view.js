@@ -68,6 +68,7 @@ function render(view, report) {
   view.querySelector(".chorus-saved").textContent = summary.saved;
   view.querySelector(".chorus-saved").title = summary.savedMeaning;
   view.querySelector(".chorus-recording").textContent = summary.recording;
+  view.querySelector(".chorus-recording").title = (report.evictions ?? []).map((e) => e.line).join("\n");
   const bars = layerBars(report);
   const stride = labelStride(bars.length);
   view.querySelector(".chorus-bars").replaceChildren(...bars.map((bar) => {

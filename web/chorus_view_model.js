@@ -84,9 +84,26 @@ export function summarise(report) {
     saved: savedLine(report, density),
     savedMeaning: "Mean wall time of this run's sparse steps against its dense warm-up step (usually the " +
       "first, so it also carries one-time costs); without both, the share of attention blocks skipped.",
-    recording: recordingLine(report),
+    recording: [recordingLine(report), evictionLine(report)].filter(Boolean).join(" · "),
   };
   return lines;
+}
+
+// The bank keeps its own size budget: a write that evicted entries says so once, in short (the
+// report's evictions[].line has the ids and the budget).
+function evictionLine(report) {
+  const evictions = report?.evictions ?? [];
+  const entries = evictions.reduce((n, e) => n + (e.evicted ?? 0), 0);
+  if (!entries) return "";
+  const freed = evictions.reduce((n, e) => n + (e.bytes_freed ?? 0), 0);
+  return `bank budget: ${entries} ${entries === 1 ? "entry" : "entries"} evicted (${humanBytes(freed)} freed)`;
+}
+
+function humanBytes(n) {
+  for (const [unit, size] of [["TB", 1e12], ["GB", 1e9], ["MB", 1e6], ["kB", 1e3]]) {
+    if (n >= size) return `${(n / size).toFixed(1)} ${unit}`;
+  }
+  return `${n} bytes`;
 }
 
 function entryLine(report) {
