@@ -174,8 +174,9 @@ class ChorusMaskBankLoader(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, bank, new_bank_name, read_only):
-        from ..chorus_core.bank import BankError, MaskBank
+        from ..chorus_core.bank import BankError
         from ..chorus_core.bank.bank_url import is_bank_url, redact
+        from ..chorus_core.bank.open_banks import shared_bank
         from ..chorus_core.reuse.bank_writer import default_writer
 
         try:
@@ -185,24 +186,27 @@ class ChorusMaskBankLoader(io.ComfyNode):
         if not is_bank_url(path) and not os.path.isfile(os.path.join(path, "bank.sqlite")):
             return f"{path}:new"
         try:
-            with MaskBank.open(path, read_only=True, create=False) as opened:
-                # A recording still being written changes the key too, so Similarity Match runs
-                # again and waits for a similar pending entry instead of reusing a stale miss.
-                # redact: a PostgreSQL URL's password stays out of ComfyUI's cache keys.
-                return f"{redact(path)}:{opened.content_token()}:{default_writer().state_token()}"
+            opened = shared_bank(path, read_only=True, create=False)  # not a new connection per prompt
+            # A recording still being written changes the key too, so Similarity Match runs
+            # again and waits for a similar pending entry instead of reusing a stale miss.
+            # redact: a PostgreSQL URL's password stays out of ComfyUI's cache keys.
+            return f"{redact(path)}:{opened.content_token()}:{default_writer().state_token()}"
         except BankError:
             return float("nan")  # never equal to itself: execute() runs and reports the error
 
     @classmethod
     def execute(cls, bank, new_bank_name, read_only) -> io.NodeOutput:
-        from ..chorus_core.bank import BankError, MaskBank
+        from ..chorus_core.bank import BankError
+        from ..chorus_core.bank.open_banks import shared_bank
 
         problem = bank_problem(bank, new_bank_name, read_only)
         if problem:  # linked inputs are known only now
             raise ValueError(problem)
         path = bank_path(_bank_name(bank, new_bank_name))
         try:
-            opened = MaskBank.open(path, read_only=read_only, create=not read_only)
+            # The same object as the last run's while it is the same bank: its signature index
+            # and caches outlive the cache key, which changes with every write.
+            opened = shared_bank(path, read_only=read_only, create=not read_only)
         except BankError as exc:
             raise ValueError(f"Chorus Mask Bank Loader: {exc}") from exc
         if not read_only:  # recordings a stopped process left spooled (no-op once replayed)

@@ -268,3 +268,24 @@ def test_a_signal_comfyui_was_started_to_ignore_stays_ignored(pack):
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
+
+
+def test_the_loader_keeps_one_bank_object_whose_index_grows_with_each_write(pack, tiny_wan_patcher):
+    """ComfyUI's cache key changes with every write; the bank object (and its signature index,
+    which otherwise every worker read again in full) must not."""
+    _, first, _, bank = generate(pack, tiny_wan_patcher, "kept", subject=0, seed=1)
+    _, other, _, same = generate(pack, tiny_wan_patcher, "kept", template="orbit", subject=3, layout=5, seed=3)
+    assert same is bank and other["recorded_entry_id"] != first["recorded_entry_id"]
+    _, hit, _, again = generate(pack, tiny_wan_patcher, "kept", template="orbit", subject=1, layout=5, seed=4)
+    assert again is bank and hit["mode"] == "hit" and hit["entry_id"] == other["recorded_entry_id"]
+
+
+def test_a_bank_deleted_and_made_again_gets_a_new_object(pack, tiny_wan_patcher):
+    import shutil
+
+    bank_nodes, _, _, banks = pack
+    _, first, _, bank = generate(pack, tiny_wan_patcher, "remade", subject=0, seed=1)
+    shutil.rmtree(banks / "remade")
+    _, again, _, fresh = generate(pack, tiny_wan_patcher, "remade", subject=2, seed=2)
+    assert fresh is not bank
+    assert again["mode"] == "miss" and fresh.stats()["entries"] == 1  # the new bank, not the deleted one
