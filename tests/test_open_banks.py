@@ -5,7 +5,7 @@ import threading
 
 import pytest
 from bank_fixtures import FP, LAYOUT, add_toy, toy_signature
-from bank_pg_cluster import location, pg  # noqa: F401  (fixtures)
+from bank_pg_cluster import DATABASE, location, pg  # noqa: F401  (fixtures)
 
 from chorus_core.bank import BankError, open_bank
 from chorus_core.bank.open_banks import forget_shared_banks, shared_bank
@@ -45,3 +45,13 @@ def test_a_replaced_folder_bank_gets_a_new_object_and_the_old_one_is_closed(tmp_
     assert fresh is not bank and fresh.stats()["entries"] == 0
     with pytest.raises(BankError, match="closed database"):
         bank.stats()  # closed: nothing keeps a deleted bank's file open
+
+
+def test_a_postgres_bank_made_again_under_its_url_gets_a_new_object(pg):  # noqa: F811
+    schema = pg.fresh_schema()
+    url = pg.url(schema)
+    bank = shared_bank(url)
+    add_toy(bank, seed=1)
+    pg.sql(f'DROP SCHEMA "{schema}" CASCADE', database=DATABASE)
+    fresh = shared_bank(url)
+    assert fresh is not bank and fresh.stats()["entries"] == 0

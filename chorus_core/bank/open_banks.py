@@ -6,7 +6,8 @@ that opened a new object whenever the bank changed (ComfyUI's cache key of the M
 changes with every write) threw that index away and read every signature of the key again on its
 next match: about 300 MB at 100,000 entries. :func:`shared_bank` hands out the same object while
 it is still the same bank: a folder bank whose ``bank.sqlite`` was deleted or replaced (another
-file at the path) gets a new object. SQLite connections belong to the thread that opened them, so
+file at the path), or a PostgreSQL bank made again under its URL (another bank id), gets a new
+object. SQLite connections belong to the thread that opened them, so
 the objects are kept per thread; ComfyUI runs prompts on one thread.
 """
 
@@ -16,7 +17,7 @@ import os
 import threading
 from pathlib import Path
 
-from . import open_bank
+from . import BankError, open_bank
 from .bank_url import is_bank_url
 from .storage import BankStorage
 
@@ -30,12 +31,12 @@ def shared_bank(location, read_only: bool = False, create: bool = True) -> BankS
     key = (str(location), bool(read_only), threading.get_ident())
     with _lock:
         held = _open.get(key)
-        if held is not None and held[1] == _file_identity(location):
-            return held[0]
+    if held is not None and held[1] == _identity(held[0], location):
+        return held[0]
     bank = open_bank(location, read_only=read_only, create=create)
     with _lock:
         previous = _open.get(key)
-        _open[key] = (bank, _file_identity(location))
+        _open[key] = (bank, _identity(bank, location))
     if previous is not None and previous[0] is not bank:
         _close_quietly(previous[0])
     return bank
@@ -50,11 +51,20 @@ def forget_shared_banks() -> None:
         _close_quietly(bank)
 
 
+def _identity(bank: BankStorage, location):
+    """What says a bank is still the one an object was opened on: a folder bank's database file
+    (device and inode); a PostgreSQL bank's id (a schema dropped and made again under the same
+    URL is another bank, whose counters start again: an index kept from the old one would serve
+    entries it does not hold)."""
+    if not is_bank_url(location):
+        return _file_identity(location)
+    try:
+        return bank.content_token().partition(":")[0]
+    except BankError:
+        return "unreadable"
+
+
 def _file_identity(location):
-    """What says a folder bank is still the file it was: its database file's device and inode
-    (None for a bank URL, whose schema is found by name on every query)."""
-    if is_bank_url(location):
-        return None
     try:
         info = os.stat(Path(location) / "bank.sqlite")
     except OSError:
