@@ -25,10 +25,11 @@ PAIRS = {
                 ("reused_similar_product", "online"), ("reused_similar_product", "population_prior"),
                 ("reused_similar_product", "reused_dissimilar"), ("reused_similar_product", "static"),
                 ("oracle", "reused_dissimilar"),
-                ("oracle", "static")),
+                ("oracle", "static"), ("reused_similar_product", "core_sparse_matched")),
     "natural": (("reused_similar_product", "oracle"), ("reused_similar_product", "online"),
                 ("reused_similar_product", "online_no_warmup"), ("reused_similar_product", "population_prior"),
-                ("reused_similar_product", "reused_dissimilar_product")),
+                ("reused_similar_product", "reused_dissimilar_product"),
+                ("reused_similar_product", "core_sparse_defaults")),
 }
 DIFF_METRICS = ("psnr_db", "rel_rms")
 

@@ -28,7 +28,13 @@ seed, in a fresh SQLite bank:
 - every source at its own **natural density** (what the defaults give): the hit, ``oracle``
   and ``reused_similar`` (top-p on exact mass), ``reused_dissimilar_product`` (the recorded entry), ``online`` and
   ``population_prior`` as shipped (``OnlinePredictionProvider`` / ``ReuseRun`` in prior mode);
-  static windows have no natural density in the pack, so they appear at matched density only.
+  static windows have no natural density in the pack, so they appear at matched density only;
+- with ``--core-sparse``, core ComfyUI's Model Sparse Attention (comfy-kitchen's Sol-Attn, a
+  source that looks at q and k; ``core_sparse.py``): ``core_sparse_defaults`` at its natural
+  density (the node's defaults: tau 1.3, dense before 20 % of the schedule, min_tokens 12,288) and
+  ``core_sparse_matched`` (sparse from the first step, tau chosen per step and layer so that its
+  routed share equals the hit's density there). ``--core-only`` runs the hit, the dense reference
+  and these two only (no mass, recall or other sources: a CPU-sized run).
 
 Quality: final latents vs the dense run with the same seed as relative RMS error, and PSNR /
 SSIM of the frames decoded to RGB with ComfyUI's Wan 2.1 latent-to-RGB preview factors in the
@@ -61,6 +67,7 @@ from chorus_core.testbed.workload import generate_request, i2v_conditioning
 from .config import TestbedConfig, config_from_dict, make_config, tokens_of, with_overrides
 from .comparisons import family_rows, held_out_templates, mean_ci, paired_differences, verdict
 from .composition import COMPOSED_KINDS, composition_rows
+from .core_sparse import core_sparse_rows
 from .models import check_model_matches, process_in
 from .report import eval_requests, md_table, spread_picks, static_window_scores
 from .run_record import run_record
@@ -76,9 +83,9 @@ WAN21_LATENT_RGB_FACTORS = torch.tensor([
 WAN21_LATENT_RGB_BIAS = torch.tensor([-0.1835, -0.0868, -0.3360])
 
 MATCHED_KINDS = ("reused_similar_product", "reused_similar", "oracle", "reused_dissimilar", "online",
-                 "population_prior", "population_prior_dense", "static")
+                 "population_prior", "population_prior_dense", "static", "core_sparse_matched")
 NATURAL_KINDS = ("reused_similar_product", "reused_similar", "oracle", "reused_dissimilar_product", "online",
-                 "online_no_warmup", "population_prior")
+                 "online_no_warmup", "population_prior", "core_sparse_defaults")
 METRICS = ("density", "recall", "recall_vs_oracle", "rel_rms", "psnr_db", "ssim")
 RECORD_THRESHOLD = 1.0  # recording runs must miss: only an identical request reaches similarity 1
 MERGED_SUFFIX = " (runs); merged here"
@@ -301,7 +308,8 @@ def dense_prior_scores(dense_masses: list, maps_steps: dict, steps_of_bucket, op
 
 def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int, seeds: int, threshold: float = 0.9,
                      log=print, seed_start: int = 0, on_progress=None, options=None, finals=None,
-                     compose: bool = False, picks: slice = slice(None)) -> dict:
+                     compose: bool = False, picks: slice = slice(None), core_sparse: bool = False,
+                     core_only: bool = False, core_min_tokens: int = 12288) -> dict:
     """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``.
 
     ``on_progress(results_so_far)`` after every target: the CLI writes its outputs then, so a run
@@ -310,6 +318,9 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     run's final latents under ``(section, kind, request, seed)``, the dense run's as ``("dense", "dense", ...)``.
     ``picks``: which of the ``targets`` spread-out requests this run samples (a slice of them), so
     that long runs can be split by target over several processes and merged with ``--merge``.
+    ``core_sparse``: also core's Model Sparse Attention (``core_sparse.py``); ``core_only``: the hit
+    and core's rows only, against a plain dense run (no mass, recall or other sources);
+    ``core_min_tokens``: its node's min_tokens (12,288; the tiny model's few hundred tokens need 0).
     """
     from chorus_core.bank import MaskBank
     from chorus_core.reuse.prior_store import load_prior
@@ -327,7 +338,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     # the population: requests of other layouts, recorded once into a bank of their own (the prior's source)
     pop_bank = MaskBank.open(pp.workdir / "population")
     pop_dense = []  # the same requests' dense block mass: the prior the recorded entries should match
-    for p in population:
+    for p in population if not core_only else ():
         pp.record(pop_bank, i2v_conditioning(generate_request(p)), 0)
         pop_dense.append(pp.dense(i2v_conditioning(generate_request(p)), 0)[1])
     for seed in range(seed_start, seed_start + seeds):
@@ -337,10 +348,13 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             bank = MaskBank.open(pp.workdir / f"bank-t{ti}-seed{seed}")
             sim_id = pp.record(bank, i2v_conditioning(generate_request(sim)), seed)
             dis_id = pp.record(bank, i2v_conditioning(generate_request(dis)), seed)
-            dense_final, mass = pp.dense(conds, seed)
-            _, dis_mass = pp.dense(i2v_conditioning(generate_request(dis)), seed)
-            _, sim_mass = pp.dense(i2v_conditioning(generate_request(sim)), seed)
-            sharp_masses.append(mass)
+            if core_only:
+                dense_final, mass = pp.sample(pp.patcher, conds, seed), None
+            else:
+                dense_final, mass = pp.dense(conds, seed)
+                _, dis_mass = pp.dense(i2v_conditioning(generate_request(dis)), seed)
+                _, sim_mass = pp.dense(i2v_conditioning(generate_request(sim)), seed)
+                sharp_masses.append(mass)
 
             hit = pp.match(bank, conds, threshold)
             hit_final, report = pp.reuse_run(hit, conds, seed)
@@ -361,17 +375,28 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             if finals is not None:
                 finals[("dense", "dense", base["request"], seed)] = dense_final
 
-            def row(section, kind, final, maps, oracle_recall=None):
+            def row(section, kind, final, maps, oracle_recall=None, **extra):
+                """``extra``: more keys; ``block_size`` (other than the run's) leaves recall out."""
                 if finals is not None:
                     finals[(section, kind, base["request"], seed)] = final
-                recall = pp.recall(mass, maps, seq_len)
+                own_blocks = extra.get("block_size", pp.bs) == pp.bs
+                recall = pp.recall(mass, maps, seq_len) if mass is not None and own_blocks else None
                 density = sum(float(m.float().mean()) for m in maps.values()) / len(maps)
                 r = {"section": section, "mask_kind": kind, **base, "density": density, "recall": recall,
-                     "recall_vs_oracle": recall / oracle_recall if oracle_recall else None,
-                     **final_quality(dense_final, final)}
+                     "recall_vs_oracle": recall / oracle_recall if recall is not None and oracle_recall else None,
+                     **final_quality(dense_final, final), **extra}
                 rows.append(r)
                 return r
 
+            if core_only:
+                for section in ("matched", "natural"):
+                    row(section, "reused_similar_product", hit_final, hit_maps)
+                core_sparse_rows(pp, conds, seed, hit_maps, row, core_min_tokens)
+                bank.close()
+                log(f"{request_name(target)} seed {seed}: hit and core's sparse attention, {time.time() - started:.0f}s")
+                if on_progress is not None:
+                    on_progress(_results(rows, sharp_masses, notes, started, o, threshold, seq_len, pp.bs))
+                continue
             # matched density: every source keeps the hit's blocks-per-row
             oracle_scores = bucket_mean_mass(mass, hit_maps, bucket_steps)
             dis_scores = bucket_mean_mass(dis_mass, hit_maps, bucket_steps)
@@ -419,6 +444,8 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             if not prior_report.mask_source.startswith("population prior"):
                 raise RuntimeError(f"the prior-mode run used {prior_report.mask_source!r}, not the population prior")
             row("natural", "population_prior", prior_final, pp.entry_maps(prior_entry), oracle_recall)
+            if core_sparse:
+                core_sparse_rows(pp, conds, seed, hit_maps, row, core_min_tokens)
             if compose:
                 rows.extend({**base, **r} for r in composition_rows(pp, hit, conds, seed, dense_final, final_quality))
             bank.close()
@@ -648,6 +675,10 @@ def main(argv=None) -> int:
                         help="only these of the --targets spread-out requests (split targets over several runs)")
     parser.add_argument("--compose", action="store_true",
                         help="also Guidance Enhance and core's EasyCache on each hit, against their controls")
+    parser.add_argument("--core-sparse", action="store_true",
+                        help="also core ComfyUI's Model Sparse Attention (Sol-Attn) at its defaults and at the hit's density")
+    parser.add_argument("--core-only", action="store_true",
+                        help="only the hit and core's Model Sparse Attention against dense (a CPU-sized run)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
                         help="combine the product_path.json of these earlier runs into --out (no sampling)")
     args = parser.parse_args(argv)
@@ -668,7 +699,9 @@ def main(argv=None) -> int:
         progress = lambda partial: write_outputs(partial, args.out, command, sampled, seeds, config)  # noqa: E731
         results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold,
                                    seed_start=args.seed_start, on_progress=progress,
-                                   options=reuse_options(args.option), compose=args.compose, picks=args.picks)
+                                   options=reuse_options(args.option), compose=args.compose, picks=args.picks,
+                                   core_sparse=args.core_sparse or args.core_only, core_only=args.core_only,
+                                   core_min_tokens=0 if args.tiny else 12288)
     doc = write_outputs(results, args.out, command, sampled, seeds, config)
     print(f"{len(doc['rows'])} rows in {doc['seconds']:.0f}s -> {args.out / 'product_path.md'}")
     return 0
