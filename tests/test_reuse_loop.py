@@ -5,6 +5,7 @@ a recording miss hands its masks to a background writer and returns at once; the
 prior is a stored artefact rebuilt when the bank's content changes.
 """
 
+import dataclasses
 import math
 import os
 import signal
@@ -415,11 +416,18 @@ def test_the_prior_is_stored_once_and_rebuilt_after_add_and_prune(bank_with_entr
     assert torch.equal(again.block_map(2, 1), prior.block_map(2, 1)) and other_clamp is not None
     files = sorted((bank.root / PRIORS_DIR).glob("*.safetensors"))
 
+    # a write that leaves the members as they were (an entry of another model) keeps the prior
+    other_model = dataclasses.replace(req.fingerprint, digest="0" * 64)
+    bank.add_entry(other_model, req.layout, Schedule(steps=STEPS), masks, req.signature, density=0.3)
+    load_prior(bank, req.fingerprint, req.layout, 0.05, 0.9)
+    assert len(builds) == 1 and sorted((bank.root / PRIORS_DIR).glob("*.safetensors")) == files
+
     second = entry_masks(masks.shape[1], masks.shape[2], masks.shape[3], seed=1)
     bank.add_entry(req.fingerprint, req.layout, Schedule(steps=STEPS), second, req.signature, density=0.3)
     rebuilt = load_prior(bank, req.fingerprint, req.layout, 0.05, 0.9)
     after_add = sorted((bank.root / PRIORS_DIR).glob("*.safetensors"))
-    assert len(after_add) == 1 and after_add[0] not in files  # a new file for the new content, the old ones gone
+    # a new member: a new file replaces this clamp's; the other clamp's waits until it is asked for
+    assert len(after_add) == 2 and len(set(after_add) - set(files)) == 1
     both = [masks[1, 0], second[1, 0]]
     density = sum(m.float().mean().item() for m in both) / 2
     assert torch.equal(rebuilt.block_map(1, 0), population_prior(both, density))
@@ -427,7 +435,7 @@ def test_the_prior_is_stored_once_and_rebuilt_after_add_and_prune(bank_with_entr
     bank.prune(max_entries=1)
     load_prior(bank, req.fingerprint, req.layout, 0.05, 0.9)
     after_prune = sorted((bank.root / PRIORS_DIR).glob("*.safetensors"))
-    assert len(after_prune) == 1 and after_prune != after_add
+    assert len(after_prune) == 2 and after_prune != after_add
 
 
 def test_prior_mode_serves_the_stored_prior_through_the_prefetch(bank_with_entry, tiny_wan_patcher):

@@ -1,10 +1,14 @@
-"""The population prior as a bank artefact: built once per bank content, read like an entry.
+"""The population prior as a bank artefact: built once per set of members, read like an entry.
 
 A prior-mode miss used to decode up to 8 entries per (step bucket, layer) during sampling. Here
-the prior of one compatibility key is built once from the most recently used compatible entries,
-encoded with the entry codec and kept in ``<bank>/priors/`` under a name derived from the bank's
-content token, so adding, pruning or quarantining entries makes the next prior a new file (old
-ones are removed). A read-only bank keeps its priors in this process's memory instead.
+the prior of one compatibility key is built once from the most recently used compatible entries
+(its members), encoded with the entry codec and kept in ``<bank>/priors/`` under a name derived
+from the members' ids and blob hashes: a write that leaves them as they were (an entry of another
+model, a hit that only reorders them) keeps the prior, while a new, merged, pruned or quarantined
+member makes the next prior a new file (the one it replaces is removed). It used to be keyed by
+the bank's whole content, so on a shared bank every worker rebuilt it (8 blob loads) after nearly
+every write anywhere in the bank. A bank without a folder (PostgreSQL) or a read-only one keeps its
+priors in this process's memory instead, the most recent ``MEMORY_PRIORS`` of them.
 
 A received bank folder is untrusted: ``priors/`` may be a symbolic link to the user's models.
 Every file operation here goes through a descriptor of ``priors/`` opened without following
@@ -45,32 +49,52 @@ _memory: dict[str, EntryMasks] = {}  # banks without a usable priors/ folder: ke
 _lock = threading.Lock()
 
 
-def prior_key(bank, fingerprint, layout: LatentLayout, min_density: float, max_density: float) -> str:
-    """``<content>-<prior>``: the bank content, then model, layout and density clamp (hex, filename-safe)."""
-    content = hashlib.sha256(bank.content_token().encode()).hexdigest()[:16]
+MEMORY_PRIORS = 32  # priors kept in memory per process (banks without a usable priors/ folder)
+
+
+def prior_members(bank, fingerprint, layout: LatentLayout) -> list[str]:
+    """The entries the prior is built from: the most recently used compatible ones whose step
+    buckets split the schedule alike (row reads, no blob)."""
+    candidates = bank.compatible_entries(fingerprint, layout, limit=PRIOR_ENTRIES * CANDIDATES_PER_MEMBER)
+    return same_buckets(bank, candidates)[:PRIOR_ENTRIES]
+
+
+def prior_key(bank, fingerprint, layout: LatentLayout, min_density: float, max_density: float,
+              members: list[str] | None = None) -> str:
+    """``<members>-<prior>``: the members (ids and blob hashes, in no order: a hit that reorders
+    them changes nothing), then model, layout and density clamp (hex, filename-safe)."""
+    members = prior_members(bank, fingerprint, layout) if members is None else members
+    held = sorted(f"{entry_id}:{bank.show(entry_id)['blob_sha256']}" for entry_id in members)
     text = json.dumps([compat_key(fingerprint, layout), round(min_density, 6), round(max_density, 6), PRIOR_ENTRIES])
-    return f"{content}-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+    return f"{_digest(held, 16)}-{_digest(text, 24)}"
+
+
+def _digest(value, length: int) -> str:
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:length]
 
 
 def load_prior(bank, fingerprint, layout, min_density: float, max_density: float):
-    """The stored prior for this content, building it when missing; None when no entry is compatible.
+    """The stored prior of the current members, building it when missing; None when no entry is compatible.
 
     A bank without a folder (PostgreSQL) or a read-only one keeps its priors in this process's memory.
     """
-    key = prior_key(bank, fingerprint, layout, min_density, max_density)
+    members = prior_members(bank, fingerprint, layout)
+    if not members:
+        return None
+    key = prior_key(bank, fingerprint, layout, min_density, max_density, members)
     with _lock:
         cached = _memory.get(key)
     if cached is not None:
         return cached
     folder = None if bank.read_only or bank.root is None else _open_priors_folder(bank.root)
     try:
-        return _load_or_build(bank, key, folder, fingerprint, layout, min_density, max_density)
+        return _load_or_build(bank, key, folder, fingerprint, layout, min_density, max_density, members)
     finally:
         if folder is not None:
             os.close(folder)
 
 
-def _load_or_build(bank, key, folder, fingerprint, layout, min_density, max_density):
+def _load_or_build(bank, key, folder, fingerprint, layout, min_density, max_density, members):
     """The prior from ``folder`` (a descriptor of priors/), else built and stored there (or in memory)."""
     name = f"{key}.safetensors"
     if folder is not None:
@@ -78,16 +102,16 @@ def _load_or_build(bank, key, folder, fingerprint, layout, min_density, max_dens
                                            *layout.blocks))
         with contextlib.suppress(Exception):  # missing, damaged or unfit: a prior is only a cache, build it again
             return _read(folder, name, key, limit, fingerprint, layout)
-    built = build_prior(bank, fingerprint, layout, min_density, max_density)
+    built = build_prior(bank, fingerprint, layout, min_density, max_density, members)
     if built is None:
         return None
     prior = _entry(key, *built)
     if folder is None:
-        with _lock:  # only the newest bank content: memory stays bounded
-            content = key.split("-")[0]
-            for old in [k for k in _memory if not k.startswith(content)]:
-                del _memory[old]
+        with _lock:  # the newest priors only (dicts keep insertion order): memory stays bounded
+            _memory.pop(key, None)
             _memory[key] = prior
+            for old in list(_memory)[:-MEMORY_PRIORS]:
+                del _memory[old]
     else:
         _write(folder, name, *built)
     return prior
@@ -122,13 +146,14 @@ def _memory_only(problem: str) -> None:
     return None
 
 
-def build_prior(bank, fingerprint, layout, min_density, max_density):
-    """Per (bucket, layer), the blocks most often kept by the compatible entries, at their mean density.
+def build_prior(bank, fingerprint, layout, min_density, max_density, members=None):
+    """Per (bucket, layer), the blocks most often kept by the members, at their mean density.
 
+    :param members: the entries to build from (:func:`prior_members` when None)
     :return: (tensors, metadata) in the entry codec, or None when no entry is compatible
     """
-    ids = same_buckets(bank, bank.compatible_entries(fingerprint, layout, limit=PRIOR_ENTRIES * CANDIDATES_PER_MEMBER))
-    entries = [bank.load_masks(entry_id, record_hit=False) for entry_id in ids[:PRIOR_ENTRIES]]
+    ids = prior_members(bank, fingerprint, layout) if members is None else members
+    entries = [bank.load_masks(entry_id, record_hit=False) for entry_id in ids]
     if not entries:
         return None
     buckets, layers = len(entries[0].step_buckets), entries[0].shape[1]
@@ -173,7 +198,8 @@ def same_buckets(bank, ids: list[str]) -> list[str]:
 
 def _write(folder: int, name: str, tensors: dict, meta: dict) -> None:
     """Store a prior under ``name`` in ``folder`` (readers see all of it or none), then remove
-    the priors of older bank content; only prior-named regular files are ever removed."""
+    the priors it replaces (same model, layout and clamp, other members); only prior-named
+    regular files are ever removed."""
     data = st_save(tensors, metadata={"chorus": json.dumps(meta, sort_keys=True)})
     tmp = f".tmp-{uuid.uuid4().hex}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder)
@@ -185,9 +211,9 @@ def _write(folder: int, name: str, tensors: dict, meta: dict) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=folder)
         raise
-    content = name.split("-")[0]
-    for old in os.listdir(folder):  # priors of older bank content only
-        if PRIOR_NAME.fullmatch(old) and not old.startswith(content):
+    same_prior = name.split("-", 1)[1]
+    for old in os.listdir(folder):  # this prior's older versions only
+        if PRIOR_NAME.fullmatch(old) and old != name and old.endswith(f"-{same_prior}"):
             with contextlib.suppress(OSError):
                 if stat.S_ISREG(os.lstat(old, dir_fd=folder).st_mode):
                     os.unlink(old, dir_fd=folder)
