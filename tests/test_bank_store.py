@@ -269,3 +269,26 @@ def test_large_banks_shortlist_by_sketch_then_rank_exactly(bank, monkeypatch):
     for s in (0, 4):
         result = bank.match(toy_signature(seed=50 + s, noise=0.2, base_seed=s), FP, LAYOUT)
         assert (result.entry_id, result.candidates, len(result.top)) == (ids[s], 6, 1)
+
+
+def test_a_removal_drops_only_the_removed_vectors_from_the_index(bank, monkeypatch):
+    """A bank that keeps a budget removes entries on nearly every write: the index reads the ids
+    still present, not every signature again (which the next match in every worker paid)."""
+    from chorus_core.bank import MaskBank, matching
+
+    monkeypatch.setattr(matching, "EXACT_LIMIT", 3)  # the sketch is rebuilt after the drop too
+    monkeypatch.setattr(matching, "SHORTLIST", 2)
+    ids = [add_toy(bank, seed=s) for s in range(6)]
+    assert bank.match(toy_signature(seed=2), FP, LAYOUT).entry_id == ids[2]
+    with MaskBank.open(bank.label) as other_process:
+        other_process.delete([ids[2], ids[4]])
+        added = add_toy(other_process, seed=9)
+    signature_reads = []
+    real_query = bank.db.query
+    monkeypatch.setattr(bank.db, "query", lambda sql, *a, **k: (
+        signature_reads.append(sql) if "sig_clip" in sql else None) or real_query(sql, *a, **k))
+    result = bank.match(toy_signature(seed=2), FP, LAYOUT)
+    assert result.entry_id != ids[2] and result.candidates == 5
+    assert bank.match(toy_signature(seed=9), FP, LAYOUT).entry_id == added
+    assert bank.match(toy_signature(seed=5), FP, LAYOUT).entry_id == ids[5]
+    assert len(signature_reads) == 1  # the one new row, appended; the four kept were not read again

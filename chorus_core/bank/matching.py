@@ -2,7 +2,8 @@
 
 One float32 matrix per compatibility key (model fingerprint + grid + token order + blocks),
 loaded from SQL on first use and refreshed when the bank's generation counter changes:
-new rows are appended (a merged entry, renumbered, replaces its vector), any removal reloads.
+new rows are appended (a merged entry, renumbered, replaces its vector), and after a removal the
+ids still present are read and the others' vectors dropped.
 Similarity is one mat-vec: with unit components,
 sum_c w_c cos_c = dot(concat(w_c q_c), concat(e_c)). Stored and query components are scaled to
 unit length here whatever the bank holds, and weights are >= 0, so similarity lies in [-1, 1].
@@ -105,6 +106,19 @@ class _Group:
                 self.mat[at] = vectors[i]
         self.mat = np.concatenate([self.mat, vectors[fresh]])
         self.max_rowid = max(self.max_rowid, max(r["rowid"] for r in rows))
+        self._resketch()
+
+    def keep_only(self, present: set) -> None:
+        """Drop the rows whose ids are not in ``present`` (removed or quarantined)."""
+        keep = [i for i, entry_id in enumerate(self.ids) if entry_id in present]
+        if len(keep) == len(self.ids):
+            return
+        self.ids = [self.ids[i] for i in keep]
+        self.position = {entry_id: i for i, entry_id in enumerate(self.ids)}
+        self.mat = self.mat[keep]
+        self._resketch()
+
+    def _resketch(self) -> None:
         self.sketch = (np.ascontiguousarray(self.mat[:, SKETCH_COLS])
                        if len(self.ids) > EXACT_LIMIT else None)
 
@@ -125,9 +139,14 @@ class SignatureIndex:
         self._state = None  # (generation, removals) the groups reflect
 
     def refresh(self, db, generation: int, removals: int) -> None:
-        """Drop everything after a removal; append new rows after an addition."""
+        """After a removal, drop the vectors of the rows that are gone (their ids are read, not
+        every signature again: a bank that keeps a budget removes entries on nearly every write);
+        after an addition, append the new rows."""
         if self._state is not None and self._state[1] != removals:
-            self._groups.clear()
+            for compat, group in self._groups.items():
+                present = {r["id"] for r in db.query(
+                    "SELECT id FROM entries WHERE compat = ? AND status = 'ok'", [compat])}
+                group.keep_only(present)
         if self._state != (generation, removals):
             for compat in list(self._groups):
                 self._load(db, compat)
