@@ -283,12 +283,18 @@ def test_a_removal_drops_only_the_removed_vectors_from_the_index(bank, monkeypat
     with MaskBank.open(bank.label) as other_process:
         other_process.delete([ids[2], ids[4]])
         added = add_toy(other_process, seed=9)
-    signature_reads = []
+    signatures_read = []
     real_query = bank.db.query
-    monkeypatch.setattr(bank.db, "query", lambda sql, *a, **k: (
-        signature_reads.append(sql) if "sig_clip" in sql else None) or real_query(sql, *a, **k))
+
+    def counting_query(sql, *args, **kwargs):
+        rows = list(real_query(sql, *args, **kwargs))
+        if "sig_clip" in sql:
+            signatures_read.extend(row["id"] for row in rows)
+        return rows
+
+    monkeypatch.setattr(bank.db, "query", counting_query)
     result = bank.match(toy_signature(seed=2), FP, LAYOUT)
     assert result.entry_id != ids[2] and result.candidates == 5
     assert bank.match(toy_signature(seed=9), FP, LAYOUT).entry_id == added
     assert bank.match(toy_signature(seed=5), FP, LAYOUT).entry_id == ids[5]
-    assert len(signature_reads) == 1  # the one new row, appended; the four kept were not read again
+    assert signatures_read == [added]  # the new row, appended; the four kept were not read again
