@@ -89,7 +89,7 @@ def test_a_recording_the_bank_refuses_is_quarantined_at_once_and_shown_failed(ba
     assert calls == [rec.entry_id] and item.reason == reason
     assert bank_writer.recording_state(rec.entry_id) == {
         "entry_id": rec.entry_id, "state": "failed", "attempts": 1, "error": item.error, "reason": reason,
-        "retry_in_s": None}
+        "retry_in_s": None, "merged_into": None}
     assert [r["state"] for r in bank_writer.recordings(bank.label)] == ["failed"]
     assert spool.spooled_count(bank) == 0 and len(list((spool.spool_folder(bank) / "quarantine").iterdir())) == 1
     assert f"recorded masks {rec.entry_id} will not be written (not retried" in caplog.text

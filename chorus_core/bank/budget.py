@@ -20,6 +20,8 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import BankInvalidArgument
 
 log = logging.getLogger("chorus")
@@ -176,6 +178,37 @@ def choose_evictions(rows: list[dict], quarantined: list[dict], budget: Budget, 
         doomed.append(row["id"])
         total, count = total - (row["blob_bytes"] or 0), count - 1
     return doomed, [q["key"] for q in dropped_q]
+
+
+# ---- prune, by hand: least recently used first (storage.py's prune) ---------------------
+def check_prune_limit(name: str, value):
+    """A prune limit: None, or a positive whole number; anything else would delete all."""
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if ok and isinstance(value, (float, np.floating)):
+        ok = bool(np.isfinite(value)) and float(value).is_integer()
+    if not ok or value <= 0:
+        flag = "--" + name.replace("_", "-")
+        raise BankInvalidArgument(
+            f"prune: {name} must be a positive whole number, got {value!r}; e.g. {flag} 20G "
+            f"or {flag} 5000. A zero, negative, NaN or infinite limit is refused because it would "
+            "delete every entry or none; to empty a bank, delete its folder.")
+    return int(value)
+
+
+def prune_order_cut(rows: list[dict], max_bytes, max_entries) -> list[str]:
+    """The ids of ``rows`` (in eviction order) to remove until both limits hold."""
+    total, count = sum(r["blob_bytes"] or 0 for r in rows), len(rows)
+    doomed = []
+    for row in rows:
+        over_bytes = max_bytes is not None and total > max_bytes
+        over_count = max_entries is not None and count > max_entries
+        if not (over_bytes or over_count):
+            break
+        doomed.append(row["id"])
+        total, count = total - (row["blob_bytes"] or 0), count - 1
+    return doomed
 
 
 # ---- what this process's writes evicted, for the next report on that bank ----------------

@@ -21,17 +21,16 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from . import budget as budgets
-from . import merge as merging
+from . import merge_store
 from . import transfer, validation
-from .encoding import CODEC, PackedBlockMaps, encode_masks
+from .encoding import PackedBlockMaps, encode_masks
 from .entry_masks import EntryMasks
 from .errors import BankEntryCorrupt, BankError, BankIncompatible, BankInvalidArgument, BankReadOnly
 from .faults import fault
 from .fingerprint import ModelFingerprint
 from .matching import MatchResult, stack_vectors
 from .records import LatentLayout, Schedule
-from .rows import (blob_metadata, build_row, compat_key, decode_row, entry_label, schedule_columns,
-                   signature_columns)
+from .rows import blob_metadata, build_row, compat_key, decode_row, entry_label, signature_columns
 from .signature import COMPONENTS, DIM, Signature, cosine
 
 # Entries found damaged in read-only banks: {bank's skip key: {entry id: reason}}.
@@ -73,7 +72,9 @@ class BankStorage:
     ``stage_blob(data, sha)``, ``_import_row(row, read_data)``, ``_record_hit``,
     ``_quarantine_row``, ``_skip_key``, ``_delete_rows(ids) -> (count, blobs to release)``,
     ``_quarantined_blobs()`` and ``_remove_quarantined(keys)`` (the kept quarantined blobs, which
-    count against the budget) and, where blobs live outside the database, ``_release_blobs``.
+    count against the budget), for merges (merge_store.py) ``_put_merged_blob(data, sha)`` (durable
+    before the row names it) and ``_renumber(id)`` (the next rowid: signature indexes append by
+    rowid) and, where blobs live outside the database, ``_release_blobs``.
     """
 
     root: Path | None
@@ -130,12 +131,12 @@ class BankStorage:
         """
         if not dry_run:
             self.check_writable()
-        max_bytes = _check_limit("max_bytes", max_bytes)
-        max_entries = _check_limit("max_entries", max_entries)
+        max_bytes = budgets.check_prune_limit("max_bytes", max_bytes)
+        max_entries = budgets.check_prune_limit("max_entries", max_entries)
         if dry_run:
-            return _doomed(self.eviction_order(), max_bytes, max_entries)
+            return budgets.prune_order_cut(self.eviction_order(), max_bytes, max_entries)
         with self._write(bump=False):  # choose and delete in one transaction
-            doomed = _doomed(self.eviction_order(), max_bytes, max_entries)
+            doomed = budgets.prune_order_cut(self.eviction_order(), max_bytes, max_entries)
             released = self._drop_rows(doomed)[1] if doomed else []
             if doomed:
                 self._bump("generation")
@@ -306,7 +307,7 @@ class BankStorage:
                                    "at least one key block (keep the diagonal).") from None
         entry_id = entry_id or uuid.uuid4().hex  # a background write names its entry up front
         if coarsen == 1:  # a coarsened entry cannot vote block by block with full-size recordings
-            merged = self._merge_if_close(entry_id, fingerprint, layout, schedule, masks, signature)
+            merged = merge_store.merge_if_close(self, entry_id, fingerprint, layout, schedule, masks, signature)
             if merged is not None:
                 return merged
         tensors, meta = encode_masks(masks, coarsen=coarsen)
@@ -332,173 +333,16 @@ class BankStorage:
         except ValueError as exc:
             raise BankIncompatible(f"masks not stored: {exc}.") from None
 
-    # ---- merging instead of adding (merge.py: when, and what a merged entry serves) -------
-    @guarded
-    def merge_policy(self) -> merging.MergePolicy:
-        """The merge policy stored in this bank (off unless set: every writer of the bank follows it)."""
-        rows = self.db.query("SELECT key, value FROM meta WHERE key IN (?, ?)",
-                             [merging.SIMILARITY_KEY, merging.AGREEMENT_KEY])
-        return merging.policy_from_meta({r["key"]: r["value"] for r in rows})
-
-    @guarded
-    def set_merge_policy(self, similarity: float | None = None,
-                         agreement: float | None = None) -> merging.MergePolicy:
-        """Store when a recording merges into an entry instead of adding one (both None: never).
-
-        :param similarity: least signature similarity to a compatible entry (weighted cosine)
-        :param agreement: least Jaccard agreement of the recording's masks with the entry's
-        :raises BankInvalidArgument: only one given, or a value outside (0, 1]
-        """
-        self.check_writable()
-        wanted = merging.check_policy(similarity, agreement)
-        with self._write(bump=False):
-            self._put_meta(merging.SIMILARITY_KEY, None if wanted.similarity is None else repr(wanted.similarity))
-            self._put_meta(merging.AGREEMENT_KEY, None if wanted.agreement is None else repr(wanted.agreement))
-        return wanted
-
-    @guarded
-    def merge_status(self) -> dict:
-        """The policy and what merging keeps: ``similarity``, ``agreement``, ``voted_entries`` (entries
-        that absorbed recordings), ``votes_bytes`` (their kept votes, stored outside the blobs and not
-        counted by the budget)."""
-        policy = self.merge_policy()
-        rows = list(self.db.query("SELECT value FROM meta WHERE key LIKE ?", [merging.VOTES_PREFIX + "%"]))
-        return {"similarity": policy.similarity, "agreement": policy.agreement, "voted_entries": len(rows),
-                "votes_bytes": sum(len(r["value"]) for r in rows)}
-
-    def _merge_if_close(self, recording_id, fingerprint, layout, schedule, masks, signature) -> str | None:
-        """The entry this recording merged into, or None when it is to be added: merging off,
-        nothing close enough, or the entry went or changed in a way that forbids it meanwhile."""
-        policy = self.merge_policy()
-        if not policy.on:
-            return None
-        masks = _unpacked(masks)
-        target = self._merge_target(policy, fingerprint, layout, schedule, masks, signature)
-        if target is None:
-            return None
-        merged, eviction = self._merge_into(target, recording_id, masks, signature, schedule)
-        if eviction:
-            budgets.note_eviction(self.label, eviction)
-        if merged is not None:
-            merging.note_merge(recording_id, merged)
-        return merged
-
-    def _merge_target(self, policy, fingerprint, layout, schedule, masks, signature) -> str | None:
-        """Without the write lock (cheap, and a miss's write should not block hits): the most similar
-        compatible entry, if its signature and its masks are both close enough to the recording's."""
-        found = self.match(signature, fingerprint, layout, threshold=policy.similarity)
-        if not found.hit:
-            return None
-        try:
-            if schedule_columns(self.entry_schedule(found.entry_id)) != schedule_columns(schedule):
-                return None  # another step count or sigmas: its buckets do not line up with ours
-            entry = self.load_masks(found.entry_id, record_hit=False)
-            current = _all_block_maps(entry)
-        except (BankError, ValueError):  # removed, quarantined or unreadable meanwhile: add instead
-            return None
-        if current.shape != masks.shape or merging.agreement(current, masks) < policy.agreement:
-            return None
-        return found.entry_id
-
-    def _merge_into(self, target: str, recording_id: str, masks: np.ndarray, signature: Signature,
-                    schedule: Schedule) -> tuple[str | None, budgets.Eviction]:
-        """Read-modify-write of one entry under the bank's write lock, so concurrent merges into it
-        all count. The new blob is stored before the row points at it, and the row, its votes and the
-        old blob's removal commit together (the folder bank unlinks the old file after the commit):
-        a crash leaves the old entry or the new one. Returns (entry id or None, eviction)."""
-        now = time.time()
-        with self._write(bump=False):  # bumped below, only when the entry changes
-            current, row = self._current_masks(target, schedule)
-            if current is None or current.shape != masks.shape:
-                return None, budgets.Eviction()
-            stored = self._meta_value(merging.VOTES_PREFIX + target)
-            votes = (merging.Votes.from_text(stored, current.shape) if stored else None) \
-                or merging.Votes.start(current, _row_signature(row))
-            votes.absorb(masks, signature)
-            consensus = votes.consensus(masks)
-            tensors, meta = encode_masks(consensus)
-            data = st_save(tensors, metadata=blob_metadata(meta))
-            sha = hashlib.sha256(data).hexdigest()
-            self._put_merged_blob(data, sha)
-            fault("merge-blob-written")
-            self._switch_entry(target, sha, len(data), float(consensus.mean()), votes.signature(), now)
-            self._bump("generation")  # its masks and signature changed: caches keyed by content refresh
-            self._put_meta(merging.VOTES_PREFIX + target, votes.to_text())
-            self._note_merged_id(recording_id, target, now, sweep=votes.n % 32 == 0)
-            released = [] if row["blob_sha256"] == sha else self._unused_after_switch(row["blob_sha256"])
-            eviction, evicted = self._keep_budget(protect=[target], written=target)
-            fault("merge-before-commit")
-        fault("merge-after-commit")
-        self._release_blobs(released + list(evicted))
-        return target, eviction
-
-    def _current_masks(self, entry_id: str, schedule: Schedule):
-        """Inside the write: (the entry's masks ``[S, L, H, nq, nk]``, its row) as committed now, or
-        (None, row) when it is gone, quarantined, coarsened, damaged or of another schedule."""
-        rows = list(self.db.query("SELECT * FROM entries WHERE id = ?", [entry_id]))
-        row = rows[0] if rows else None
-        if row is None or row["status"] != "ok":
-            return None, row
-        reason, loaded = self._problem(row)
-        if reason is not None:
-            return None, row  # a reader quarantines it; a recording never builds on a damaged entry
-        spec, data, meta = loaded
-        if schedule_columns(spec.schedule) != schedule_columns(schedule) or meta.get("coarsen", "1") != "1":
-            return None, row
-        try:
-            return _all_block_maps(EntryMasks(entry_id, spec.schedule, spec.layout, st_load(data), meta)), row
-        except Exception:  # an undecodable layer set: add instead, verify quarantines it
-            return None, row
-
-    def _switch_entry(self, entry_id: str, sha: str, size: int, density: float, signature: Signature,
-                      now: float) -> None:
-        """Point the row at its merged masks and mean signature; one more use; moved to the newest
-        rowid so every process's signature index (which appends rows by rowid) picks it up."""
-        cols = {"blob_sha256": sha, "blob_name": validation.blob_name(sha), "blob_bytes": size,
-                "density": density, "recall": None, "codec": CODEC, **signature_columns(signature)}
-        sets = ", ".join(f"{name} = ?" for name in cols)
-        self.db.execute(f"UPDATE entries SET {sets}, hits = COALESCE(hits, 0) + 1, "
-                        "last_hit = ? WHERE id = ?", [*cols.values(), now, entry_id])
-        self._renumber(entry_id)
-
-    def _note_merged_id(self, recording_id: str, target: str, now: float, sweep: bool) -> None:
-        """Remember the recording's id (has_entry answers True: a spool replay does not merge it
-        twice); now and then forget those older than ``MERGED_ID_KEEP_S``. Values start with a
-        fixed-width time so that text order is time order on both backends."""
-        self._put_meta(merging.MERGED_PREFIX + recording_id, f"{now:013.0f} {target}")
-        if sweep:
-            self.db.execute("DELETE FROM meta WHERE key LIKE ? AND value < ?",
-                            [merging.MERGED_PREFIX + "%", f"{now - merging.MERGED_ID_KEEP_S:013.0f}"])
-
-    def _was_merged(self, entry_id: str) -> bool:
-        return validation.is_entry_id(entry_id) and self._meta_value(merging.MERGED_PREFIX + entry_id) is not None
-
-    def _meta_value(self, key: str) -> str | None:
-        rows = list(self.db.query("SELECT value FROM meta WHERE key = ?", [key]))
-        return rows[0]["value"] if rows else None
-
-    def _put_meta(self, key: str, value: str | None) -> None:
-        """Inside a write: set (or, None, remove) one meta row."""
-        self.db.execute("DELETE FROM meta WHERE key = ?", [key])
-        if value is not None:
-            self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?)", [key, value])
+    # ---- merging instead of adding (merge.py: when; merge_store.py: how) ----------------
+    merge_policy = guarded(merge_store.merge_policy)
+    set_merge_policy = guarded(merge_store.set_merge_policy)
+    merge_status = guarded(merge_store.merge_status)
 
     def _drop_rows(self, ids: list[str]) -> tuple[int, list]:
         """Inside a write: delete rows (the backend's ``_delete_rows``) and the votes they kept."""
         count, released = self._delete_rows(ids)
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            self.db.execute(f"DELETE FROM meta WHERE key IN ({','.join('?' * len(chunk))})",
-                            [merging.VOTES_PREFIX + i for i in chunk])
+        merge_store.forget_votes(self, ids)
         return count, released
-
-    def _put_merged_blob(self, data: bytes, sha: str) -> None:
-        """Inside a merge's write, before the row points at it: store the merged blob durably."""
-        raise NotImplementedError
-
-    def _renumber(self, entry_id: str) -> None:
-        """Inside a write: give the row the next rowid (signature indexes append by rowid)."""
-        raise NotImplementedError
 
     def _unused_after_switch(self, sha: str) -> list:
         """Inside a merge's write: the old blob, to release after the commit (if no row uses it)."""
@@ -595,7 +439,7 @@ class BankStorage:
         if row["status"] != "ok":
             raise BankError(f"Entry {entry_id} is quarantined ({row['status_reason']}); "
                             "run dense for this request and record it again.")
-        reason, loaded = self._problem(row)
+        row, reason, loaded = merge_store.read_through_merges(self, row)
         if reason is not None:
             self._found_corrupt(row, reason, recheck=True)
         spec, data, meta = loaded
@@ -626,9 +470,8 @@ class BankStorage:
     @guarded
     def has_entry(self, entry_id: str) -> bool:
         """Whether the bank holds a row of this id, healthy or quarantined, or a recording of this id
-        merged into an entry in the last week (a spool replay asks: it must not add or merge it twice)."""
-        entry_id = str(entry_id)
-        return self._has_entry(entry_id) or self._was_merged(entry_id)
+        merged into an entry lately (a spool replay asks: it must not add or merge it twice)."""
+        return self._has_entry(str(entry_id)) or merge_store.was_merged(self, str(entry_id))
 
     @guarded
     def entry_schedule(self, entry_id: str) -> Schedule:
@@ -753,54 +596,3 @@ def _as_bool_array(masks):
         masks = masks.detach().cpu().numpy()
     masks = np.asarray(masks)
     return masks if masks.dtype == bool else masks != 0
-
-
-def _unpacked(masks) -> np.ndarray:
-    """Bool ``[S, L, H, nq, nk]`` from a recording (packed or not): what votes are counted on."""
-    if not isinstance(masks, PackedBlockMaps):
-        return masks
-    s_count, layers = masks.shape[:2]
-    return np.stack([np.stack([masks.layer_set(s, layer) for layer in range(layers)]) for s in range(s_count)])
-
-
-def _all_block_maps(entry: EntryMasks) -> np.ndarray:
-    """Every layer set of an entry, checked, as bool ``[S, L, H, nq, nk]``."""
-    s_count, layers = entry.shape[:2]
-    return np.stack([np.stack([entry.block_map_numpy(s, layer) for layer in range(layers)])
-                     for s in range(s_count)])
-
-
-def _row_signature(row: dict) -> Signature:
-    """The signature stored in a row (components of the right length only)."""
-    return Signature({c: np.frombuffer(bytes(row[f"sig_{c}"]), np.float32).copy() for c in COMPONENTS
-                      if row.get(f"sig_{c}") is not None and len(bytes(row[f"sig_{c}"])) == DIM * 4})
-
-
-def _check_limit(name: str, value):
-    """A prune limit: None, or a positive whole number; anything else would delete all."""
-    if value is None:
-        return None
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if ok and isinstance(value, (float, np.floating)):
-        ok = bool(np.isfinite(value)) and float(value).is_integer()
-    if not ok or value <= 0:
-        flag = "--" + name.replace("_", "-")
-        raise BankInvalidArgument(
-            f"prune: {name} must be a positive whole number, got {value!r}; e.g. {flag} 20G "
-            f"or {flag} 5000. A zero, negative, NaN or infinite limit is refused because it would "
-            "delete every entry or none; to empty a bank, delete its folder.")
-    return int(value)
-
-
-def _doomed(rows: list[dict], max_bytes, max_entries) -> list[str]:
-    """The ids of ``rows`` (in eviction order) to remove until both limits hold."""
-    total, count = sum(r["blob_bytes"] or 0 for r in rows), len(rows)
-    doomed = []
-    for row in rows:
-        over_bytes = max_bytes is not None and total > max_bytes
-        over_count = max_entries is not None and count > max_entries
-        if not (over_bytes or over_count):
-            break
-        doomed.append(row["id"])
-        total, count = total - (row["blob_bytes"] or 0), count - 1
-    return doomed

@@ -181,7 +181,8 @@ class BankWriter:
 
     def recordings(self, bank_key=None) -> list[dict]:
         """What the web view and routes show: each pending write and each recent failed one, as
-        ``{"entry_id", "state": "queued"|"retrying"|"failed", "attempts", "error", "reason", "retry_in_s"}``
+        ``{"entry_id", "state": "queued"|"retrying"|"failed", "attempts", "error", "reason", "retry_in_s",
+        "merged_into"}`` (``merged_into``: the entry a written recording merged into, else None)
         (``error`` is the whole text, ``reason`` a short one without paths, once failed)."""
         key = None if bank_key is None else str(bank_key)
         with self._lock:
@@ -249,9 +250,11 @@ def _state(item: PendingWrite) -> str:
 
 
 def _shown(item: PendingWrite) -> dict:
+    from ..bank.merge import merged_into  # here: this module imports nothing of the bank at load
+
     retry_in = None if item.next_try is None else round(max(0.0, item.next_try - time.monotonic()), 1)
     return {"entry_id": item.entry_id, "state": _state(item), "attempts": item.attempts, "error": item.error,
-            "reason": item.reason, "retry_in_s": retry_in}
+            "reason": item.reason, "retry_in_s": retry_in, "merged_into": merged_into(item.entry_id)}
 
 
 def _test_only_delay() -> None:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from . import bank_writer, recording_queue
 from ..bank import BankIncompatible, Schedule
 from ..bank.budget import take_evictions
+from ..bank.merge import merged_into
 from ..bank.spool import Recording
 from ..bank.encoding import PackedBlockMaps
 from .entry_prefetch import EntryPrefetch
@@ -85,6 +86,7 @@ class RunReport:
     timings: dict = field(default_factory=dict)
     recorded_entry_id: str | None = None  # known at once; the entry is written in the background
     recording: str | None = None  # "queued": spooled on disk, written in the background; "recorded": in the bank
+    merged_into: str | None = None  # the entry a "recorded" recording merged into (queued: its recording state says)
     dense_steps: dict = field(default_factory=dict)  # step index (as text) -> why it ran dense on every layer
     backend: str | None = None  # block-sparse kernel backend and why (e.g. "fa4 (FlashAttention-4 ...)")
     dense_backend: str | None = None  # what the dense self-attention calls ran on, and why
@@ -398,6 +400,7 @@ class ReuseRun(SparseRun):
             state, warning = recording_queue.hand_over(self.match.bank, recording, after=self._prior_refresh())
             if state is not None:
                 self.report.recorded_entry_id, self.report.recording = recording.entry_id, state
+                self.report.merged_into = merged_into(recording.entry_id)
             if warning is not None:
                 self.report.warnings.append(warning)
         except Exception as exc:  # the generation itself succeeded: keep it whatever the recorder says
