@@ -114,6 +114,24 @@ def test_a_reader_that_read_the_row_before_a_merge_is_served_the_merged_masks(ba
         assert reader.stats()["quarantined"] == 0
 
 
+def test_a_reader_sees_a_merge_and_an_insert_made_after_the_last_row_was_removed(bank, location):
+    """SQLite gives a removed last row's rowid to the next row: a reader's index, which appends rows
+    above the highest rowid it read, must still see the new entry and the merged row's new signature."""
+    entry = record(bank, toy_masks(0), toy_signature(20, noise=0.5, base_seed=0))
+    with MaskBank.open(location, read_only=True) as reader:
+        probe = toy_signature(21, noise=0.5, base_seed=0)
+        for seed in (7, 8):
+            last = record(bank, toy_masks(seed), toy_signature(seed))
+            assert reader.match(toy_signature(seed), FP, LAYOUT).entry_id == last  # read at the top rowid
+            bank.delete([last])
+        newest = record(bank, toy_masks(9), toy_signature(9))  # SQLite: the removed row's rowid
+        assert reader.match(toy_signature(9), FP, LAYOUT).entry_id == newest
+        bank.delete([newest])
+        bank.set_merge_policy(0.3, 0.3)
+        assert record(bank, flipped(toy_masks(0), 1), toy_signature(1, noise=0.5, base_seed=0)) == entry
+        assert reader.match(probe, FP, LAYOUT).similarity == pytest.approx(bank.match(probe, FP, LAYOUT).similarity)
+
+
 def test_deleting_a_merged_entry_drops_its_votes(bank):
     entry = record(bank, toy_masks(0), toy_signature(0))
     bank.set_merge_policy(0.3, 0.3)

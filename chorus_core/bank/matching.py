@@ -85,6 +85,7 @@ class _Group:
     def __init__(self):
         self.ids: list[str] = []
         self.position: dict[str, int] = {}  # id -> its row in ``mat``
+        self.rowid_of: dict[str, int] = {}  # id -> the rowid its vector was read at
         self.mat = np.zeros((0, len(COMPONENTS) * DIM), np.float32)
         self.sketch = None
         self.max_rowid = 0
@@ -104,6 +105,7 @@ class _Group:
                 fresh.append(i)
             else:
                 self.mat[at] = vectors[i]
+            self.rowid_of[row["id"]] = row["rowid"]
         self.mat = np.concatenate([self.mat, vectors[fresh]])
         self.max_rowid = max(self.max_rowid, max(r["rowid"] for r in rows))
         self._resketch()
@@ -115,6 +117,7 @@ class _Group:
             return
         self.ids = [self.ids[i] for i in keep]
         self.position = {entry_id: i for i, entry_id in enumerate(self.ids)}
+        self.rowid_of = {entry_id: self.rowid_of[entry_id] for entry_id in self.ids}
         self.mat = self.mat[keep]
         self._resketch()
 
@@ -144,9 +147,13 @@ class SignatureIndex:
         after an addition, append the new rows."""
         if self._state is not None and self._state[1] != removals:
             for compat, group in self._groups.items():
-                present = {r["id"] for r in db.query(
-                    "SELECT id FROM entries WHERE compat = ? AND status = 'ok'", [compat])}
-                group.keep_only(present)
+                present = {r["id"]: r["rowid"] for r in db.query(
+                    "SELECT rowid, id FROM entries WHERE compat = ? AND status = 'ok'", [compat])}
+                group.keep_only(set(present))
+                # SQLite hands a removed last row's rowid to the next insert, and a merge renumbers
+                # its row: read again from the first row not held at its rowid, not only above the max
+                unseen = [r for i, r in present.items() if group.rowid_of.get(i) != r]
+                group.max_rowid = min([group.max_rowid] + [r - 1 for r in unseen])
         if self._state != (generation, removals):
             for compat in list(self._groups):
                 self._load(db, compat)
