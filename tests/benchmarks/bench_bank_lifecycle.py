@@ -1,7 +1,8 @@
 """How a mask bank grows under production-like traffic: a seeded request stream through the real bank code.
 
 Run: .venv/bin/python tests/benchmarks/bench_bank_lifecycle.py [--requests 100000] [--kinds 300] [--seed 0]
-     [--policies none,prune_25,budget_10,budget_25,budget_50] [--url postgresql://...]
+     [--policies none,merge,prune_25,budget_10,budget_25,budget_50] [--url postgresql://...]
+     [--merge-similarity 0.65 --merge-agreement 0.55]
 Writes tests/benchmarks/results/bank_lifecycle.{json,md,png}.
 
 The stream (mask level, no model): a *kind* of request is an effect template at a recurring layout;
