@@ -88,17 +88,18 @@ def test_a_recording_merges_only_at_or_above_both_thresholds(bank, which):
     assert bank.verify()["quarantined"] == []
 
 
-def test_a_merged_entry_moves_to_its_mean_signature_for_every_reader(bank, location):
+def test_an_entry_moves_to_its_mean_signature_once_it_holds_enough_recordings(bank, location):
     entry = record(bank, toy_masks(0), toy_signature(20, noise=0.5, base_seed=0))  # a photo, not the centre
     with MaskBank.open(location, read_only=True) as reader:
         probe = toy_signature(9, noise=0.5, base_seed=0)
         before = reader.match(probe, FP, LAYOUT).similarity
         bank.set_merge_policy(0.3, 0.3)
-        for seed in range(1, 5):
+        for seed in range(1, merging.MEAN_SIGNATURE_FROM):
+            assert reader.match(probe, FP, LAYOUT).similarity == pytest.approx(before)  # still its first photo's
             assert record(bank, flipped(toy_masks(0), seed), toy_signature(seed, noise=0.5, base_seed=0)) == entry
         after = reader.match(probe, FP, LAYOUT, top_k=3)
         assert after.top == [(entry, pytest.approx(after.similarity))]  # one id, its new vector
-        assert after.similarity > before  # the mean of five photos is closer to a sixth than one photo
+        assert after.similarity > before  # the mean of several photos is closer to another than one photo
         assert reader.load_masks(entry, record_hit=False).shape == (3, 2, 2, 8, 8)
 
 
@@ -118,6 +119,9 @@ def test_a_reader_sees_a_merge_and_an_insert_made_after_the_last_row_was_removed
     """SQLite gives a removed last row's rowid to the next row: a reader's index, which appends rows
     above the highest rowid it read, must still see the new entry and the merged row's new signature."""
     entry = record(bank, toy_masks(0), toy_signature(20, noise=0.5, base_seed=0))
+    bank.set_merge_policy(0.3, 0.3)
+    for seed in range(1, merging.MEAN_SIGNATURE_FROM - 1):  # the next merge moves it to the mean
+        assert record(bank, flipped(toy_masks(0), seed), toy_signature(seed, noise=0.5, base_seed=0)) == entry
     with MaskBank.open(location, read_only=True) as reader:
         probe = toy_signature(21, noise=0.5, base_seed=0)
         for seed in (7, 8):
@@ -126,10 +130,12 @@ def test_a_reader_sees_a_merge_and_an_insert_made_after_the_last_row_was_removed
             bank.delete([last])
         newest = record(bank, toy_masks(9), toy_signature(9))  # SQLite: the removed row's rowid
         assert reader.match(toy_signature(9), FP, LAYOUT).entry_id == newest
+        before = reader.match(probe, FP, LAYOUT).similarity
         bank.delete([newest])
-        bank.set_merge_policy(0.3, 0.3)
-        assert record(bank, flipped(toy_masks(0), 1), toy_signature(1, noise=0.5, base_seed=0)) == entry
-        assert reader.match(probe, FP, LAYOUT).similarity == pytest.approx(bank.match(probe, FP, LAYOUT).similarity)
+        seed = merging.MEAN_SIGNATURE_FROM
+        assert record(bank, flipped(toy_masks(0), seed), toy_signature(seed, noise=0.5, base_seed=0)) == entry
+        after = bank.match(probe, FP, LAYOUT).similarity
+        assert after != pytest.approx(before) and reader.match(probe, FP, LAYOUT).similarity == pytest.approx(after)
 
 
 def test_deleting_a_merged_entry_drops_its_votes(bank):

@@ -118,7 +118,8 @@ def merge_into(bank, target: str, recording_id: str, masks: np.ndarray, signatur
         sha = hashlib.sha256(data).hexdigest()
         bank._put_merged_blob(data, sha)
         fault("merge-blob-written")
-        switch_entry(bank, target, sha, len(data), float(consensus.mean()), votes.signature(), now)
+        moved = votes.signature() if votes.n >= merging.MEAN_SIGNATURE_FROM else row_signature(row)
+        switch_entry(bank, target, sha, len(data), float(consensus.mean()), moved, now)
         bank._bump("generation")  # its masks and signature changed: caches keyed by content refresh
         put_meta(bank, merging.VOTES_PREFIX + target, votes.to_text())
         note_merged_id(bank, recording_id, target, now, sweep=votes.n % 32 == 0)
