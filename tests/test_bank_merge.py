@@ -271,31 +271,24 @@ def test_a_queued_recording_that_merged_says_into_which_entry_and_is_not_replaye
 
 
 # ---- the simulation's targets -----------------------------------------------------------------
-# Served recall: the issue asks for "no worse" than never merging; measured, merging is 0.0021 lower
-# on the committed stream and level on the short one (docs/mask-bank.md says why: an entry at its kind's
-# mean signature hits so often that it absorbs only about two recordings, and a consensus of two is no
-# better than one recording). This tolerance holds what was measured; it is not the issue's target.
-RECALL_TOLERANCE = 0.003
-
-
 def merge_targets_hold(doc):
     finals = {row["policy"]: row for row in doc["rows"] if row.get("final")}
     none, merged = finals["none"], finals["merge"]
     assert merged["entries"] <= 2 * merged["kinds_seen"] < none["entries"]
     assert merged["hit_rate"] >= none["hit_rate"] - 0.01
-    assert merged["served_recall"] >= none["served_recall"] - RECALL_TOLERANCE
+    assert merged["served_recall"] >= none["served_recall"]
     study = doc["threshold_study"]
     for key, used in (("similarity", merged["merge_similarity"]), ("agreement", merged["merge_agreement"])):
         # the thresholds separate the kinds of pairs the study measured
         assert study[key]["nearest_other_kind"]["max"] < used < study[key]["same_kind"]["p1"]
 
 
-def test_merging_on_a_short_stream_keeps_one_entry_per_kind_and_the_hit_rate(tmp_path):
+def test_merging_on_a_short_stream_meets_the_issue_targets(tmp_path):
     lifecycle.main(["--requests", "3000", "--kinds", "20", "--policies", "none,merge", "--out", str(tmp_path)])
     merge_targets_hold(json.loads((tmp_path / "bank_lifecycle.json").read_text()))
 
 
-def test_the_committed_lifecycle_results_keep_one_entry_per_kind_and_the_hit_rate():
+def test_the_committed_lifecycle_results_meet_the_merge_targets():
     doc = json.loads((REPO_ROOT / "tests" / "benchmarks" / "results" / "bank_lifecycle.json").read_text())
     merge_targets_hold(doc)
     assert "merge" in doc["command"]  # every policy ran under the one recorded command
