@@ -1,4 +1,4 @@
-"""The README's user-stack speed table quotes its results file: every number is the file's."""
+"""The README quotes its results files: every number is the file's."""
 
 import json
 import re
@@ -42,3 +42,18 @@ def test_the_same_model_ratio_in_the_text_is_the_files():
     ratio = re.search(r"A hit is ([\d.]+)x the dense run of the same fp8_scaled model", text).group(1)
     hit = next(r for r in json.loads(RESULTS.read_text())["rows"] if r["name"] == "fp8_scaled_hit_eager")
     assert float(ratio) == hit["vs_dense_same_weights"]
+
+
+def test_how_the_bank_grows_quotes_the_lifecycle_results():
+    rows = {r["policy"]: r for r in json.loads((RESULTS.parent / "bank_lifecycle.json").read_text())["rows"]
+            if r.get("final")}
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index("## How the bank grows"):text.index("## ComfyUI versions")]
+    none, merge = rows["none"], rows["merge"]
+    assert f"left alone, {none['entries']} entries\nand a {none['hit_rate']:.3f} hit rate" in section
+    assert f"merging near-copies, {merge['entries']} entries" in section
+    assert f"over {none['kinds_seen']} kinds of request" in section.replace("\n", " ")
+    assert round(merge["hit_rate"], 3) == round(none["hit_rate"], 3)  # "at the same hit rate"
+    for policy, words in (("budget_50", "at half the unbounded size"), ("budget_25", "at a quarter"),
+                          ("budget_10", "at a tenth")):
+        assert f"{rows[policy]['hit_rate']:.3f} {words}" in section.replace("\n  ", " "), policy
