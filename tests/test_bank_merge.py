@@ -18,7 +18,6 @@ from conftest import REPO_ROOT
 
 from chorus_core.bank import MaskBank
 from chorus_core.bank import merge as merging
-from chorus_core.bank import merge_store
 from chorus_core.bank.errors import BankInvalidArgument
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "benchmarks"))
@@ -110,7 +109,7 @@ def test_a_reader_that_read_the_row_before_a_merge_is_served_the_merged_masks(ba
         bank.set_merge_policy(0.3, 0.3)
         assert record(bank, flipped(toy_masks(0), 1), toy_signature(1, noise=0.5, base_seed=0)) == entry
         assert reader._problem(stale)[0] == "blob missing"  # the old blob went with the merge
-        row, reason, _ = merge_store.read_through_merges(reader, stale)
+        row, reason, _ = reader._read_through_merges(stale)
         assert reason is None and row["blob_sha256"] == bank.show(entry)["blob_sha256"] != stale["blob_sha256"]
         assert reader.stats()["quarantined"] == 0
 

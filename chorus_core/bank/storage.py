@@ -21,7 +21,6 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from . import budget as budgets
-from . import merge_store
 from . import transfer, validation
 from .encoding import PackedBlockMaps, encode_masks
 from .entry_masks import EntryMasks
@@ -29,6 +28,7 @@ from .errors import BankEntryCorrupt, BankError, BankIncompatible, BankInvalidAr
 from .faults import fault
 from .fingerprint import ModelFingerprint
 from .matching import MatchResult, stack_vectors
+from .merge_store import MergeStore
 from .records import LatentLayout, Schedule
 from .rows import blob_metadata, build_row, compat_key, decode_row, entry_label, signature_columns
 from .signature import COMPONENTS, DIM, Signature, cosine
@@ -51,7 +51,7 @@ def guarded(method):
     return wrapper
 
 
-class BankStorage:
+class BankStorage(MergeStore):
     """What every mask bank backend offers, and the logic they share.
 
     Public API (the same on every backend): ``open`` (usually through
@@ -307,7 +307,7 @@ class BankStorage:
                                    "at least one key block (keep the diagonal).") from None
         entry_id = entry_id or uuid.uuid4().hex  # a background write names its entry up front
         if coarsen == 1:  # a coarsened entry cannot vote block by block with full-size recordings
-            merged = merge_store.merge_if_close(self, entry_id, fingerprint, layout, schedule, masks, signature)
+            merged = self._merge_if_close(entry_id, fingerprint, layout, schedule, masks, signature)
             if merged is not None:
                 return merged
         tensors, meta = encode_masks(masks, coarsen=coarsen)
@@ -334,14 +334,14 @@ class BankStorage:
             raise BankIncompatible(f"masks not stored: {exc}.") from None
 
     # ---- merging instead of adding (merge.py: when; merge_store.py: how) ----------------
-    merge_policy = guarded(merge_store.merge_policy)
-    set_merge_policy = guarded(merge_store.set_merge_policy)
-    merge_status = guarded(merge_store.merge_status)
+    merge_policy = guarded(MergeStore.merge_policy)
+    set_merge_policy = guarded(MergeStore.set_merge_policy)
+    merge_status = guarded(MergeStore.merge_status)
 
     def _drop_rows(self, ids: list[str]) -> tuple[int, list]:
         """Inside a write: delete rows (the backend's ``_delete_rows``) and the votes they kept."""
         count, released = self._delete_rows(ids)
-        merge_store.forget_votes(self, ids)
+        self._forget_votes(ids)
         return count, released
 
     def _unused_after_switch(self, sha: str) -> list:
@@ -439,7 +439,7 @@ class BankStorage:
         if row["status"] != "ok":
             raise BankError(f"Entry {entry_id} is quarantined ({row['status_reason']}); "
                             "run dense for this request and record it again.")
-        row, reason, loaded = merge_store.read_through_merges(self, row)
+        row, reason, loaded = self._read_through_merges(row)
         if reason is not None:
             self._found_corrupt(row, reason, recheck=True)
         spec, data, meta = loaded
@@ -471,7 +471,7 @@ class BankStorage:
     def has_entry(self, entry_id: str) -> bool:
         """Whether the bank holds a row of this id, healthy or quarantined, or a recording of this id
         merged into an entry lately (a spool replay asks: it must not add or merge it twice)."""
-        return self._has_entry(str(entry_id)) or merge_store.was_merged(self, str(entry_id))
+        return self._has_entry(str(entry_id)) or self._was_merged(str(entry_id))
 
     @guarded
     def entry_schedule(self, entry_id: str) -> Schedule:
