@@ -291,3 +291,21 @@ def test_the_committed_lifecycle_results_meet_the_merge_targets():
     doc = json.loads((REPO_ROOT / "tests" / "benchmarks" / "results" / "bank_lifecycle.json").read_text())
     merge_targets_hold(doc)
     assert "merge" in doc["command"]  # every policy ran under the one recorded command
+
+
+def test_the_cli_shows_sets_and_turns_off_the_merge_policy(location, capsys):
+    from chorus_core.bank.__main__ import main as cli
+
+    MaskBank.open(location).close()
+    assert cli(["merge", location, "--json"]) == 0
+    assert '"similarity": null' in capsys.readouterr().out
+    assert cli(["merge", location, "--similarity", "0.65", "--agreement", "0.55"]) == 0
+    with MaskBank.open(location, read_only=True) as reader:
+        assert (reader.merge_policy().similarity, reader.merge_policy().agreement) == (0.65, 0.55)
+    assert cli(["merge", location, "--similarity", "0.65"]) == 2  # both or neither
+    assert "needs both" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["merge", location, "--similarity", "1.5", "--agreement", "0.5"])
+    assert cli(["merge", location, "--off"]) == 0
+    with MaskBank.open(location, read_only=True) as reader:
+        assert not reader.merge_policy().on

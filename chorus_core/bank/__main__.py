@@ -1,4 +1,4 @@
-"""Command line: ``python -m chorus_core.bank {init,stats,list,show,verify,prune,budget,export,import} PATH``.
+"""Command line: ``python -m chorus_core.bank {init,stats,list,show,verify,prune,budget,merge,export,import} PATH``.
 
 PATH is a bank folder, or a PostgreSQL bank URL ``postgresql://USER@HOST:PORT/DB?schema=NAME``
 (give the password through PGPASSWORD or ~/.pgpass, not on the command line: other users of
@@ -64,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-bytes", type=_size, help="e.g. 20G (a limit not given is removed)")
     c.add_argument("--max-entries", type=_count, help="a positive whole number")
     c.add_argument("--unlimited", action="store_true", help="remove the budget")
+    c = cmd("merge", "show the bank's merge policy, or set it: a recording close to an entry updates it "
+                     "instead of adding one (off by default; docs/mask-bank.md gives the measured thresholds)")
+    c.add_argument("--similarity", type=_share, help="least signature similarity, e.g. 0.65")
+    c.add_argument("--agreement", type=_share, help="least mask agreement, e.g. 0.55")
+    c.add_argument("--off", action="store_true", help="never merge (the default)")
     c = cmd("export", "write entries and blobs to one tar file")
     c.add_argument("file")
     c.add_argument("--tag")
@@ -80,6 +85,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a positive size; write e.g. 20G, 500M or 1048576 (bytes)")
     return int(value)
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share in (0, 1], e.g. 0.65")
+    return value
 
 
 def _count(text: str) -> int:
@@ -119,6 +134,8 @@ def _run(args) -> object:
             return {"removed": removed, "dry_run": args.dry_run, **bank.stats()}
         if args.command == "budget":
             return _budget(bank, args)
+        if args.command == "merge":
+            return _merge(bank, args)
         if args.command == "export":
             return {"exported": bank.export(args.file, tag=args.tag, ids=args.ids), "file": args.file}
         return bank.import_file(args.file)
@@ -133,6 +150,18 @@ def _budget(bank, args) -> dict:
         return bank.budget_status()
     eviction = bank.set_budget(args.max_bytes, args.max_entries)
     return {**bank.budget_status(), "evicted": len(eviction.entry_ids), "bytes_freed": eviction.bytes_freed}
+
+
+def _merge(bank, args) -> dict:
+    """Without thresholds: the policy and what merging keeps; with both (or --off): set it."""
+    given = args.similarity is not None or args.agreement is not None
+    if args.off and given:
+        raise BankError("merge: --off turns merging off; give it without --similarity and --agreement.")
+    if given and (args.similarity is None or args.agreement is None):
+        raise BankError("merge needs both --similarity and --agreement (e.g. 0.65 and 0.55), or --off.")
+    if given or args.off:
+        bank.set_merge_policy(args.similarity, args.agreement)
+    return bank.merge_status()
 
 
 def _replay_spool(bank) -> dict:
