@@ -292,6 +292,8 @@ def table_row(doc: dict) -> dict:
     for name, group in (("defaults", defaults), ("matched", matched)):
         diff = paired_difference(hit, group, "psnr_db")
         out[f"hit_minus_core_{name}_db"], out[f"hit_minus_core_{name}_db_ci95"] = diff["mean"], diff["ci95"]
+    if out["requests"] < 2:  # one request: no interval (mean_ci's 0 would read as a certainty)
+        out.update({key: None for key in out if key.endswith("_ci95")})
     return out
 
 
