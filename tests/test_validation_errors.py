@@ -224,3 +224,11 @@ def test_a_refused_prompt_reads_each_problem_once_in_the_clients_error(comfy_ser
     assert text.count(message) == 1, text
     assert f"node {SAMPLER} ChorusSparseWanSampler (input min_density, max_density): {message}" in text
     assert text.splitlines()[0] == "POST /prompt failed (400): Prompt outputs failed validation"
+
+
+@pytest.mark.parametrize("body, shown", [("<html>502</html>", "<html>502</html>"), ("[1]", "[1]"),
+                                         ('{"error": "no prompt"}', "no prompt")])
+def test_an_answer_of_another_shape_is_shown_as_it_came(body, shown):
+    from chorus_core.comfy.comfyui_process import describe_refusal
+
+    assert describe_refusal(body) == shown

@@ -185,10 +185,13 @@ def describe_refusal(body: str) -> str:
     returned as it came."""
     try:
         answer = json.loads(body)
-        node_errors = answer.get("node_errors") or {}
-        top = answer.get("error") or {}
-    except (ValueError, AttributeError):
+    except ValueError:
         return body
+    if not isinstance(answer, dict):
+        return body
+    top = answer.get("error") or {}
+    top = top if isinstance(top, dict) else {"message": str(top)}
+    node_errors = answer.get("node_errors") if isinstance(answer.get("node_errors"), dict) else {}
     lines = [top.get("message", "ComfyUI refused the prompt")]
     if top.get("details"):
         lines[0] += f": {top['details']}"
