@@ -32,7 +32,9 @@ class FakeRun:
         self.failed, self.recorded = [], []
 
     def plan_call(self, options, x, model):
-        return "plan"
+        from chorus_core.attention.sparse_run import CallPlan
+
+        return CallPlan(seq_len=4, masks=(None,), densities=(None,), sparse=torch.sin, dense=None)
 
     def observing(self):
         return False
@@ -52,7 +54,7 @@ class FakeExecutor:
     def __init__(self, error):
         self.error, self.calls = error, []
 
-    def __call__(self, x, t, transformer_options):
+    def __call__(self, x, t, transformer_options, **conds):  # a planned call also names its graph (graph_keys)
         options = transformer_options
         self.calls.append(sparse_plan_key("k") in options)
         if sparse_plan_key("k") in options:

@@ -427,7 +427,7 @@ COMFYUI_ATTENTIONS = ("sdpa", "sage")
 
 
 def parse_row(spec: str) -> tuple[str, str, bool]:
-    weights, arm, how = spec.split(":")[:3]
+    weights, arm, how = (spec.split(":") + ["", ""])[:3]
     if weights not in WEIGHTS or arm not in ("dense", "miss", "hit", "online") or how not in ("eager", "compiled") \
             or row_attention(spec) not in COMFYUI_ATTENTIONS or spec.count(":") > 3:
         raise SystemExit(f"bad row {spec!r}: WEIGHTS:dense|miss|hit|online:eager|compiled[:sage]")
@@ -710,6 +710,8 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    for spec_row in [s for s in args.rows.split(",") if s]:
+        parse_row(spec_row)  # a bad row stops the call here, not after minutes of set-up on the device
     if args.merge:
         command = shlex.join(["python", sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
         return merge([Path(p) for p in args.merge.split(",")], Path(args.out), command, args.note, args.invalid)
