@@ -72,10 +72,10 @@ postgres:
 # CHORUS_REQUIRE_POSTGRES=1: a missing server fails the PostgreSQL bank tests instead of skipping them.
 # The whole suite on the oldest supported ComfyUI, then every test that needs ComfyUI (in process
 # and end to end; the browser test stays on the first run) again on the current release.
-# Times measured 2026-12-05 on a 2-core Intel Xeon shared with other jobs (load average 3 to 9),
-# so an idle machine is faster: docs/development.md#tests says how each was taken.
+# Times measured 2026-12-06 by a fresh-clone .ci/run on an otherwise idle 2-core Intel Xeon:
+# docs/development.md#tests says how each was taken.
 test: setup browser postgres
-	@echo "make test: (1) the whole suite on ComfyUI 0.3.64 (CPU unit tests, in-process ComfyUI, real ComfyUI servers, the browser on two frontends, the PostgreSQL bank): 11.6 min on 2 idle cores; (2) every ComfyUI test again on $(COMFYUI_CURRENT): 7.5 min. A fresh clone with set-up: 21.4 min (measured 2026-12-05)."
+	@echo "make test: (1) the whole suite on ComfyUI 0.3.64 (CPU unit tests, in-process ComfyUI, real ComfyUI servers, the browser on two frontends, the PostgreSQL bank): 13.2 min on 2 idle cores; (2) every ComfyUI test again on $(COMFYUI_CURRENT): 8.3 min. A fresh clone with set-up: about 28 min (measured 2026-12-06)."
 	CHORUS_REQUIRE_POSTGRES=1 CHORUS_COMFY_CLI=$(abspath $(VENV_COMFY_CLI))/bin/comfy $(VPY) -m pytest tests
 	CHORUS_COMFYUI_VERSION=$(COMFYUI_CURRENT) CHORUS_REQUIRE_POSTGRES=1 \
 	  $(VPY_CURRENT) -m pytest -m "comfy and not browser" tests
