@@ -20,6 +20,8 @@ import hashlib
 from collections.abc import Callable
 from typing import Optional
 
+from ..names import callable_name
+
 GRAPH_KWARG_PREFIX = "chorus_graph_"
 OVERRIDE_OPTION = "optimized_attention_override"
 
@@ -52,7 +54,4 @@ def _override_chain(override: Optional[Callable]) -> tuple:
 
 
 def _name(function: Optional[Callable]) -> Optional[str]:
-    if function is None:
-        return None
-    inner = getattr(function, "func", function)  # functools.partial
-    return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(inner).__name__)}"
+    return None if function is None else callable_name(function)

@@ -22,6 +22,7 @@ import hashlib
 import torch
 
 from ..bank.fingerprint import ARCHITECTURE, ModelFingerprint, TensorDigest, wan_shapes, weights_digest
+from ..names import callable_name, type_name
 
 DIFFUSION_PREFIX = "diffusion_model."  # ModelPatcher keys are relative to the BaseModel
 _MAX_DEPTH = 8  # patch data nests tuples a few levels deep; never follow a cycle
@@ -90,10 +91,10 @@ def patches_digest(model_patcher) -> str | None:
         digest.add_text(f"hook {hook_digest}")
     wrappers = getattr(model_patcher, "weight_wrapper_patches", None) or {}
     for key in sorted(wrappers):
-        digest.add_text(f"wrapper {key}: " + ", ".join(_callable_name(f) for f in wrappers[key]))
+        digest.add_text(f"wrapper {key}: " + ", ".join(callable_name(f) for f in wrappers[key]))
     objects = getattr(model_patcher, "object_patches", None) or {}
     for name in sorted(n for n in objects if n.startswith(DIFFUSION_PREFIX)):
-        digest.add_text(f"object {name}: {_type_name(objects[name])}")
+        digest.add_text(f"object {name}: {type_name(objects[name])}")
     return digest.hexdigest() if digest.has_content() else None
 
 
@@ -131,24 +132,13 @@ def _describe(digest: TensorDigest, path: str, value, depth: int) -> None:
     elif isinstance(value, functools.partial):
         _describe(digest, path, (value.func, value.args, value.keywords), depth + 1)
     elif hasattr(value, "weights") and not callable(value):  # a comfy.weight_adapter (LoRA, LoHa, ...)
-        digest.add_text(f"{path}: {_type_name(value)} {getattr(value, 'name', '')!r}")
+        digest.add_text(f"{path}: {type_name(value)} {getattr(value, 'name', '')!r}")
         _describe(digest, f"{path}.weights", value.weights, depth + 1)
     elif callable(value):
-        digest.add_text(f"{path}: {_callable_name(value)}")
+        digest.add_text(f"{path}: {callable_name(value)}")
     else:
-        digest.add_text(f"{path}: {_type_name(value)}")
+        digest.add_text(f"{path}: {type_name(value)}")
 
 
 def _is_scalar(value) -> bool:
     return value is None or isinstance(value, (bool, int, float, str, bytes))
-
-
-def _callable_name(function) -> str:
-    if isinstance(function, functools.partial):
-        return f"partial({_callable_name(function.func)})"
-    name = getattr(function, "__qualname__", None)
-    return f"{getattr(function, '__module__', '')}.{name}" if name else _type_name(function)
-
-
-def _type_name(value) -> str:
-    return f"{type(value).__module__}.{type(value).__qualname__}"
