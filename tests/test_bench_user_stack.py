@@ -38,3 +38,31 @@ def test_a_row_names_only_known_attentions_and_a_bad_one_stops_the_call_at_once(
                               capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and f"bad row {bad!r}" in done.stderr, done.stderr[-2000:]
         assert not (tmp_path / "never").exists()  # nothing was built before the rows were checked
+
+
+def test_core_rows_send_self_attention_to_comfy_kitchens_sol_attn_as_cores_node_does(tmp_path, comfyui_path):
+    """On the CPU the rows run comfy-kitchen's eager sol_attn (the GPU runs its CUDA kernel): every
+    self-attention call past the node's start goes there, cross-attention stays ComfyUI's."""
+    pytest.importorskip("comfy_kitchen")
+    rows = "bf16:dense:eager,bf16:core:eager,bf16:core_topk:eager"
+    done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
+                           "--bank", tmp_path / "bank", "--rows", rows], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((tmp_path / "user_stack_tiny.json").read_text())
+    assert not doc["details"]["errors"], doc["details"]["errors"]
+    result = {r["name"]: r for r in doc["rows"]}
+    defaults, topk = result["bf16_core_eager"], result["bf16_core_topk_eager"]
+    assert defaults["role"] == topk["role"] == "peer"
+    assert defaults["attention"].startswith("core_sol_attn (tau 1.3, start 0.2, extra_tokens 256")
+    assert topk["attention"].startswith("core_sol_attn (topk 0.15, start 0, extra_tokens 256")
+    blocks, steps = 2, 4
+    # top-k from the first step: each of 4 steps' 2 self-attention calls is sparse
+    assert topk["sparse_calls"] == blocks * steps
+    # defaults: dense while sigma is above percent_to_sigma(0.2) (the first of 4 steps here)
+    assert defaults["sparse_calls"] == blocks * (steps - 1)
+    # the node asks about sigma first: in that step the self and both cross-attentions (text, image)
+    # are dense for that reason; later, the cross-attentions for theirs
+    assert defaults["dense_calls"] == {"sigma outside start/end": blocks * 3, "cross-attention": blocks * (steps - 1) * 2}
+    assert 0 < defaults["routed_share"] <= 1 and topk["routed_share"] == 0.15
+    assert defaults["vs_core_same_weights"] == 1.0 and result["bf16_dense_eager"]["vs_core_same_weights"]

@@ -62,3 +62,11 @@ def test_our_sol_attention_computes_what_comfy_kitchen_s_eager_reference_compute
         torch.testing.assert_close(ours, sol_attn(q, k, v, tau=tau), atol=2e-5, rtol=1e-4)
     for density in (0.2, 0.3, 0.5):  # what the matched arm asks of each call
         assert float(route_tau(routing, tau_for_density(routing, density)).float().mean()) == pytest.approx(density, abs=0.01)
+
+
+def test_core_rows_on_the_kernel_say_plainly_that_they_need_cuda():
+    from tests.testbed.core_sparse import kernel_attention
+
+    q = torch.zeros(1, 1, 128, 128)
+    with pytest.raises(RuntimeError, match="CUDA sol_attn"):
+        kernel_attention(q, q, q, 1.3, 256)

@@ -37,7 +37,14 @@ Arms (``role``):
   outside ``seconds``; ``flush_s`` says how long it took). Compiled, a miss is ``online``: threshold
   1.01, nothing recorded;
 - ``hit``: the same request again through Similarity Match and the node: the entry the miss
-  recorded, every step sparse (``hit_warmup_steps`` 0), Chorus's bf16 block-sparse attention.
+  recorded, every step sparse (``hit_warmup_steps`` 0), Chorus's bf16 block-sparse attention;
+- ``core`` (role ``peer``): core ComfyUI's Model Sparse Attention at its node's defaults (method
+  sol-attn, tau 1.3, dense before 20 % of the schedule, min_tokens 12,288, extra_tokens 256),
+  comfy-kitchen's ``sol_attn`` kernel as ``core_sparse_arm.py`` calls it (the node is newer than
+  ComfyUI 0.19.3; its override is reproduced there); ``routed_share`` estimates the share of 64-token
+  key blocks it computed exactly, the rest entering its softmax pooled;
+- ``core_topk`` (role ``peer``): the same kernel with the node's top-k method keeping ``--density``
+  of the key blocks from the first step, as the hit does: core's sparse attention at Chorus's density.
 Every Chorus generation makes a new match and a new install, as a new prompt does; its dense steps
 run cuDNN SDPA as the dense rows do. ``compiled``: ComfyUI's TorchCompileModel node (inductor) on the
 model that samples (after the Chorus patch); its first generation is a warm-up whose seconds
@@ -74,6 +81,7 @@ sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent))  # tests/: checkpoint_formats
 sys.path.insert(0, str(BENCH_DIR.parents[1]))  # the repository: chorus_core
 
+import core_sparse_arm as core  # noqa: E402  (core ComfyUI's Model Sparse Attention, as its node runs it)
 import bench_end_to_end as e2e  # noqa: E402  (request, machine name, cuDNN SDPA; puts the repo on sys.path,
 import bench_reuse_loop as loop  # noqa: E402  so both are imported before ComfyUI's folder goes in front)
 from bench_few_step import graphs_compiled, timed_model_loads  # noqa: E402  (compile count, weight moves)
@@ -380,8 +388,10 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
     start = time.perf_counter()
     with timed_model_loads(cuda) as loads, cudnn_first(cuda), comfyui_attention(ctx["attention"]), \
             torch.inference_mode():
-        sampled = model
-        if arm != "dense":
+        sampled, core_stats = model, None
+        if arm in CORE_ARMS:
+            sampled, core_stats = core.apply_core_sparse(model, core_settings(ctx, arm))
+        elif arm != "dense":
             sampled, patch = chorus_patched(ctx, model, arm)
         if is_compiled:
             sampled = compiled(sampled)
@@ -394,6 +404,8 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
              model_load_s=round(sum(loads), 3), finite=bool(torch.isfinite(out).all()))
     if cuda:
         m["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if core_stats is not None:
+        m.update(core_stats.summary(), routed_share=core.routed_share(core_stats, core_settings(ctx, arm)))
     if patch is not None:
         rep = patch.last_report.to_json()
         kept = [layer["density"] for layer in rep["layers"] if layer.get("density") is not None]
@@ -404,8 +416,21 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
     return m
 
 
-def check_path(arm: str, m: dict) -> None:
+def core_settings(ctx, arm: str) -> core.CoreSettings:
+    """The node's defaults, or its top-k at the hit's density from the first step; on the CPU (the
+    --tiny test) comfy-kitchen's eager reference on every self-attention call, however short."""
+    cpu = {} if ctx["cuda"] else dict(eager_on_cpu=True, min_tokens=0)
+    if arm == "core":
+        return core.CoreSettings(**cpu)
+    return core.CoreSettings(topk_ratio=ctx["density"], start_percent=0.0, **cpu)
+
+
+def check_path(arm: str, m: dict, cuda: bool = True) -> None:
     if arm == "dense":
+        return
+    if arm in CORE_ARMS:
+        if cuda and not m["sparse_calls"]:  # every call fell back to ComfyUI's attention
+            raise RuntimeError(f"{arm}: no call reached sol_attn (dense calls by reason: {m['dense_calls']})")
         return
     expect = "hit" if arm == "hit" else "miss"
     if m["run_mode"] != expect:
@@ -424,13 +449,15 @@ def check_path(arm: str, m: dict) -> None:
 
 
 COMFYUI_ATTENTIONS = ("sdpa", "sage")
+CORE_ARMS = ("core", "core_topk")
+ARMS = ("dense", "miss", "hit", "online") + CORE_ARMS
 
 
 def parse_row(spec: str) -> tuple[str, str, bool]:
     weights, arm, how = (spec.split(":") + ["", ""])[:3]
-    if weights not in WEIGHTS or arm not in ("dense", "miss", "hit", "online") or how not in ("eager", "compiled") \
+    if weights not in WEIGHTS or arm not in ARMS or how not in ("eager", "compiled") \
             or row_attention(spec) not in COMFYUI_ATTENTIONS or spec.count(":") > 3:
-        raise SystemExit(f"bad row {spec!r}: WEIGHTS:dense|miss|hit|online:eager|compiled[:sage]")
+        raise SystemExit(f"bad row {spec!r}: WEIGHTS:{'|'.join(ARMS)}:eager|compiled[:sage]")
     return weights, arm, how == "compiled"
 
 
@@ -440,10 +467,13 @@ def row_attention(spec: str) -> str:
     return parts[3] if len(parts) > 3 else "sdpa"
 
 
-def attention_name(arm: str, m: dict, comfyui_attention: str = "sdpa") -> str:
+def attention_name(arm: str, m: dict, comfyui_attention: str = "sdpa", density: float = 0.15) -> str:
     dense = "cudnn_sdpa" if comfyui_attention == "sdpa" else "sageattention_1.0.6"
     if arm == "dense":
         return dense
+    if arm in CORE_ARMS:
+        settings = core.CoreSettings() if arm == "core" else core.CoreSettings(topk_ratio=density, start_percent=0.0)
+        return f"core_sol_attn ({settings.describe()}; dense calls: {dense})"
     backend = (m.get("backend") or "").split(" ")[0] or "none"
     return f"chorus_block_sparse_bf16 ({backend}; dense steps: {m.get('dense_backend') or dense})"
 
@@ -482,11 +512,11 @@ def run_row(ctx, doc, spec: str, save) -> None:
         torch._dynamo.reset()  # each compiled row compiles afresh, as in a newly started server
     if is_compiled:
         warm = generate(ctx, model, arm, True)
-        check_path(arm, warm)
+        check_path(arm, warm, ctx["cuda"])
         compile_s = warm["seconds"]
         log(f"{spec}: warm-up (compile) {compile_s:.1f} s, steps {warm['step_ms']}, graphs {warm['graphs']}")
     m = generate(ctx, model, arm, is_compiled)
-    check_path(arm, m)
+    check_path(arm, m, ctx["cuda"])
     if arm == "miss":
         from chorus_core.reuse import bank_writer
 
@@ -497,15 +527,19 @@ def run_row(ctx, doc, spec: str, save) -> None:
         ctx["recorded"][weights] = m["recorded_entry_id"]
         if not m["recorded_entry_id"]:
             raise RuntimeError(f"{spec}: the miss recorded nothing ({m['warnings']})")
-    row = dict(name=spec.replace(":", "_"), role="miss" if arm == "online" else arm, weights=weights,
-               attention=attention_name(arm, m, ctx["attention"]), compiled=is_compiled, steps=ctx["steps"], cfg=ctx["cfg"],
+    row = dict(name=spec.replace(":", "_"), role=row_role(arm), weights=weights,
+               attention=attention_name(arm, m, ctx["attention"], ctx["density"]), compiled=is_compiled, steps=ctx["steps"], cfg=ctx["cfg"],
                shape=ctx["shape"], blocks=ctx["blocks"], seconds=m["seconds"], compile_s=compile_s,
-               arm=arm, load_s=ctx["load_s"][weights], density=None if arm == "dense" else ctx["density"],
+               arm=arm, load_s=ctx["load_s"][weights], density=None if arm in ("dense", "core") else ctx["density"],
                session=ctx["session"], run=ctx["run_id"], **{k: v for k, v in m.items() if k != "seconds"})
     doc["rows"].append(row)
     log(f"{spec}: {m['seconds']:.2f} s, steps {m['step_ms']}, graphs {m['graphs']}, mode {m.get('run_mode')}, "
         f"density {m.get('measured_density')}, backend {m.get('backend')} / {m.get('dense_backend')}")
     save()
+
+
+def row_role(arm: str) -> str:
+    return {"online": "miss", "core": "peer", "core_topk": "peer"}.get(arm, arm)
 
 
 def row_estimate_s(ctx, doc, spec: str) -> float:
@@ -543,24 +577,27 @@ def ctx_model(ctx, doc, weights: str):
 
 def ratios(rows: list[dict]) -> None:
     """Within one machine session only: each row against the fastest dense row of the same
-    weights, the fastest dense fp8-weight row, and the bf16 dense row (eager or compiled)."""
+    weights, the fastest dense fp8-weight row, the bf16 dense row (eager or compiled), and core's
+    Model Sparse Attention at its defaults with the same weights."""
     for r in rows:
         same = [x for x in rows if x.get("session") == r.get("session") and x["shape"] == r["shape"]
-                and x["steps"] == r["steps"] and x["cfg"] == r["cfg"] and x["role"] == "dense"]
+                and x["steps"] == r["steps"] and x["cfg"] == r["cfg"]]
 
         def best(pick):
             s = [x["seconds"] for x in same if pick(x)]
             return min(s) if s else None
 
-        for key, base in (("vs_dense_same_weights", best(lambda x: x["weights"] == r["weights"])),
-                          ("vs_fastest_dense_fp8", best(lambda x: x["weights"].startswith("fp8"))),
-                          ("vs_dense_bf16", best(lambda x: x["weights"] == "bf16"))):
+        dense = lambda x: x["role"] == "dense"  # noqa: E731
+        for key, base in (("vs_dense_same_weights", best(lambda x: dense(x) and x["weights"] == r["weights"])),
+                          ("vs_fastest_dense_fp8", best(lambda x: dense(x) and x["weights"].startswith("fp8"))),
+                          ("vs_dense_bf16", best(lambda x: dense(x) and x["weights"] == "bf16")),
+                          ("vs_core_same_weights", best(lambda x: x.get("arm") == "core" and x["weights"] == r["weights"]))):
             r[key] = round(base / r["seconds"], 3) if base else None
 
 
 COLUMNS = ["name", "role", "weights", "compute_dtype", "attention", "compiled", "seconds", "compile_s", "step_ms", "load_s",
-           "model_load_s", "measured_density", "graphs", "peak_gib", "flush_s", "vs_dense_same_weights",
-           "vs_fastest_dense_fp8", "vs_dense_bf16", "run"]
+           "model_load_s", "measured_density", "routed_share", "graphs", "peak_gib", "flush_s", "vs_dense_same_weights",
+           "vs_fastest_dense_fp8", "vs_dense_bf16", "vs_core_same_weights", "run"]
 
 
 def compute_dtype(summary: dict | None) -> str | None:

@@ -56,6 +56,11 @@ class CoreSparseSettings:
     end_percent: float = 1.0
     min_tokens: int = 12288
     density_of: Callable[[int, int], float] | None = None
+    # compute each sparse call with comfy-kitchen's CUDA kernel (its INT8 routing and ``extra_tokens``
+    # top-scoring tokens per query block, as a user's GPU runs it) instead of the float32 reproduction;
+    # routing, maps and tau still come from the reproduction
+    kernel: bool = False
+    extra_tokens: int = 256
 
 
 @dataclass
@@ -180,6 +185,8 @@ class CoreSparseSource(ObservedMasks):
         """Sol-Attn over one self-attention call (``[B, H, T, D]`` float32)."""
         self.observe(layer, step, None, q, k)
         self.sparse_calls += 1
+        if self.settings.kernel:
+            return kernel_attention(q, k, v, self.taus[(step, layer)], self.settings.extra_tokens)
         return sol_attention(q, k, v, self._routed, self._routing)
 
     # --- the node's decisions ------------------------------------------------------------------
@@ -198,6 +205,18 @@ class CoreSparseSource(ObservedMasks):
         if head_dim != CORE_HEAD_DIM:
             return "head_dim"
         return None
+
+
+def kernel_attention(q, k, v, tau: float, extra_tokens: int) -> torch.Tensor:
+    """comfy-kitchen's ``sol_attn`` on ``[B, H, T, D]`` tensors, in bfloat16 as core's node sends
+    float32 ones; float32 ``[B, H, T, D]`` back."""
+    import comfy_kitchen as ck
+
+    if q.device.type != "cuda" or not ck.sol_attn_is_available(q.device):
+        raise RuntimeError("core's sparse attention on the kernel needs comfy-kitchen's CUDA sol_attn on this card")
+    qs, ks, vs = (t.transpose(1, 2).to(torch.bfloat16).contiguous() for t in (q, k, v))
+    out = ck.sol_attn(qs, ks, vs, tau=tau, sink_blocks=[0, 0], sink_q=[0, 0], token_aug=extra_tokens)
+    return out.float().transpose(1, 2)
 
 
 def step_of(options: dict) -> int:
@@ -253,14 +272,15 @@ def whole_run_density(source: CoreSparseSource) -> float:
     return (sparse + source.dense_self_calls) / max(1, len(source.maps) + source.dense_self_calls)
 
 
-def core_sparse_rows(pp, conds, seed: int, hit_maps: dict, row, min_tokens: int = 12288) -> None:
+def core_sparse_rows(pp, conds, seed: int, hit_maps: dict, row, min_tokens: int = 12288, kernel: bool = False) -> None:
     """The two rows of one target and seed: ``core_sparse_defaults`` (natural: the node's defaults)
     and ``core_sparse_matched`` (matched: sparse from the first step, each (step, layer) routed at
     the tau that gives the hit's density there). ``row``: the product path's row maker;
-    ``min_tokens``: the node's gate (its default; a model with shorter sequences needs it lower)."""
+    ``min_tokens``: the node's gate (its default; a model with shorter sequences needs it lower);
+    ``kernel``: computed by comfy-kitchen's CUDA kernel (extra_tokens 256, the node's default)."""
     target = {key: float(m.float().mean()) for key, m in hit_maps.items()}
-    arms = (("natural", "core_sparse_defaults", CoreSparseSettings(min_tokens=min_tokens)),
-            ("matched", "core_sparse_matched", CoreSparseSettings(start_percent=0.0, min_tokens=min_tokens,
+    arms = (("natural", "core_sparse_defaults", CoreSparseSettings(min_tokens=min_tokens, kernel=kernel)),
+            ("matched", "core_sparse_matched", CoreSparseSettings(start_percent=0.0, min_tokens=min_tokens, kernel=kernel,
                                                                   density_of=lambda s, l: target[(s, l)])))
     for section, kind, settings in arms:
         final, maps, source = run_core_sparse(pp, conds, seed, settings)
@@ -268,7 +288,8 @@ def core_sparse_rows(pp, conds, seed: int, hit_maps: dict, row, min_tokens: int 
             raise RuntimeError(f"{kind}: every self-attention call ran dense ({source.dense_self_calls} calls)")
         row(section, kind, final, maps, block_size=BLOCK, density_whole_run=whole_run_density(source),
             sparse_steps=len({s for s, _ in maps}), mean_tau=sum(source.taus.values()) / len(source.taus),
-            target_density=sum(target.values()) / len(target) if settings.density_of else None)
+            target_density=sum(target.values()) / len(target) if settings.density_of else None,
+            core_compute="comfy_kitchen.sol_attn (CUDA, extra_tokens 256)" if kernel else "float32 reproduction")
 
 
 # --------------------------------------------------------------------------------------------

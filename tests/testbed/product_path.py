@@ -309,7 +309,7 @@ def dense_prior_scores(dense_masses: list, maps_steps: dict, steps_of_bucket, op
 def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int, seeds: int, threshold: float = 0.9,
                      log=print, seed_start: int = 0, on_progress=None, options=None, finals=None,
                      compose: bool = False, picks: slice = slice(None), core_sparse: bool = False,
-                     core_only: bool = False, core_min_tokens: int = 12288) -> dict:
+                     core_only: bool = False, core_min_tokens: int = 12288, core_kernel: bool = False) -> dict:
     """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``.
 
     ``on_progress(results_so_far)`` after every target: the CLI writes its outputs then, so a run
@@ -320,7 +320,8 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     that long runs can be split by target over several processes and merged with ``--merge``.
     ``core_sparse``: also core's Model Sparse Attention (``core_sparse.py``); ``core_only``: the hit
     and core's rows only, against a plain dense run (no mass, recall or other sources);
-    ``core_min_tokens``: its node's min_tokens (12,288; the tiny model's few hundred tokens need 0).
+    ``core_min_tokens``: its node's min_tokens (12,288; the tiny model's few hundred tokens need 0);
+    ``core_kernel``: core's rows computed by comfy-kitchen's CUDA kernel, not the float32 reproduction.
     """
     from chorus_core.bank import MaskBank
     from chorus_core.reuse.prior_store import load_prior
@@ -391,7 +392,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             if core_only:
                 for section in ("matched", "natural"):
                     row(section, "reused_similar_product", hit_final, hit_maps)
-                core_sparse_rows(pp, conds, seed, hit_maps, row, core_min_tokens)
+                core_sparse_rows(pp, conds, seed, hit_maps, row, core_min_tokens, core_kernel)
                 bank.close()
                 log(f"{request_name(target)} seed {seed}: hit and core's sparse attention, {time.time() - started:.0f}s")
                 if on_progress is not None:
@@ -445,7 +446,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
                 raise RuntimeError(f"the prior-mode run used {prior_report.mask_source!r}, not the population prior")
             row("natural", "population_prior", prior_final, pp.entry_maps(prior_entry), oracle_recall)
             if core_sparse:
-                core_sparse_rows(pp, conds, seed, hit_maps, row, core_min_tokens)
+                core_sparse_rows(pp, conds, seed, hit_maps, row, core_min_tokens, core_kernel)
             if compose:
                 rows.extend({**base, **r} for r in composition_rows(pp, hit, conds, seed, dense_final, final_quality))
             bank.close()
@@ -679,6 +680,8 @@ def main(argv=None) -> int:
                         help="also core ComfyUI's Model Sparse Attention (Sol-Attn) at its defaults and at the hit's density")
     parser.add_argument("--core-only", action="store_true",
                         help="only the hit and core's Model Sparse Attention against dense (a CPU-sized run)")
+    parser.add_argument("--core-kernel", action="store_true",
+                        help="core's rows on comfy-kitchen's CUDA sol_attn (a GPU with it), not the float32 reproduction")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
                         help="combine the product_path.json of these earlier runs into --out (no sampling)")
     args = parser.parse_args(argv)
@@ -701,7 +704,7 @@ def main(argv=None) -> int:
                                    seed_start=args.seed_start, on_progress=progress,
                                    options=reuse_options(args.option), compose=args.compose, picks=args.picks,
                                    core_sparse=args.core_sparse or args.core_only, core_only=args.core_only,
-                                   core_min_tokens=0 if args.tiny else 12288)
+                                   core_min_tokens=0 if args.tiny else 12288, core_kernel=args.core_kernel)
     doc = write_outputs(results, args.out, command, sampled, seeds, config)
     print(f"{len(doc['rows'])} rows in {doc['seconds']:.0f}s -> {args.out / 'product_path.md'}")
     return 0

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The user-stack benchmark in device calls that each carry everything they need (no staging over
+# several calls): the testbed checkpoints (49 MB of the tracked tree) are moved out of the checkout
+# for the call, which leaves room for comfy-kitchen's whole CUDA library in one part:
+#   tests/benchmarks/user_stack_carry.sh COMFYUI_0.19.3_TREE 40000000 40000000   # .carry/us1, .carry/ck1
+#   mkdir -p /tmp/held && git ls-files 'tests/testbed/*.safetensors' | xargs -I{} mv {} /tmp/held/...  (then put back)
+#   US_SHAPE=640x640 US_TAG=d1 US_ROWS=... US_COMMIT=$(git rev-parse --short HEAD) \
+#     bash tests/benchmarks/user_stack_one_call.sh          # carry: .carry/us1 .carry/ck1
+# A later call on the same warm machine finds ComfyUI, comfy-kitchen and the weights in /tmp and needs
+# no carry. US_TESTS: GPU test files to run first (CHORUS_TEST_GPU=1). Results and logs go to $OUT.
+source tests/benchmarks/user_stack_env.sh
+us_stage > /dev/null
+us_env || us_base || exit 1
+us_ready || exit 1
+WD=$(us_weights_dir)
+echo "$WD" > /tmp/us-wd
+for t in ${US_TESTS:-}; do
+  CHORUS_TEST_GPU=1 timeout "${US_TEST_LIMIT:-120}" python3 -m pytest "$t" -q -s -p no:cacheprovider \
+    > "$OUT/$(basename "$t" .py).log" 2>&1
+  echo "$t rc=$? after ${SECONDS} s"; grep -E "passed|failed|cosine|rms error" "$OUT/$(basename "$t" .py).log" | tail -8
+done
+limit=$(( ${US_LIMIT:-585} - SECONDS ))
+python3 tests/benchmarks/bench_user_stack.py --out "$OUT" --weights-dir "$WD" --shape "${US_SHAPE:-640x640}" \
+  --tag "${US_TAG:-call}" --call-limit-s "$limit" --budget-s "$limit" ${US_ROWS:+--rows "$US_ROWS"} \
+  --git-commit "${US_COMMIT:-unknown}" ${US_EXTRA:-} > "$OUT/bench_${US_TAG:-call}.log" 2>&1
+echo "bench rc=$? after ${SECONDS} s"
+grep -v "^WARNING:root" "$OUT/bench_${US_TAG:-call}.log" | grep -v "^\[.*name=" | tail -30 | cut -c1-400
+nvidia-smi --query-gpu=name --format=csv,noheader
