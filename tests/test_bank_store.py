@@ -261,23 +261,11 @@ def test_read_only_mode_reads_and_refuses_writes(tmp_path):
         reader.prune(max_entries=0)
 
 
-def test_large_banks_shortlist_by_sketch_then_rank_exactly(bank, monkeypatch):
-    from chorus_core.bank import matching
-    monkeypatch.setattr(matching, "EXACT_LIMIT", 3)
-    monkeypatch.setattr(matching, "SHORTLIST", 2)
-    ids = [add_toy(bank, seed=s) for s in range(6)]
-    for s in (0, 4):
-        result = bank.match(toy_signature(seed=50 + s, noise=0.2, base_seed=s), FP, LAYOUT)
-        assert (result.entry_id, result.candidates, len(result.top)) == (ids[s], 6, 1)
-
-
 def test_a_removal_drops_only_the_removed_vectors_from_the_index(bank, monkeypatch):
     """A bank that keeps a budget removes entries on nearly every write: the index reads the ids
     still present, not every signature again (which the next match in every worker paid)."""
-    from chorus_core.bank import MaskBank, matching
+    from chorus_core.bank import MaskBank
 
-    monkeypatch.setattr(matching, "EXACT_LIMIT", 3)  # the sketch is rebuilt after the drop too
-    monkeypatch.setattr(matching, "SHORTLIST", 2)
     ids = [add_toy(bank, seed=s) for s in range(6)]
     assert bank.match(toy_signature(seed=2), FP, LAYOUT).entry_id == ids[2]
     with MaskBank.open(bank.label) as other_process:

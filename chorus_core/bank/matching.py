@@ -7,9 +7,9 @@ ids still present are read and the others' vectors dropped.
 Similarity is one mat-vec: with unit components,
 sum_c w_c cos_c = dot(concat(w_c q_c), concat(e_c)). Stored and query components are scaled to
 unit length here whatever the bank holds, and weights are >= 0, so similarity lies in [-1, 1].
-Above ``EXACT_LIMIT`` entries a sketch (the first ``SKETCH`` dims of each component's random
-projection) shortlists rows first (then the shortlist is ranked exactly), because the full
-mat-vec is memory bound (about 16 ms for 100,000 x 768 on 2 cores).
+The full mat-vec is memory bound (about 16 ms for 100,000 x 768 on 2 cores): above
+``ann.ANN_MIN`` rows a product-quantisation index (:mod:`.ann`, faiss, optional) shortlists rows
+and the shortlist is ranked exactly here; without faiss the search stays exact.
 """
 
 from __future__ import annotations
@@ -18,11 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import ann
 from .signature import COMPONENTS, DIM, Signature, resolve_weights
-
-EXACT_LIMIT = 4_096
-SKETCH = 24
-SHORTLIST = 512
 
 
 @dataclass
@@ -77,18 +74,18 @@ def unit_blocks(mat: np.ndarray) -> np.ndarray:
     return out
 
 
-SKETCH_COLS = np.concatenate([np.arange(j * DIM, j * DIM + SKETCH)
-                              for j in range(len(COMPONENTS))])
-
-
 class _Group:
     def __init__(self):
         self.ids: list[str] = []
         self.position: dict[str, int] = {}  # id -> its row in ``mat``
         self.rowid_of: dict[str, int] = {}  # id -> the rowid its vector was read at
-        self.mat = np.zeros((0, len(COMPONENTS) * DIM), np.float32)
-        self.sketch = None
+        self._buf = np.zeros((0, len(COMPONENTS) * DIM), np.float32)  # rows beyond len(ids): spare
+        self.ann: ann.PQShortlist | None = None
         self.max_rowid = 0
+
+    @property
+    def mat(self) -> np.ndarray:
+        return self._buf[:len(self.ids)]
 
     def append(self, rows) -> None:
         """New rows are appended; a row seen before (a merge moved it to a new rowid with a new
@@ -96,42 +93,62 @@ class _Group:
         if not rows:
             return
         vectors = stack_vectors(rows)
-        fresh = []
+        fresh, replaced = [], []
         for i, row in enumerate(rows):
             at = self.position.get(row["id"])
             if at is None:
-                self.position[row["id"]] = len(self.ids)
-                self.ids.append(row["id"])
+                self.position[row["id"]] = len(self.ids) + len(fresh)
                 fresh.append(i)
             else:
-                self.mat[at] = vectors[i]
+                self._buf[at] = vectors[i]
+                replaced.append((i, at))
             self.rowid_of[row["id"]] = row["rowid"]
-        self.mat = np.concatenate([self.mat, vectors[fresh]])
+        start = len(self.ids)
+        self._grow(start + len(fresh))
+        self._buf[start:start + len(fresh)] = vectors[fresh]
+        self.ids.extend(rows[i]["id"] for i in fresh)
         self.max_rowid = max(self.max_rowid, max(r["rowid"] for r in rows))
-        self._resketch()
+        if self.ann is not None:
+            at = np.array([a for _, a in replaced] + list(range(start, len(self.ids))), np.int64)
+            self.ann.add(vectors[[i for i, _ in replaced] + fresh], at)
+        self._reindex()
+
+    def _grow(self, rows: int) -> None:
+        """Room for ``rows`` rows, doubling: appending one entry must not copy a 3 GB matrix."""
+        if rows > len(self._buf):
+            bigger = np.zeros((max(rows, 2 * len(self._buf)), self._buf.shape[1]), np.float32)
+            bigger[:len(self.ids)] = self.mat
+            self._buf = bigger
 
     def keep_only(self, present: set) -> None:
         """Drop the rows whose ids are not in ``present`` (removed or quarantined)."""
         keep = [i for i, entry_id in enumerate(self.ids) if entry_id in present]
         if len(keep) == len(self.ids):
             return
+        old_rows = len(self.ids)
+        self._buf = self.mat[keep]
         self.ids = [self.ids[i] for i in keep]
         self.position = {entry_id: i for i, entry_id in enumerate(self.ids)}
         self.rowid_of = {entry_id: self.rowid_of[entry_id] for entry_id in self.ids}
-        self.mat = self.mat[keep]
-        self._resketch()
+        if self.ann is not None:
+            self.ann.keep(np.array(keep, np.int64), old_rows)
+        self._reindex()
 
-    def _resketch(self) -> None:
-        self.sketch = (np.ascontiguousarray(self.mat[:, SKETCH_COLS])
-                       if len(self.ids) > EXACT_LIMIT else None)
+    def _reindex(self) -> None:
+        """Build the shortlist index when the group is large enough and it has none or a stale one."""
+        if not ann.wanted(len(self.ids)):
+            self.ann = None
+        elif self.ann is None or self.ann.stale():
+            faiss = ann.faiss_module()
+            self.ann = ann.PQShortlist(faiss, self.mat) if faiss is not None else None
 
     def scores(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(row indices, similarities) of the rows worth ranking."""
-        if self.sketch is None:
-            return np.arange(len(self.ids)), self.mat @ query
-        rough = self.sketch @ query[SKETCH_COLS]
-        rows = np.argpartition(rough, -SHORTLIST)[-SHORTLIST:]
-        return rows, self.mat[rows] @ query
+        if self.ann is not None:
+            rows = self.ann.shortlist(query)
+            if len(rows):
+                return rows, self.mat[rows] @ query
+        return np.arange(len(self.ids)), self.mat @ query
 
 
 class SignatureIndex:

@@ -1,7 +1,9 @@
 """Mask bank benchmarks: match latency vs bank size, and bytes of one Wan2.1-14B 720p entry.
 
 Run: .venv/bin/python tests/benchmarks/bench_bank.py [--quick]
-Writes tests/benchmarks/results/bank_match.{json,md} and bank_entry_size.{json,md}.
+Writes tests/benchmarks/results/bank_match.{json,md} and bank_entry_size.{json,md};
+``--part match-scale [--sizes ...]`` writes bank_match_1m.{json,md} (folder and PostgreSQL banks,
+shortlist index against exact search).
 
 Synthetic masks (per head, 720p 81 frames: 21 x 45 x 80 tokens, 591 blocks of 128 per side):
 a local 3D window (|dt| <= wt frames, |dy| <= wy rows between block centroids; wt in 1..3,
@@ -19,11 +21,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from chorus_core.bank import (LatentLayout, MaskBank, ModelFingerprint, Signature,  # noqa: E402
                               compat_key, decode_block_map, encode_masks)
-from chorus_core.bank.signature import COMPONENTS, DIM  # noqa: E402
+from chorus_core.bank import ann  # noqa: E402
+from chorus_core.bank.signature import COMPONENTS, DEFAULT_WEIGHTS, DIM  # noqa: E402
 from chorus_core.bank.rows import blob_metadata  # noqa: E402
 
 RESULTS = ROOT / "tests" / "benchmarks" / "results"
@@ -156,9 +161,10 @@ def unit_rows(rng, n):
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-def fill_bank(bank: MaskBank, n: int, rng) -> list[Signature]:
-    """Insert ``n`` compatible rows (sharing one dummy blob name) plus n/10 incompatible."""
-    vecs = {c: unit_rows(rng, n) for c in COMPONENTS}
+def fill_bank(bank: MaskBank, n: int, rng, vecs=None) -> list[Signature]:
+    """Insert ``n`` compatible rows (sharing one dummy blob name) plus n/10 incompatible;
+    ``vecs``: component -> ``[n, DIM]`` unit rows (random ones when not given)."""
+    vecs = vecs or {c: unit_rows(rng, n) for c in COMPONENTS}
     base = {"created": time.time(), "hits": 0, "fingerprint": FP.key(), "grid_t": 21,
             "grid_h": 45, "grid_w": 80, "token_order": "thw", "block_q": 128, "block_k": 128,
             "steps": 40, "sampler": "uni_pc", "scheduler": "simple", "shift": 5.0,
@@ -173,9 +179,9 @@ def fill_bank(bank: MaskBank, n: int, rng) -> list[Signature]:
     return [Signature({c: vecs[c][i] for c in COMPONENTS}) for i in rng.integers(0, n, 200)]
 
 
-def fill_pg_bank(bank, n: int, rng) -> list[Signature]:
+def fill_pg_bank(bank, n: int, rng, vecs=None) -> list[Signature]:
     """The same rows as :func:`fill_bank`, streamed into PostgreSQL with COPY."""
-    vecs = {c: unit_rows(rng, n) for c in COMPONENTS}
+    vecs = vecs or {c: unit_rows(rng, n) for c in COMPONENTS}
     compat = compat_key(FP, LAYOUT)
     cols = ("id", "created", "hits", "compat", "fingerprint", "grid_t", "grid_h", "grid_w",
             "token_order", "block_q", "block_k", "steps", "sampler", "scheduler", "shift",
@@ -221,16 +227,192 @@ def match_latency(n: int, seed: int = 0, pg=None) -> dict:
             "incompatible_rows": n // 10, "fill_s": round(fill_s, 1)}
 
 
+# ---- match at scale: the shortlist index against exact search ----------------------------
+QUERY_KINDS = ("resent", "new_photo", "new_photo", "new_kind")
+
+
+def photos(model: dict, kinds: np.ndarray, rng) -> np.ndarray:
+    """CLIP parts of new photos of ``kinds``: 0.9 x the kind's + 0.44 x the photo's own, as in
+    bench_bank_lifecycle.py (two photos of one kind: cosine about 0.8)."""
+    mixed = 0.9 * model["clip"][kinds] + 0.44 * unit_rows(rng, len(kinds))
+    return mixed / np.linalg.norm(mixed, axis=1, keepdims=True)
+
+
+def kind_vectors(n: int, rng, chunk: int = 100_000):
+    """Signatures of ``n`` entries under the lifecycle stream's model (kinds of about 10 photos; a
+    kind is a template's text at a layout; sqrt(kinds) templates): component -> ``[n, DIM]``."""
+    kinds = max(2, n // 10)
+    templates = max(2, int(np.sqrt(kinds)))
+    model = {"clip": unit_rows(rng, kinds), "text": unit_rows(rng, templates),
+             "layout": unit_rows(rng, -(-kinds // templates)), "templates": templates}
+    kind = rng.integers(0, kinds, n)
+    vecs = {c: np.empty((n, DIM), np.float32) for c in COMPONENTS}
+    for start in range(0, n, chunk):
+        k = kind[start:start + chunk]
+        vecs["clip"][start:start + chunk] = photos(model, k, rng)
+        vecs["text"][start:start + chunk] = model["text"][k % templates]
+        vecs["layout"][start:start + chunk] = model["layout"][k // templates]
+    return vecs, kind, model
+
+
+def scale_queries(vecs: dict, kind: np.ndarray, model: dict, rng, count: int) -> list[Signature]:
+    """A request sent again (its entry + 2 % noise), a new photo of a kind in the bank (half of
+    them: the traffic the bank exists for), or a request of a kind it has never seen."""
+    out = []
+    for j in range(count):
+        i = int(rng.integers(len(kind)))
+        what = QUERY_KINDS[j % len(QUERY_KINDS)]
+        if what == "resent":
+            comps = {c: vecs[c][i] + 0.02 * unit_rows(rng, 1)[0] for c in COMPONENTS}
+        elif what == "new_photo":
+            k = kind[i]
+            comps = {"clip": photos(model, np.array([k]), rng)[0],
+                     "text": model["text"][k % model["templates"]],
+                     "layout": model["layout"][k // model["templates"]]}
+        else:
+            comps = {"clip": unit_rows(rng, 1)[0],
+                     "text": model["text"][rng.integers(len(model["text"]))],
+                     "layout": model["layout"][rng.integers(len(model["layout"]))]}
+        out.append(Signature({c: (v / np.linalg.norm(v)).astype(np.float32) for c, v in comps.items()}))
+    return out
+
+
+def exact_top1(vecs: dict, queries: list[Signature]) -> tuple[list[str], np.ndarray]:
+    """Exact search done here, apart from the bank's code: ids and similarities of the best row."""
+    total = sum(DEFAULT_WEIGHTS[c] for c in COMPONENTS)
+    scores = sum(vecs[c] @ np.stack([q.components[c] * (DEFAULT_WEIGHTS[c] / total) for q in queries]).T
+                 for c in COMPONENTS)
+    best = scores.argmax(0)
+    return [f"e{i}" for i in best], scores[best, np.arange(len(queries))]
+
+
+@contextmanager
+def timed_index_builds():
+    """Seconds of each shortlist index built inside the block (the first match builds one)."""
+    real, spent = ann.PQShortlist.__init__, []
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        real(self, *args, **kwargs)
+        spent.append(time.perf_counter() - t0)
+
+    ann.PQShortlist.__init__ = timed
+    try:
+        yield spent
+    finally:
+        ann.PQShortlist.__init__ = real
+
+
+@contextmanager
+def exact_search():
+    """The bank's own exact path: no shortlist index at any size."""
+    real, ann.ANN_MIN = ann.ANN_MIN, 10 ** 12
+    try:
+        yield
+    finally:
+        ann.ANN_MIN = real
+
+
+def timed_matches(location, queries, exact_ids, exact_sims) -> dict:
+    """Open the bank, match once (loads the index: ``first_match_s``), then time every query."""
+    with timed_index_builds() as builds:
+        bank = MaskBank.open(location)
+        t0 = time.perf_counter()
+        bank.match(queries[0], FP, LAYOUT)
+        first = time.perf_counter() - t0
+    times, got = [], []
+    for q in queries:
+        t0 = time.perf_counter()
+        got.append(bank.match(q, FP, LAYOUT, threshold=0.9).entry_id)
+        times.append((time.perf_counter() - t0) * 1e3)
+    bank.close()
+    same = np.array(got) == np.array(exact_ids[:len(got)])
+    hits = exact_sims[:len(got)] >= 0.9
+    row = {"index": "pq_shortlist" if builds else "exact", "queries": len(queries),
+           "p50_ms": round(float(np.median(times)), 3), "p99_ms": round(float(np.percentile(times, 99)), 3),
+           "max_ms": round(max(times), 3), "recall_at_1": round(float(same.mean()), 4),
+           "recall_at_1_exact_hits": round(float(same[hits].mean()), 4) if hits.any() else None,
+           "index_build_s": round(sum(builds), 2) if builds else None, "first_match_s": round(first, 2)}
+    for what in dict.fromkeys(QUERY_KINDS):
+        pick = [i for i in range(len(got)) if QUERY_KINDS[i % len(QUERY_KINDS)] == what]
+        row[f"recall_at_1_{what}"] = round(float(same[pick].mean()), 4)
+    return row
+
+
+def match_at_scale(n: int, pg=None, queries: int = 400, exact_queries: int = 100, seed: int = 0) -> list[dict]:
+    """Rows for one bank of ``n`` entries: the shipped path, then the exact path on the same bank."""
+    rng = np.random.default_rng(seed)
+    vecs, kind, model = kind_vectors(n, rng)
+    qs = scale_queries(vecs, kind, model, rng, queries)
+    exact_ids, exact_sims = exact_top1(vecs, qs)
+    with tempfile.TemporaryDirectory() as tmp:
+        location = pg() if pg else tmp
+        with MaskBank.open(location) as bank:
+            t0 = time.perf_counter()
+            (fill_pg_bank if pg else fill_bank)(bank, n, rng, vecs)
+            fill_s = time.perf_counter() - t0
+        del vecs
+        rows = [timed_matches(location, qs, exact_ids, exact_sims)]
+        if rows[0]["index"] != "exact":  # below ann.ANN_MIN the shipped path is the exact one
+            with exact_search():
+                rows.append(timed_matches(location, qs[:exact_queries], exact_ids, exact_sims))
+    common = {"entries": n, "backend": "postgresql" if pg else "folder", "fill_s": round(fill_s, 1),
+              "shortlist": ann.SHORTLIST, "ann_min": ann.ANN_MIN, "incompatible_rows": n // 10}
+    return [{**common, **row, "load_avg_1m": round(os.getloadavg()[0], 2)} for row in rows]
+
+
+def run_match_scale(args, command: str) -> None:
+    """Both backends at each size; PostgreSQL is a throwaway local server (tests/bank_pg_cluster.py)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from bank_pg_cluster import Cluster
+
+    sizes = [int(x) for x in (args.sizes or "1000,10000,100000,1000000").split(",")]
+    cluster = Cluster().start()
+    rows = []
+    try:
+        version = cluster.sql("SHOW server_version").strip()
+        for n in sizes:
+            for pg in (None, lambda: cluster.url(cluster.fresh_schema())):
+                for row in match_at_scale(n, pg=pg):
+                    row["server"] = f"PostgreSQL {version}, local (loopback TCP)" if pg else "SQLite file"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        cluster.remove()
+    write("bank_match_1m", header("bench_bank", command, rows), SCALE_COLUMNS, SCALE_NOTES)
+
+
+SCALE_COLUMNS = ["entries", "backend", "index", "queries", "p50_ms", "p99_ms", "max_ms", "recall_at_1",
+                 "recall_at_1_new_photo", "recall_at_1_new_kind", "index_build_s", "first_match_s",
+                 "fill_s", "load_avg_1m"]
+SCALE_NOTES = (
+    "Latency of `MaskBank.match` (top-1, threshold 0.9) with its compatibility filter and, on "
+    "PostgreSQL, the change counters read from the server on every query. Signatures follow the "
+    "lifecycle stream's model (kinds of about 10 photos sharing a template's text and a layout; two "
+    "photos of a kind: CLIP cosine about 0.8); the bank also holds 10 % incompatible rows. Queries: "
+    "a request sent again (1/4), a new photo of a kind in the bank (1/2), a kind never seen (1/4). "
+    "`recall_at_1`: share of queries whose top-1 is exact search's (done by the benchmark in numpy, "
+    "apart from the bank's code). `index pq_shortlist`: faiss PQ64x4fs proposes `shortlist` rows, "
+    "ranked exactly (chorus_core/bank/ann.py); `exact`: the same bank with the index turned off "
+    "(fewer queries). `first_match_s`: the first match of a newly opened bank object (reads every "
+    "signature, builds the index: `index_build_s`). Server on the same machine (fsync off). The "
+    "machine has 2 cores shared with other jobs: `load_avg_1m` shows them; p99 of 400 queries is "
+    "their 4th slowest.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer layers, smaller banks")
-    parser.add_argument("--part", choices=["all", "match", "size", "match-postgres"],
+    parser.add_argument("--part", choices=["all", "match", "size", "match-postgres", "match-scale"],
                         default="all")
-    parser.add_argument("--sizes", help="match-postgres: bank sizes, e.g. 1000,100000,1000000")
+    parser.add_argument("--sizes", help="match-postgres, match-scale: bank sizes, e.g. 1000,100000,1000000")
     args = parser.parse_args()
     command = " ".join(["python tests/benchmarks/bench_bank.py", *sys.argv[1:]])
     if args.part == "match-postgres":
         run_match_postgres(args, command)
+        return
+    if args.part == "match-scale":
+        run_match_scale(args, command)
         return
     if args.part in ("all", "match"):
         run_match(args, command)
