@@ -392,7 +392,7 @@ SCALE_NOTES = (
     "photos of a kind: CLIP cosine about 0.8); the bank also holds 10 % incompatible rows. Queries: "
     "a request sent again (1/4), a new photo of a kind in the bank (1/2), a kind never seen (1/4). "
     "`recall_at_1`: share of queries whose top-1 is exact search's (done by the benchmark in numpy, "
-    "apart from the bank's code). `index pq_shortlist`: faiss PQ64x4fs proposes `shortlist` rows, "
+    "apart from the bank's code). `index pq_shortlist`: faiss PQ48x4fs proposes `shortlist` rows, "
     "ranked exactly (chorus_core/bank/ann.py); `exact`: the same bank with the index turned off "
     "(fewer queries). `first_match_s`: the first match of a newly opened bank object (reads every "
     "signature, builds the index: `index_build_s`). Server on the same machine (fsync off). The "
