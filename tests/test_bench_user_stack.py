@@ -66,3 +66,24 @@ def test_core_rows_send_self_attention_to_comfy_kitchens_sol_attn_as_cores_node_
     assert defaults["dense_calls"] == {"sigma outside start/end": blocks * 3, "cross-attention": blocks * (steps - 1) * 2}
     assert 0 < defaults["routed_share"] <= 1 and topk["routed_share"] == 0.15
     assert defaults["vs_core_same_weights"] == 1.0 and result["bf16_dense_eager"]["vs_core_same_weights"]
+
+
+def test_a_cold_baseline_is_counted_warm_so_no_ratio_is_flattered_by_it():
+    """The first generation after a load moves the weights and meets every kernel first: its first
+    step counts at the median of its others, and ratios divide by that (in a process of its own)."""
+    code = """
+import json, sys
+sys.argv = ['x']
+sys.path.insert(0, 'tests/benchmarks')
+import bench_user_stack as b
+base = dict(session='s', shape='640x640', steps=4, cfg=1.0, weights='fp8_e4m3fn_fast', arm='dense', role='dense')
+rows = [dict(base, name='cold', seconds=15.0, model_load_s=2.5, step_ms=[6000.0, 3000.0, 3000.0, 3000.0]),
+        dict(base, name='hit', arm='hit', role='hit', seconds=6.0, model_load_s=0.01, step_ms=[1500.0] * 4)]
+b.ratios(rows)
+print(json.dumps([(r['warm_seconds'], r['vs_dense_same_weights']) for r in rows]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (cold_warm, cold_ratio), (hit_warm, hit_ratio) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert cold_warm == 12.0 and hit_warm is None  # 15 s less the first step's 3 s over the median
+    assert hit_ratio == 2.0 and cold_ratio == 0.8  # 12 / 6, not 15 / 6; the cold run itself 12 / 15

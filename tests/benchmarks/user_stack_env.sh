@@ -69,8 +69,13 @@ us_ready() {  # assemble comfy-kitchen's CUDA library from the staged parts, che
   python3 -c "import comfy_kitchen as ck; print('comfy_kitchen', {k: v['available'] or v['unavailable_reason'] for k, v in ck.list_backends().items()})"
 }
 
-us_weights_dir() {  # the checkpoint files need about 50 GB: /tmp when its disk has room, else /dev/shm
-  local free
+us_weights_dir() {  # the checkpoint files need about 50 GB: where an earlier call wrote them, else
+  # /tmp when its disk has room, else /dev/shm (2026-12-06: the files an earlier call left in /tmp
+  # took the room, the next call picked /dev/shm and wrote them again, 85 s)
+  local free d
+  for d in /tmp/us-weights /dev/shm/us-weights; do
+    if [ "$(ls "$d"/*.safetensors 2> /dev/null | wc -l)" -ge 2 ]; then echo "$d"; return; fi
+  done
   free=$(df -B1G --output=avail /tmp | tail -1 | tr -d ' ')
   if [ "${free:-0}" -ge 56 ]; then echo /tmp/us-weights; else echo /dev/shm/us-weights; fi
 }
