@@ -3,13 +3,13 @@
 An exact match reads every stored vector (3 KB an entry): about 3 GB a query at 1,000,000
 entries, far from milliseconds on a few cores. Above ``ANN_MIN`` rows, a faiss product-quantisation
 index (``PQ48x4fs``: 24 bytes an entry, scanned with SIMD lookup tables) proposes ``SHORTLIST``
-rows, and
-:mod:`.matching` ranks those exactly against its float32 matrix, so every similarity it reports
-is exact and only the candidate set is approximate.
+rows, and :mod:`.matching` ranks those exactly against its float32 matrix, so every similarity it
+reports is exact and only the candidate set is approximate.
 
-Why this and not a graph index (HNSW in hnswlib, usearch or faiss): measured on 2 cores at 100,000
-random 768-d signatures, HNSW took 37-92 s to build and found a near-duplicate's own entry for 56-73 %
-of queries; the PQ scan builds 1,000,000 in about 5 s, scans it in about 2 ms, assumes nothing
+Why this and not a graph index (HNSW): measured once while choosing (2 cores, 100,000 random 768-d
+signatures; not a committed benchmark), HNSW in usearch 2.26 and faiss took 37-92 s to build and
+found a near-duplicate's own entry for 52-63 % of queries (hnswlib has had no release since 2023);
+the PQ scan builds 1,000,000 in about 5 s, scans it in about 2 ms, assumes nothing
 about clusters, and takes additions without retraining. faiss (Meta's, released on PyPI as
 ``faiss-cpu``) is optional: without it matching stays exact, and says so once in the log.
 
