@@ -5,47 +5,85 @@ import re
 
 from conftest import REPO_ROOT
 
-RESULTS = REPO_ROOT / "tests" / "benchmarks" / "results" / "user_stack_640.json"
-# README row label start -> the results row it quotes (all from one warm machine)
+RESULTS = REPO_ROOT / "tests" / "benchmarks" / "results"
+SESSION = "1bef3161b301"  # one warm H100: every quoted speed row
+# README row label start -> the results row each shape column quotes (None: not measured there)
 QUOTED = {
-    "dense, fp8_scaled file as loaded": "fp8_scaled_dense_eager",
-    "dense, fp8_e4m3fn_fast + TorchCompileModel": "fp8_e4m3fn_fast_dense_compiled",
-    "**Chorus hit**, fp8_scaled file, eager": "fp8_scaled_hit_eager",
-    "Chorus hit, fp8_e4m3fn_fast, eager": "fp8_e4m3fn_fast_hit_eager",
+    "ComfyUI's default: bf16 file": ("bf16_dense_eager", "bf16_dense_eager"),
+    "dense, fp8, eager": ("fp8_e4m3fn_fast_dense_eager", "fp8_e4m3fn_fast_dense_eager"),
+    "dense, fp8, SageAttention": ("fp8_e4m3fn_fast_dense_eager_sage", "fp8_e4m3fn_fast_dense_eager_sage"),
+    "dense, fp8, TorchCompileModel": (None, "fp8_e4m3fn_fast_dense_compiled"),
+    "core's Model Sparse Attention at its defaults, eager": ("fp8_e4m3fn_fast_core_eager", "fp8_e4m3fn_fast_core_eager"),
+    "core's Model Sparse Attention at its defaults, TorchCompileModel": ("fp8_e4m3fn_fast_core_compiled",
+                                                                          "fp8_e4m3fn_fast_core_compiled"),
+    "**Chorus hit**, eager": ("fp8_e4m3fn_fast_hit_eager", "fp8_e4m3fn_fast_hit_eager"),
+    "**Chorus hit**, TorchCompileModel": ("fp8_e4m3fn_fast_hit_compiled", "fp8_e4m3fn_fast_hit_compiled"),
+    "Chorus miss that records, eager": ("fp8_e4m3fn_fast_miss_eager", "fp8_e4m3fn_fast_miss_eager"),
 }
-SESSION = "fc9ff923c942"
+SHAPES = ("user_stack_720p.json", "user_stack_640.json")
 
 
-def _readme_rows() -> dict:
-    rows = {}
-    for line in (REPO_ROOT / "README.md").read_text().splitlines():
+def _readme() -> str:
+    return (REPO_ROOT / "README.md").read_text()
+
+
+def _session_rows(name: str) -> dict:
+    return {r["name"]: r for r in json.loads((RESULTS / name).read_text())["rows"] if r.get("session") == SESSION}
+
+
+def _counted(row: dict) -> float:
+    """What the README quotes for a row: a cold first generation after a load counted warm."""
+    return row.get("warm_seconds") or row["seconds"]
+
+
+def _readme_cells() -> dict:
+    cells = {}
+    for line in _readme().splitlines():
         for label in QUOTED:
             if line.startswith(f"| {label}"):
-                cells = [c.strip().strip("*") for c in line.strip("|").split("|")]
-                rows[label] = (float(cells[1]), float(cells[2].rstrip("x")))
-    return rows
+                cells[label] = [c.strip().strip("*") for c in line.strip("|").split("|")][1:]
+    return cells
 
 
-def test_the_user_stack_table_quotes_one_machines_rows():
-    results = {row["name"]: row for row in json.loads(RESULTS.read_text())["rows"]
-               if row.get("run", "").startswith(SESSION)}
-    quoted = _readme_rows()
-    assert set(quoted) == set(QUOTED)
-    for label, (seconds, ratio) in quoted.items():
-        row = results[QUOTED[label]]
-        assert seconds == row["seconds"], label
-        assert ratio == row["vs_fastest_dense_fp8"], label
+def test_the_speed_table_quotes_one_machines_rows_and_their_ratios():
+    cells = _readme_cells()
+    assert set(cells) == set(QUOTED)
+    for column, shape in enumerate(SHAPES):
+        rows = _session_rows(shape)
+        fastest = min(_counted(r) for r in rows.values() if r["role"] == "dense" and r["weights"].startswith("fp8"))
+        for label, names in QUOTED.items():
+            seconds, ratio = cells[label][2 * column], cells[label][2 * column + 1]
+            if names[column] is None:
+                assert (seconds, ratio) == ("-", "-"), label
+                continue
+            row = rows[names[column]]
+            assert float(seconds) == _counted(row), (shape, label)
+            assert float(ratio.rstrip("x")) == round(fastest / _counted(row), 3), (shape, label)
 
 
-def test_the_same_model_ratio_in_the_text_is_the_files():
-    text = (REPO_ROOT / "README.md").read_text()
-    ratio = re.search(r"A hit is ([\d.]+)x the dense run of the same fp8_scaled model", text).group(1)
-    hit = next(r for r in json.loads(RESULTS.read_text())["rows"] if r["name"] == "fp8_scaled_hit_eager")
-    assert float(ratio) == hit["vs_dense_same_weights"]
+def test_the_text_quotes_the_hit_against_core_and_the_fp8_scaled_hit():
+    text = " ".join(_readme().split())
+    for shape, words in (("user_stack_720p.json", "at 720p"), ("user_stack_640.json", "at 640x640")):
+        rows = _session_rows(shape)
+        ratio = rows["fp8_e4m3fn_fast_core_eager"]["seconds"] / rows["fp8_e4m3fn_fast_hit_eager"]["seconds"]
+        assert f"{ratio:.2f}x core's Model Sparse Attention {words}" in text or f"and {ratio:.2f}x {words}" in text, shape
+    scaled = _session_rows("user_stack_640.json")["fp8_scaled_hit_eager"]["seconds"]
+    assert f"a hit in {scaled} s at 640x640" in text
+
+
+def test_the_core_quality_table_is_the_files():
+    row = json.loads((RESULTS / "product_path_entropy16k_core_sparse_h100" / "core_sparse.json").read_text())["rows"][0]
+    text = _readme()
+    assert f"| {row['hit_psnr_db']:.2f} ± {row['hit_psnr_db_ci95']:.2f} |" in text
+    for arm in ("defaults", "matched"):
+        psnr, diff = row[f"core_{arm}_psnr_db"], row[f"hit_minus_core_{arm}_db"]
+        assert f"| {psnr:.2f} ± {row[f'core_{arm}_psnr_db_ci95']:.2f} | {diff:.2f} ± " \
+               f"{row[f'hit_minus_core_{arm}_db_ci95']:.2f} |" in text, arm
+        assert f"{-diff:.2f} dB" in text, arm  # the limits line
 
 
 def test_how_the_bank_grows_quotes_the_lifecycle_results():
-    rows = {r["policy"]: r for r in json.loads((RESULTS.parent / "bank_lifecycle.json").read_text())["rows"]
+    rows = {r["policy"]: r for r in json.loads((RESULTS / "bank_lifecycle.json").read_text())["rows"]
             if r.get("final")}
     text = (REPO_ROOT / "README.md").read_text()
     section = text[text.index("## How the bank grows"):text.index("## ComfyUI versions")]
