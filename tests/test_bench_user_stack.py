@@ -13,7 +13,7 @@ BENCH = REPO_ROOT / "tests" / "benchmarks" / "bench_user_stack.py"
 
 
 def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_calls(tmp_path, comfyui_path):
-    rows = "bf16:dense:eager,bf16:dense:eager:sage,bf16:miss:eager,bf16:hit:eager:sage,bf16:hit:eager"
+    rows = "bf16:dense:eager,bf16:dense:eager:sage,bf16:miss:eager,bf16:hit:eager:sage,bf16:hit:eager,bf16:hit_last1:eager"
     done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
                            "--bank", tmp_path / "bank", "--rows", rows], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
@@ -27,6 +27,10 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
     assert "SageAttention" in result["bf16_hit_eager_sage"]["dense_backend"]
     assert "SageAttention" not in (result["bf16_hit_eager"]["dense_backend"] or "")  # put back after the row
     assert result["bf16_hit_eager_sage"]["run_mode"] == "hit"
+    # the hit is sparse from the first step; hit_last1 keeps its last step dense, and is a hit row
+    assert result["bf16_hit_eager"]["dense_steps"] == 0
+    last1 = result["bf16_hit_last1_eager"]
+    assert (last1["run_mode"], last1["role"], last1["dense_steps"]) == ("hit", "hit", 1)
 
 
 def test_a_row_names_only_known_attentions_and_a_bad_one_stops_the_call_at_once(tmp_path):

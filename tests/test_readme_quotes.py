@@ -82,6 +82,13 @@ def test_the_core_quality_table_is_the_files():
         assert f"{-diff:.2f} dB" in text, arm  # the limits line
 
 
+def test_the_last_step_dense_figure_is_the_quality_tables():
+    table = (RESULTS / "product_path_entropy16k_step9159_h200" / "quality_table.md").read_text()
+    line = next(x for x in table.splitlines() if x.startswith("| natural_4step_last1 |"))
+    psnr = [c.strip() for c in line.strip("|").split("|")][5]
+    assert f"{psnr.replace(' ± ', ' ±')}" in " ".join(_readme().split()).replace(" ± ", " ±")
+
+
 def test_how_the_bank_grows_quotes_the_lifecycle_results():
     rows = {r["policy"]: r for r in json.loads((RESULTS / "bank_lifecycle.json").read_text())["rows"]
             if r.get("final")}

@@ -43,6 +43,8 @@ Arms (``role``):
   comfy-kitchen's ``sol_attn`` kernel as ``core_sparse_arm.py`` calls it (the node is newer than
   ComfyUI 0.19.3; its override is reproduced there); ``routed_share`` estimates the share of 64-token
   key blocks it computed exactly, the rest entering its softmax pooled;
+- ``hit_last1`` (role ``hit``): the same hit with its last step dense (``dense_last_steps`` 1, the
+  testbed's quality option: docs/quality.md, Defaults);
 - ``core_topk`` (role ``peer``): the same kernel with the node's top-k method keeping ``--density``
   of the key blocks from the first step, as the hit does: core's sparse attention at Chorus's density.
 Every Chorus generation makes a new match and a new install, as a new prompt does; its dense steps
@@ -366,7 +368,8 @@ def chorus_patched(ctx, model, arm: str):
     threshold = NO_MATCH_THRESHOLD if arm == "online" else HIT_THRESHOLD
     request = build_match_request(model, clip, positive, {"samples": latent}, None, threshold, {}, BLOCK)
     options = ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=0, min_density=ctx["density"],
-                           max_density=ctx["density"], miss_mode="online", record_on_miss=arm == "miss")
+                           max_density=ctx["density"], miss_mode="online", record_on_miss=arm == "miss",
+                           dense_last_steps=1 if arm == "hit_last1" else 0)
     patch = ReusePatch(model, match_request(ctx["bank"], request), options, scheduler=SCHEDULER, sampler=SAMPLER)
     return patch.install(), patch
 
@@ -435,7 +438,7 @@ def check_path(arm: str, m: dict, cuda: bool = True) -> None:
         if cuda and not m["sparse_calls"]:  # every call fell back to ComfyUI's attention
             raise RuntimeError(f"{arm}: no call reached sol_attn (dense calls by reason: {m['dense_calls']})")
         return
-    expect = "hit" if arm == "hit" else "miss"
+    expect = "hit" if arm in HIT_ARMS else "miss"
     if m["run_mode"] != expect:
         raise RuntimeError(f"{arm}: the run was a {m['run_mode']} ({m['mask_source']}; {m['warnings']})")
     if not m["finite"]:
@@ -453,7 +456,8 @@ def check_path(arm: str, m: dict, cuda: bool = True) -> None:
 
 COMFYUI_ATTENTIONS = ("sdpa", "sage")
 CORE_ARMS = ("core", "core_topk")
-ARMS = ("dense", "miss", "hit", "online") + CORE_ARMS
+HIT_ARMS = ("hit", "hit_last1")  # hit_last1: the hit with its last step dense (dense_last_steps 1)
+ARMS = ("dense", "miss", "online") + HIT_ARMS + CORE_ARMS
 
 
 def parse_row(spec: str) -> tuple[str, str, bool]:
@@ -508,7 +512,7 @@ def run_row(ctx, doc, spec: str, save) -> None:
     weights, arm, is_compiled = parse_row(spec)
     ctx["attention"] = row_attention(spec)
     model = ctx_model(ctx, doc, weights)
-    if arm == "hit" and not ctx["recorded"].get(weights):
+    if arm in HIT_ARMS and not ctx["recorded"].get(weights):
         raise RuntimeError(f"{spec}: no entry recorded for {weights} in this bank (run {weights}:miss:eager first)")
     compile_s = None
     if is_compiled and ctx["reset_dynamo"]:
@@ -542,7 +546,7 @@ def run_row(ctx, doc, spec: str, save) -> None:
 
 
 def row_role(arm: str) -> str:
-    return {"online": "miss", "core": "peer", "core_topk": "peer"}.get(arm, arm)
+    return {"online": "miss", "core": "peer", "core_topk": "peer", "hit_last1": "hit"}.get(arm, arm)
 
 
 def row_estimate_s(ctx, doc, spec: str) -> float:
