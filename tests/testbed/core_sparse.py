@@ -225,8 +225,9 @@ def step_of(options: dict) -> int:
     return int((schedule[:-1].float() - sigma).abs().argmin())
 
 
-def install_core_sparse(patcher, source: CoreSparseSource):
-    """A clone of ``patcher`` whose attention runs as core's node runs it (``source`` decides and computes)."""
+def install_core_sparse(patcher, source: CoreSparseSource, bf16_inputs: bool = True):
+    """A clone of ``patcher`` whose attention runs as core's node runs it (``source`` decides and computes);
+    ``bf16_inputs``: float32 q, k, v rounded to bfloat16 first, as the node does (``pooled_tail`` turns it off)."""
     sampling = patcher.get_model_object("model_sampling")
     window = (float(sampling.percent_to_sigma(source.settings.start_percent)),
               float(sampling.percent_to_sigma(source.settings.end_percent)))
@@ -249,7 +250,8 @@ def install_core_sparse(patcher, source: CoreSparseSource):
                         skip_output_reshape=skip_output_reshape, **kwargs)
         layer = options.get("block_index", (calls["count"] - 1) % source.num_layers)
         # core casts float32 to bfloat16 for the kernel; the reference then computes in float32
-        qf, kf, vf = (t.to(torch.bfloat16).float() if t.dtype == torch.float32 else t.float() for t in (qs, ks, vs))
+        qf, kf, vf = (t.to(torch.bfloat16).float() if t.dtype == torch.float32 and bf16_inputs else t.float()
+                      for t in (qs, ks, vs))
         out = source.attend(layer, step_of(options), qf, kf, vf).to(q.dtype)
         if skip_output_reshape:
             return out

@@ -34,7 +34,8 @@ seed, in a fresh SQLite bank:
   density (the node's defaults: tau 1.3, dense before 20 % of the schedule, min_tokens 12,288) and
   ``core_sparse_matched`` (sparse from the first step, tau chosen per step and layer so that its
   routed share equals the hit's density there). ``--core-only`` runs the hit, the dense reference
-  and these two only (no mass, recall or other sources: a CPU-sized run).
+  and these two only (no mass, recall or other sources: a CPU-sized run); with it, ``--hit-pooled-tail``
+  adds the hit's own maps with one pooled term per dropped block (``pooled_tail.py``, an experiment).
 
 Quality: final latents vs the dense run with the same seed as relative RMS error, and PSNR /
 SSIM of the frames decoded to RGB with ComfyUI's Wan 2.1 latent-to-RGB preview factors in the
@@ -68,6 +69,7 @@ from .config import TestbedConfig, config_from_dict, make_config, tokens_of, wit
 from .comparisons import family_rows, held_out_templates, mean_ci, paired_differences, verdict
 from .composition import COMPOSED_KINDS, composition_rows
 from .core_sparse import core_sparse_rows
+from .pooled_tail import parse_forms, pooled_tail_rows
 from .models import check_model_matches, process_in
 from .report import eval_requests, md_table, spread_picks, static_window_scores
 from .run_record import run_record
@@ -83,7 +85,8 @@ WAN21_LATENT_RGB_FACTORS = torch.tensor([
 WAN21_LATENT_RGB_BIAS = torch.tensor([-0.1835, -0.0868, -0.3360])
 
 MATCHED_KINDS = ("reused_similar_product", "reused_similar", "oracle", "reused_dissimilar", "online",
-                 "population_prior", "population_prior_dense", "static", "core_sparse_matched")
+                 "population_prior", "population_prior_dense", "static", "core_sparse_matched",
+                 "reused_similar_pooled_tail", "reused_similar_pooled_tail_rows", "reused_similar_replayed")
 NATURAL_KINDS = ("reused_similar_product", "reused_similar", "oracle", "reused_dissimilar_product", "online",
                  "online_no_warmup", "population_prior", "core_sparse_defaults")
 METRICS = ("density", "recall", "recall_vs_oracle", "rel_rms", "psnr_db", "ssim")
@@ -309,7 +312,8 @@ def dense_prior_scores(dense_masses: list, maps_steps: dict, steps_of_bucket, op
 def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int, seeds: int, threshold: float = 0.9,
                      log=print, seed_start: int = 0, on_progress=None, options=None, finals=None,
                      compose: bool = False, picks: slice = slice(None), core_sparse: bool = False,
-                     core_only: bool = False, core_min_tokens: int = 12288, core_kernel: bool = False) -> dict:
+                     core_only: bool = False, core_min_tokens: int = 12288, core_kernel: bool = False,
+                     hit_pooled_tail: tuple = ()) -> dict:
     """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``.
 
     ``on_progress(results_so_far)`` after every target: the CLI writes its outputs then, so a run
@@ -321,7 +325,8 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     ``core_sparse``: also core's Model Sparse Attention (``core_sparse.py``); ``core_only``: the hit
     and core's rows only, against a plain dense run (no mass, recall or other sources);
     ``core_min_tokens``: its node's min_tokens (12,288; the tiny model's few hundred tokens need 0);
-    ``core_kernel``: core's rows computed by comfy-kitchen's CUDA kernel, not the float32 reproduction.
+    ``core_kernel``: core's rows computed by comfy-kitchen's CUDA kernel, not the float32 reproduction;
+    ``hit_pooled_tail``: with ``core_only``, also the hit's maps with a pooled tail per form (``pooled_tail.py``).
     """
     from chorus_core.bank import MaskBank
     from chorus_core.reuse.prior_store import load_prior
@@ -392,6 +397,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
             if core_only:
                 for section in ("matched", "natural"):
                     row(section, "reused_similar_product", hit_final, hit_maps)
+                pooled_tail_rows(pp, conds, seed, hit_maps, row, hit_pooled_tail)
                 core_sparse_rows(pp, conds, seed, hit_maps, row, core_min_tokens, core_kernel)
                 bank.close()
                 log(f"{request_name(target)} seed {seed}: hit and core's sparse attention, {time.time() - started:.0f}s")
@@ -682,6 +688,9 @@ def main(argv=None) -> int:
                         help="only the hit and core's Model Sparse Attention against dense (a CPU-sized run)")
     parser.add_argument("--core-kernel", action="store_true",
                         help="core's rows on comfy-kitchen's CUDA sol_attn (a GPU with it), not the float32 reproduction")
+    parser.add_argument("--hit-pooled-tail", type=parse_forms, nargs="?", const=("centroid",), default=(),
+                        metavar="FORMS", help="with --core-only: also the hit's masks with one pooled term per dropped "
+                        "block (centroid, rows or none; comma-separated; centroid when bare)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
                         help="combine the product_path.json of these earlier runs into --out (no sampling)")
     args = parser.parse_args(argv)
@@ -704,7 +713,8 @@ def main(argv=None) -> int:
                                    seed_start=args.seed_start, on_progress=progress,
                                    options=reuse_options(args.option), compose=args.compose, picks=args.picks,
                                    core_sparse=args.core_sparse or args.core_only, core_only=args.core_only,
-                                   core_min_tokens=0 if args.tiny else 12288, core_kernel=args.core_kernel)
+                                   core_min_tokens=0 if args.tiny else 12288, core_kernel=args.core_kernel,
+                                   hit_pooled_tail=args.hit_pooled_tail)
     doc = write_outputs(results, args.out, command, sampled, seeds, config)
     print(f"{len(doc['rows'])} rows in {doc['seconds']:.0f}s -> {args.out / 'product_path.md'}")
     return 0
