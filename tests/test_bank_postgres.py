@@ -43,8 +43,6 @@ test_threshold_edges = store_tests.test_threshold_edges
 test_weights_change_similarity = store_tests.test_weights_change_similarity
 test_hits_do_not_change_content_token = store_tests.test_hits_do_not_change_content_token
 test_identical_masks_share_one_blob = store_tests.test_identical_masks_share_one_blob
-test_large_banks_shortlist_by_sketch_then_rank_exactly = \
-    store_tests.test_large_banks_shortlist_by_sketch_then_rank_exactly
 
 
 def test_index_refreshes_when_another_connection_writes(location):
