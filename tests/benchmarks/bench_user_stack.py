@@ -474,13 +474,12 @@ def row_attention(spec: str) -> str:
     return parts[3] if len(parts) > 3 else "sdpa"
 
 
-def attention_name(arm: str, m: dict, comfyui_attention: str = "sdpa", density: float = 0.15) -> str:
+def attention_name(arm: str, m: dict, comfyui_attention: str = "sdpa", core_sparse: core.CoreSettings | None = None) -> str:
     dense = "cudnn_sdpa" if comfyui_attention == "sdpa" else "sageattention_1.0.6"
     if arm == "dense":
         return dense
-    if arm in CORE_ARMS:
-        settings = core.CoreSettings() if arm == "core" else core.CoreSettings(topk_ratio=density, start_percent=0.0)
-        return f"core_sol_attn ({settings.describe()}; dense calls: {dense})"
+    if core_sparse is not None:
+        return f"core_sol_attn ({core_sparse.describe()}; dense calls: {dense})"
     backend = (m.get("backend") or "").split(" ")[0] or "none"
     return f"chorus_block_sparse_bf16 ({backend}; dense steps: {m.get('dense_backend') or dense})"
 
@@ -535,7 +534,8 @@ def run_row(ctx, doc, spec: str, save) -> None:
         if not m["recorded_entry_id"]:
             raise RuntimeError(f"{spec}: the miss recorded nothing ({m['warnings']})")
     row = dict(name=spec.replace(":", "_"), role=row_role(arm), weights=weights,
-               attention=attention_name(arm, m, ctx["attention"], ctx["density"]), compiled=is_compiled, steps=ctx["steps"], cfg=ctx["cfg"],
+               attention=attention_name(arm, m, ctx["attention"], core_settings(ctx, arm) if arm in CORE_ARMS else None),
+               compiled=is_compiled, steps=ctx["steps"], cfg=ctx["cfg"],
                shape=ctx["shape"], blocks=ctx["blocks"], seconds=m["seconds"], compile_s=compile_s,
                arm=arm, load_s=ctx["load_s"][weights], density=None if arm in ("dense", "core") else ctx["density"],
                session=ctx["session"], run=ctx["run_id"], **{k: v for k, v in m.items() if k != "seconds"})
@@ -599,7 +599,8 @@ def warm_seconds(row: dict) -> float | None:
 def ratios(rows: list[dict]) -> None:
     """Within one machine session only: each row against the fastest dense row of the same
     weights, the fastest dense fp8-weight row, the bf16 dense row (eager or compiled), and core's
-    Model Sparse Attention at its defaults with the same weights. A baseline that was the first
+    Model Sparse Attention at its defaults with the same weights (the faster of its eager and
+    compiled rows, like every baseline here). A baseline that was the first
     generation after its model's load counts at its ``warm_seconds`` (lower: the ratios against it
     are the smaller ones)."""
     for r in rows:
