@@ -14,6 +14,8 @@ and the shortlist is ranked exactly here; without faiss the search stays exact.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,18 +153,77 @@ class _Group:
         return np.arange(len(self.ids)), self.mat @ query
 
 
+class ReadWriteLock:
+    """Many readers or one writer; a waiting writer holds back new readers (a stream of matches
+    from several threads must not starve the refresh that would show them a new entry)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+
+    @contextmanager
+    def reading(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing and not self._writers_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def writing(self):
+        with self._cond:
+            self._writers_waiting += 1
+            self._cond.wait_for(lambda: not self._writing and not self._readers)
+            self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
 class SignatureIndex:
-    """Per-compatibility-key matrices of entry signatures, kept fresh by generation."""
+    """Per-compatibility-key matrices of entry signatures, kept fresh by generation.
+
+    One index may serve the bank objects of several threads (:mod:`.open_banks` shares one per
+    bank and process: 3 GB at 1,000,000 entries is too much to hold once per thread). Matches read
+    it together; a refresh changes it alone, through the calling thread's own ``db``."""
 
     def __init__(self):
         self._groups: dict[str, _Group] = {}
-        self._state = None  # (generation, removals) the groups reflect
+        self._state = None  # (generation, removals) the groups reflect, at least
+        self._lock = ReadWriteLock()
+
+    def covers(self, generation: int, removals: int) -> bool:
+        """Whether the index already reflects these counters (another thread's refresh may have
+        read later ones: the counters only grow, and what it read then is still in the bank or
+        was removed after the caller's counters were read)."""
+        state = self._state
+        return state is not None and state[0] >= generation and state[1] >= removals
 
     def refresh(self, db, generation: int, removals: int) -> None:
+        """Bring the index up to the bank's counters ``(generation, removals)``, read by the caller
+        on its own connection; a no-op when it is there already."""
+        if self.covers(generation, removals):
+            return
+        with self._lock.writing():
+            if not self.covers(generation, removals):
+                self._refresh(db, generation, removals)
+
+    def _refresh(self, db, generation: int, removals: int) -> None:
         """After a removal, drop the vectors of the rows that are gone (their ids are read, not
         every signature again: a bank that keeps a budget removes entries on nearly every write);
         after an addition, append the new rows."""
-        if self._state is not None and self._state[1] != removals:
+        if self._state is not None and removals > self._state[1]:
             for compat, group in self._groups.items():
                 present = {r["id"]: r["rowid"] for r in db.query(
                     "SELECT rowid, id FROM entries WHERE compat = ? AND status = 'ok'", [compat])}
@@ -171,10 +232,10 @@ class SignatureIndex:
                 # its row: read again from the first row not held at its rowid, not only above the max
                 unseen = [r for i, r in present.items() if group.rowid_of.get(i) != r]
                 group.max_rowid = min([group.max_rowid] + [r - 1 for r in unseen])
-        if self._state != (generation, removals):
-            for compat in list(self._groups):
-                self._load(db, compat)
-        self._state = (generation, removals)
+        for compat in list(self._groups):
+            self._load(db, compat)
+        old = self._state or (generation, removals)
+        self._state = (max(old[0], generation), max(old[1], removals))
 
     def _load(self, db, compat: str) -> _Group:
         group = self._groups.setdefault(compat, _Group())
@@ -185,9 +246,22 @@ class SignatureIndex:
         group.append(rows)
         return group
 
+    def _group(self, db, compat: str) -> None:
+        """Load a key's rows on its first match (a change to the index: the writer's lock)."""
+        if compat not in self._groups:
+            with self._lock.writing():
+                if compat not in self._groups:
+                    self._load(db, compat)
+
     def match(self, db, compat: str, signature: Signature, threshold: float, top_k: int,
               weights=None) -> MatchResult:
-        group = self._groups.get(compat) or self._load(db, compat)
+        self._group(db, compat)
+        with self._lock.reading():
+            return self._match(self._groups[compat], signature, threshold, top_k, weights)
+
+    @staticmethod
+    def _match(group: _Group, signature: Signature, threshold: float, top_k: int,
+               weights) -> MatchResult:
         n = len(group.ids)
         if n == 0:
             return MatchResult(False, None, 0.0, {}, 0, [])

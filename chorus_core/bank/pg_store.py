@@ -13,19 +13,27 @@ Safety rules, the folder bank's promises in one engine:
 * A blob is size-checked before its bytes are fetched and digest-verified before use, exactly
   like a folder blob; a bad one is moved to ``quarantine`` and its entries marked.
 * Signatures are matched in this process: the compatible rows are filtered in SQL and kept in
-  the same in-memory matrix as the folder bank, refreshed when ``generation`` changes (one
-  small query per match, so a new entry from another worker is a hit on the next request).
-* A lost connection (server restart) fails the current call with a BankError (the generation
-  runs as a miss) and the next call reconnects. No message ever shows the password.
+  the same in-memory matrix as the folder bank, refreshed when the change counters move. A match
+  reads the counters (a round trip, which waits for the server's process to get a core) only when
+  they may have moved: every counter bump sends a notification on ``chorus_bank`` with its
+  commit, which each bank connection LISTENs for; a write by this process is seen at once; and
+  the counters are read anyway when the last read is older than ``COUNTERS_MAX_AGE_S`` (writers
+  that do not notify: an older Chorus, a pooler that drops notifications). So another worker's
+  new or removed entry is seen as soon as its notification arrives, and within a second at most.
+* A lost connection (server restart) fails the first call that needs the server with a
+  BankError (the generation runs as a miss; a match served from memory needs none, its masks do)
+  and the next call reconnects. No message ever shows the password.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import threading
 import time
 import warnings
+import weakref
 
 import psycopg
 from psycopg.rows import dict_row
@@ -48,6 +56,10 @@ TCP_SETTINGS = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5
                 "tcp_user_timeout": 30_000}
 CLI = "python -m chorus_core.bank"
 _ORDER_COLUMNS = ("created", "last_hit", "hits", "density", "recall", "blob_bytes")
+NOTIFY_CHANNEL = "chorus_bank"  # one channel for every bank of a database; the payload names the schema
+COUNTERS_MAX_AGE_S = 1.0  # the longest a match trusts notifications alone (see the module docstring)
+_process_writes: dict[str, int] = {}  # bank label -> commits that moved its counters, by this process
+_process_writes_lock = threading.Lock()
 
 
 class _PgDatabase:
@@ -77,10 +89,14 @@ class PostgresBank(BankStorage):
         self.db = _PgDatabase(self)
         self._conn: psycopg.Connection | None = None
         self._lock = threading.RLock()  # one connection: one caller at a time
-        self._index = SignatureIndex()
+        self.signature_index = SignatureIndex()
         digest = hashlib.sha256(f"chorus-bank:{url.schema}".encode()).digest()
         self._lock_key = int.from_bytes(digest[:8], "big", signed=True)
         self._summary = summary_columns(True)  # a read-only bank at schema v1: without sigmas
+        self._listening = False  # whether this connection gets the bank's change notifications
+        self._notified = True  # a notification (or a reconnection) since the counters were last read
+        self._checked = None  # (monotonic time, process writes) of the last counters read
+        self._bumped = False  # whether the write under way moved the counters
 
     @property
     def label(self) -> str:
@@ -137,7 +153,28 @@ class PostgresBank(BankStorage):
         if conn is None or conn.closed or conn.broken:
             self._drop_connection()
             self._conn = conn = self._connect()
+            self._listen(conn)
         return conn
+
+    def _listen(self, conn: psycopg.Connection) -> None:
+        """Ask for the bank's change notifications. Notifications sent while this object had no
+        connection are lost: the next match reads the counters. A server that refuses LISTEN (a
+        hot standby) leaves every match reading them."""
+        self._notified, self._listening = True, False
+        try:
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        except psycopg.Error:
+            return
+        # through a weak reference: a connection that held its bank would keep a dropped bank's
+        # signature index (3 GB at 1,000,000 entries) until the garbage collector finds the cycle
+        conn.add_notify_handler(functools.partial(PostgresBank._on_notify, weakref.ref(self)))
+        self._listening = True
+
+    @staticmethod
+    def _on_notify(bank_ref, note) -> None:
+        bank = bank_ref()
+        if bank is not None and note.payload == bank.url.schema:
+            bank._notified = True
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
@@ -243,16 +280,25 @@ class PostgresBank(BankStorage):
         appear in rowid order); bumps the counters when asked; rolled back on any error."""
         self.check_writable()
         conn = self._connection()
-        with self._lock, conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", [self._lock_key])
-            yield
-            if bump:
-                self._bump("generation")
-            if removal:
-                self._bump("removals")
+        with self._lock:
+            self._bumped = False
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", [self._lock_key])
+                yield
+                if bump:
+                    self._bump("generation")
+                if removal:
+                    self._bump("removals")
+            if self._bumped:  # committed: this process's other objects need no notification
+                with _process_writes_lock:
+                    _process_writes[self.url.label] = _process_writes.get(self.url.label, 0) + 1
 
     def _bump(self, key: str) -> None:
+        """Move a counter, and tell the listeners at commit (the server sends one notification
+        per transaction for equal ones, and none if it rolls back)."""
         self.db.execute("UPDATE meta SET value = (value::bigint + 1)::text WHERE key = ?", [key])
+        self.db.execute("SELECT pg_notify(?, ?)", [NOTIFY_CHANNEL, self.url.schema])
+        self._bumped = True
 
     def _meta(self, key: str) -> str:
         rows = self.db.query("SELECT value FROM meta WHERE key = ?", [key])
@@ -260,6 +306,31 @@ class PostgresBank(BankStorage):
             raise BankError(f"The bank at {self.label} lacks its {key!r} record: it is damaged. "
                             "Restore it from a backup.")
         return rows[0]["value"]
+
+    def _counters_if_moved(self) -> tuple[int, int] | None:
+        """The change counters, read from the server only when they may have moved since the
+        last read (see the module docstring); None when they have not."""
+        conn = self._connection()
+        writes = _process_writes.get(self.url.label, 0)
+        if self._unmoved(conn, writes):
+            return None
+        # cleared and timed before the read: a notification arriving during it is not lost
+        self._notified, started = False, time.monotonic()
+        counters = self._counters()
+        self._checked = (started, writes)
+        return counters
+
+    def _unmoved(self, conn: psycopg.Connection, writes: int) -> bool:
+        if not self._listening or self._checked is None:
+            return False
+        started, seen_writes = self._checked
+        if writes != seen_writes or time.monotonic() - started > COUNTERS_MAX_AGE_S:
+            return False
+        pgconn = conn.pgconn
+        pgconn.consume_input()  # what arrived while the connection was idle; does not block
+        while (note := pgconn.notifies()) is not None:
+            pgconn.notify_handler(note)  # psycopg's dispatch, as during its own queries
+        return not self._notified
 
     def _counters(self) -> tuple[int, int]:
         rows = {r["key"]: r["value"] for r in self.db.query(

@@ -78,7 +78,7 @@ class SQLiteBank(BankStorage):
         self.db = Database(conn)
         self._files = BlobFolder(root)
         self._real_root = os.path.realpath(root)
-        self._index = SignatureIndex()
+        self.signature_index = SignatureIndex()
         self._summary = summary_columns(True)  # a read-only bank at schema v2: without sigmas
 
     # ---- opening -------------------------------------------------------------------------

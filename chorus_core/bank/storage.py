@@ -62,8 +62,9 @@ class BankStorage(MergeStore):
     ``show``, ``export``, ``import_file``, ``content_token``, ``close``, ``reopen``; for
     export and import (:mod:`.transfer`) also ``check_writable``, ``read_entry_blob``,
     ``stage_blob`` and ``add_imported_rows``; attributes ``read_only``, ``label`` (the
-    location as it may be shown: never a password) and ``root`` (the bank folder, or None for
-    a bank without one, such as PostgreSQL: caches that need files keep them in memory then).
+    location as it may be shown: never a password), ``root`` (the bank folder, or None for a bank
+    without one, such as PostgreSQL: caches that need files keep them in memory then) and
+    ``signature_index`` (:mod:`.open_banks` gives one bank's objects in all threads the same).
 
     A backend provides: ``db`` (``query(sql, params)`` with ``?`` placeholders over its own
     connection), ``_guard(what)`` (turns its errors into BankError), ``_write(bump, removal)``
@@ -364,17 +365,18 @@ class BankStorage(MergeStore):
         :param weights: per-component weights, e.g. ``{"clip": 0.5, "text": 0.3, "layout": 0.2}``
         :raises BankError: the index is damaged or not a Chorus bank (treat as a miss)
         """
-        self._index.refresh(self.db, *self._counters())
+        index = self.signature_index
+        if (counters := self._counters_if_moved()) is not None:
+            index.refresh(self.db, *counters)
         compat, top_k = compat_key(fingerprint, layout), max(1, top_k)
         skipped = self._skipped()
         if not skipped:
-            return self._index.match(self.db, compat, signature, threshold, top_k, weights)
-        result = self._index.match(self.db, compat, signature, threshold,
-                                   top_k + len(skipped), weights)
+            return index.match(self.db, compat, signature, threshold, top_k, weights)
+        result = index.match(self.db, compat, signature, threshold, top_k + len(skipped), weights)
         return self._without_skipped(result, skipped, signature, threshold, top_k)
 
-    def _counters(self) -> tuple[int, int]:
-        """(generation, removals): what the in-process signature matrices are refreshed by."""
+    def _counters_if_moved(self) -> tuple[int, int] | None:
+        """(generation, removals) to refresh the signature index by; None: known not to have moved."""
         return int(self._meta("generation")), int(self._meta("removals"))
 
     def _verify_entries(self, rows: list[dict], report: dict) -> None:
