@@ -371,7 +371,7 @@ def match_at_scale(n: int, pg=None, queries: int = 400, exact_queries: int = 100
             t0 = time.perf_counter()
             (fill_pg_bank if pg else fill_bank)(bank, n, rng, vecs)
             fill_s = time.perf_counter() - t0
-            if pg:  # now, not during the timing: autovacuum would scan the bulk load's 10 GB meanwhile
+            if pg:  # now, not during the timing: autovacuum's pass over the bulk load
                 bank.db.execute("SET statement_timeout = 0")
                 bank.db.execute("VACUUM (ANALYZE) entries")
         del vecs
@@ -426,9 +426,9 @@ SCALE_NOTES = (
     "ranked exactly (chorus_core/bank/ann.py); `exact`: the same bank with the index turned off "
     "(fewer queries). `first_match_s`: the first match of a newly opened bank object (reads every "
     "signature, builds the index: `index_build_s`). Server on the same machine (fsync off); "
-    "after the fill, `VACUUM (ANALYZE) entries`, as after any bulk import: otherwise autovacuum "
-    "scans the freshly copied rows (about 10 GB with their TOASTed signatures at 1,000,000) while "
-    "the queries are timed, which a bank grown entry by entry does not see. The "
+    "after the fill, `VACUUM (ANALYZE) entries`, as after any bulk import, so that autovacuum's "
+    "pass over the freshly copied rows cannot overlap the timing (a bank grown entry by entry has no "
+    "such pass; whether it overlapped in earlier runs was not checked). The "
     "machine has 2 cores shared with other jobs: `load_avg_1m` shows them; p99 of 400 queries is "
     "their 4th slowest.")
 
