@@ -260,9 +260,11 @@ def test_the_tiny_product_path_runs_end_to_end(comfy_runtime, tmp_path):
     """Recorded misses, hits through the bank, every source at matched and natural density, on the CPU."""
     from tests.testbed.product_path import MATCHED_KINDS, NATURAL_KINDS, main
 
-    # core's Model Sparse Attention runs only with --core-sparse (tests/test_testbed_core_sparse.py)
-    MATCHED_KINDS = tuple(k for k in MATCHED_KINDS if not k.startswith("core_sparse"))  # noqa: N806
-    NATURAL_KINDS = tuple(k for k in NATURAL_KINDS if not k.startswith("core_sparse"))  # noqa: N806
+    # core's Model Sparse Attention runs only with --core-sparse (tests/test_testbed_core_sparse.py), the
+    # pooled-tail experiment's rows only with --hit-pooled-tail (tests/test_testbed_pooled_tail.py)
+    optional = ("core_sparse", "reused_similar_pooled_tail", "reused_similar_replayed")
+    MATCHED_KINDS = tuple(k for k in MATCHED_KINDS if not k.startswith(optional))  # noqa: N806
+    NATURAL_KINDS = tuple(k for k in NATURAL_KINDS if not k.startswith(optional))  # noqa: N806
     assert main(["--tiny", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "product_path.json").read_text())
     rows = doc["rows"]
