@@ -75,15 +75,18 @@ def test_a_postgres_recording_spools_on_this_machine_and_a_leftover_replays_once
 
 def test_a_server_that_stops_answering_makes_the_match_a_miss_within_the_bound(pg, tiny_wan_patcher, monkeypatch):
     """The bank connection's server process is stopped (SIGSTOP: its kernel still acknowledges, so
-    neither TCP keepalives nor the server's statement_timeout can help): the lookup gives up."""
+    neither TCP keepalives nor the server's statement_timeout can help): the lookup gives up. The
+    counters are made stale, so the match must ask the server (a match within a second of the last
+    read, with no notification since, is answered from memory and never reaches it)."""
     import os
     import signal
     import time
 
-    from chorus_core.bank import MaskBank
+    from chorus_core.bank import MaskBank, pg_store
     from chorus_core.reuse import reuse_match
 
     monkeypatch.setattr(reuse_match, "SERVER_ANSWER_S", 2.0)
+    monkeypatch.setattr(pg_store, "COUNTERS_MAX_AGE_S", 0.0)
     bank = MaskBank.open(pg.url("stalled"))
     positive, _, latent = request()
     request_only = match_for(bank, tiny_wan_patcher, positive, latent).request  # fingerprinting is not timed
