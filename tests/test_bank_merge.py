@@ -146,6 +146,19 @@ def test_deleting_a_merged_entry_drops_its_votes(bank):
     assert bank.merge_status()["voted_entries"] == 0
 
 
+def test_a_merged_entrys_votes_count_against_the_budget(bank):
+    """The votes live in ``meta``, outside the blob: uncounted, a budget would bound the blobs and
+    let the votes grow. Set at the blobs' size alone, the budget has to evict."""
+    entry = record(bank, toy_masks(0), toy_signature(0))
+    bank.set_merge_policy(0.3, 0.3)
+    record(bank, flipped(toy_masks(0), 1), toy_signature(1, noise=0.5, base_seed=0))
+    votes = len(next(iter(bank.db.query("SELECT value FROM meta WHERE key = ?", [merging.VOTES_PREFIX + entry])))["value"])
+    blob = bank.show(entry)["blob_bytes"]
+    assert bank.budget_status()["bytes"] == blob + votes and votes > 0
+    eviction = bank.set_budget(max_bytes=blob)
+    assert eviction.entry_ids == [entry] and bank.budget_status()["bytes"] == 0
+
+
 # ---- consensus masks get better with use ----------------------------------------------------
 def test_consensus_masks_serve_better_with_more_absorbed_recordings(tmp_path):
     """Synthetic ground truth (the lifecycle simulation's): one kind, each request a new photo; masks

@@ -58,7 +58,7 @@ class Eviction:
     """What one write removed to keep its bank within budget."""
 
     entry_ids: list = field(default_factory=list)  # healthy entries evicted, least worth first
-    bytes_freed: int = 0  # their blob bytes plus the quarantined blobs removed
+    bytes_freed: int = 0  # their blob and vote bytes plus the quarantined blobs removed
     quarantined_removed: int = 0  # quarantined blobs aged out or removed for room
     budget: Budget = Budget()
     written: str | None = None  # the entry whose write made the room (None: setting the budget, an import)

@@ -28,10 +28,16 @@ from .errors import BankEntryCorrupt, BankError, BankIncompatible, BankInvalidAr
 from .faults import fault
 from .fingerprint import ModelFingerprint
 from .matching import MatchResult, stack_vectors
+from .merge import VOTES_PREFIX
 from .merge_store import MergeStore
 from .records import LatentLayout, Schedule
 from .rows import blob_metadata, build_row, compat_key, decode_row, entry_label, signature_columns
 from .signature import COMPONENTS, DIM, Signature, cosine
+
+# What an entry costs against the budget: its blob, and the merge votes it keeps in ``meta``
+# (outside the blob, one byte per block before compression: unbounded if left uncounted).
+COUNTED_ROWS = f"entries e LEFT JOIN meta v ON v.key = '{VOTES_PREFIX}' || e.id WHERE e.status = 'ok'"
+COUNTED_BYTES = "COALESCE(e.blob_bytes, 0) + COALESCE(LENGTH(v.value), 0)"
 
 # Entries found damaged in read-only banks: {bank's skip key: {entry id: reason}}.
 # Kept for the whole process so a bad entry is tried once, not on every request.
@@ -159,7 +165,8 @@ class BankStorage(MergeStore):
     def set_budget(self, max_bytes: int | None = None, max_entries: int | None = None) -> budgets.Eviction:
         """Store the bank's budget and evict at once what no longer fits; every later write keeps it.
 
-        :param max_bytes: most bytes of blobs (healthy entries and kept quarantined blobs); None: no limit
+        :param max_bytes: most bytes of blobs (healthy entries with their merge votes, and kept quarantined
+            blobs); None: no limit
         :param max_entries: most healthy entries; None: no limit (both None removes the budget)
         :return: what was evicted to fit
         :raises BankInvalidArgument: a limit that is not a positive whole number
@@ -180,9 +187,9 @@ class BankStorage(MergeStore):
     @guarded
     def budget_status(self) -> dict:
         """The budget and what counts against it: ``max_bytes``, ``max_entries``, ``bytes`` (healthy
-        entries' blobs plus kept quarantined blobs), ``entries``, ``quarantined_blobs``, ``quarantined_bytes``."""
-        held = self.db.query("SELECT COUNT(*) AS n, COALESCE(SUM(blob_bytes), 0) AS b FROM entries "
-                             "WHERE status = 'ok'")
+        entries' blobs and merge votes, plus kept quarantined blobs), ``entries``, ``quarantined_blobs``,
+        ``quarantined_bytes``."""
+        held = self.db.query(f"SELECT COUNT(*) AS n, COALESCE(SUM({COUNTED_BYTES}), 0) AS b FROM {COUNTED_ROWS}")
         held = next(iter(held))
         quarantined = self._quarantined_blobs()
         q_bytes = sum(q["bytes"] for q in quarantined)
@@ -201,8 +208,8 @@ class BankStorage(MergeStore):
         quarantined = self._quarantined_blobs()
         if not limit.limited and not quarantined:
             return budgets.Eviction(budget=limit, written=written), []
-        rows = list(self.db.query("SELECT id, blob_bytes, hits, COALESCE(last_hit, created) AS last_use, created "
-                                  "FROM entries WHERE status = 'ok'"))
+        rows = list(self.db.query(f"SELECT e.id, {COUNTED_BYTES} AS blob_bytes, e.hits, "
+                                  f"COALESCE(e.last_hit, e.created) AS last_use, e.created FROM {COUNTED_ROWS}"))
         doomed, drop_q = budgets.choose_evictions(rows, quarantined, limit, time.time(), protect=set(protect))
         gone, gone_q = set(doomed), set(drop_q)
         freed = sum(r["blob_bytes"] or 0 for r in rows if r["id"] in gone)
