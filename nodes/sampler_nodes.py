@@ -53,7 +53,7 @@ class ChorusSparseWanSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
                 dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
-                match=None, dense_attention="auto", hit_warmup_steps=0, dense_last_steps=0) -> io.NodeOutput:
+                match=None, dense_attention="auto", hit_warmup_steps=0, dense_last_steps=1) -> io.NodeOutput:
         import nodes as comfy_nodes
 
         from ..chorus_core.reuse.reuse_run import ReusePatch, nothing_sampled

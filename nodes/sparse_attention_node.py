@@ -37,7 +37,7 @@ class ChorusSparseAttention(io.ComfyNode):
     @classmethod
     def execute(cls, model, dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
                 record_on_miss, tag, match=None, dense_attention="auto", hit_warmup_steps=0,
-                dense_last_steps=0) -> io.NodeOutput:
+                dense_last_steps=1) -> io.NodeOutput:
         from ..chorus_core.reuse.reuse_run import ReusePatch
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,

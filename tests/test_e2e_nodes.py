@@ -51,7 +51,8 @@ def test_similar_request_hits_the_recorded_entry(three_runs):
     assert similar["mode"] == "hit"
     assert similar["entry_id"] == first["recorded_entry_id"]
     assert similar["similarity"] >= 0.9
-    assert [layer["sparse_share"] for layer in similar["layers"]] == [1.0, 1.0]  # a hit is sparse from step 0
+    # a hit is sparse from step 0 to its dense last step (dense_last_steps 1, the default)
+    assert [layer["sparse_share"] for layer in similar["layers"]] == [0.75, 0.75]
     assert 0 < similar["density"] < 1
     assert similar["recorded_entry_id"] is None
 
@@ -77,13 +78,14 @@ def test_run_start_on_an_empty_bank_says_no_entry_was_compared(three_runs):
 
 
 def test_the_report_times_its_sparse_steps_against_its_dense_step(three_runs):
-    timings = chorus_report(three_runs["first"][0])["timings"]  # a miss: its dense warm-up step
+    last = "one of the last steps kept dense (dense_last_steps=1)"
+    timings = chorus_report(three_runs["first"][0])["timings"]  # a miss: its dense warm-up and last steps
     assert timings["dense_step_s"] > 0 and timings["sparse_step_s"] > 0, timings
-    assert chorus_report(three_runs["first"][0])["dense_steps"] == {"0": "dense warm-up of a miss (dense_warmup_steps=1)"}
-    hit = chorus_report(three_runs["similar"][0])  # sparse from step 0: no dense step of its own
-    assert hit["dense_steps"] == {} and "dense_step_s" not in hit["timings"] and hit["timings"]["sparse_step_s"] > 0
-    # ... so it is timed against the recording miss's dense step (same model, grid and batch, same server)
-    assert hit["timings"]["earlier_dense_step_s"] == timings["dense_step_s"]
+    assert chorus_report(three_runs["first"][0])["dense_steps"] == {
+        "0": "dense warm-up of a miss (dense_warmup_steps=1)", "3": last}
+    hit = chorus_report(three_runs["similar"][0])  # sparse from step 0, its last step dense: timed on its own
+    assert hit["dense_steps"] == {"3": last}
+    assert hit["timings"]["dense_step_s"] > 0 and hit["timings"]["sparse_step_s"] > 0, hit["timings"]
 
 
 def test_dissimilar_request_misses(three_runs):

@@ -36,7 +36,9 @@ def test_a_ksampler_run_through_the_patch_records_then_hits(comfy_server):
 
     (second,), _ = run(comfy_server, ksampler_through_the_patch("e2e_patch", subject=1, seed=2))
     assert (second["mode"], second["entry_id"]) == ("hit", first["recorded_entry_id"])
-    assert [layer["sparse_share"] for layer in second["layers"]] == [1.0, 1.0]  # a hit is sparse from step 0
+    # a hit is sparse from step 0; its last step is dense (dense_last_steps 1, the default)
+    assert [layer["sparse_share"] for layer in second["layers"]] == [0.75, 0.75]
+    assert second["dense_steps"] == {"3": "one of the last steps kept dense (dense_last_steps=1)"}
     assert second["warnings"] == []
 
 

@@ -125,7 +125,9 @@ def generate(model, match, miss_mode="online", record_on_miss=True, on_prepared=
 
     from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
 
-    options = ReuseOptions(miss_mode=miss_mode, record_on_miss=record_on_miss, min_density=0.2, max_density=0.6)
+    # every reduced step sparse after the warm-up (dense_last_steps 0): what these tests count
+    options = ReuseOptions(miss_mode=miss_mode, record_on_miss=record_on_miss, min_density=0.2, max_density=0.6,
+                           dense_last_steps=0)
     class WatchedPatch(ReusePatch):
         def begin_run(self, sampling, step_callbacks, dense_attention):
             run = super().begin_run(sampling, step_callbacks, dense_attention)

@@ -174,7 +174,8 @@ def test_prior_miss_mode_uses_the_banks_population_prior(pack, tiny_wan_patcher)
     report = output.ui["chorus_report"][0]
     assert report["mode"] == "miss"
     assert report["mask_source"] == "population prior of 1 entries"
-    assert [layer["sparse_share"] for layer in report["layers"]] == [2 / 3, 2 / 3]
+    # 3 steps at the node's defaults: the miss's dense warm-up, one sparse step, the dense last step
+    assert [layer["sparse_share"] for layer in report["layers"]] == [1 / 3, 1 / 3]
     assert bank.show(first["recorded_entry_id"])["hits"] == hits_before  # reading a prior is not a hit
 
 

@@ -16,19 +16,30 @@ QUOTED = {
     "core's Model Sparse Attention at its defaults, eager": ("fp8_e4m3fn_fast_core_eager", "fp8_e4m3fn_fast_core_eager"),
     "core's Model Sparse Attention at its defaults, TorchCompileModel": ("fp8_e4m3fn_fast_core_compiled",
                                                                           "fp8_e4m3fn_fast_core_compiled"),
-    "**Chorus hit**, eager": ("fp8_e4m3fn_fast_hit_eager", "fp8_e4m3fn_fast_hit_eager"),
-    "**Chorus hit**, TorchCompileModel": ("fp8_e4m3fn_fast_hit_compiled", "fp8_e4m3fn_fast_hit_compiled"),
+    "**Chorus hit**, `dense_last_steps` 0, eager": ("fp8_e4m3fn_fast_hit_eager", "fp8_e4m3fn_fast_hit_eager"),
+    "**Chorus hit**, `dense_last_steps` 0, TorchCompileModel": ("fp8_e4m3fn_fast_hit_compiled",
+                                                             "fp8_e4m3fn_fast_hit_compiled"),
     "Chorus miss that records, eager": ("fp8_e4m3fn_fast_miss_eager", "fp8_e4m3fn_fast_miss_eager"),
 }
 SHAPES = ("user_stack_720p.json", "user_stack_640.json")
+SHIPPED_SESSION = "1746da155095"  # another warm H100: the shipped default beside dense and core
+# README row label start of the as-shipped table -> its results row (both shapes)
+SHIPPED = {
+    "dense, eager": "fp8_e4m3fn_fast_dense_eager",
+    "core's Model Sparse Attention at its defaults, eager": "fp8_e4m3fn_fast_core_eager",
+    "**Chorus hit as shipped** (last step dense), eager": "fp8_e4m3fn_fast_hit_last1_eager",
+    "Chorus hit as shipped, TorchCompileModel": "fp8_e4m3fn_fast_hit_last1_compiled",
+    "Chorus hit, `dense_last_steps` 0, eager": "fp8_e4m3fn_fast_hit_eager",
+}
 
 
 def _readme() -> str:
     return (REPO_ROOT / "README.md").read_text()
 
 
-def _session_rows(name: str) -> dict:
-    return {r["name"]: r for r in json.loads((RESULTS / name).read_text())["rows"] if r.get("session") == SESSION}
+def _session_rows(name: str, session: str = SESSION, steps: int = 4) -> dict:
+    return {r["name"]: r for r in json.loads((RESULTS / name).read_text())["rows"]
+            if r.get("session") == session and r["steps"] == steps}
 
 
 def _counted(row: dict) -> float:
@@ -36,17 +47,22 @@ def _counted(row: dict) -> float:
     return row.get("warm_seconds") or row["seconds"]
 
 
-def _readme_cells() -> dict:
+def _table_cells(labels, first_table: bool) -> dict:
+    """Cells of the Speed section's first table (the user's stack; labels are the rows' starts)
+    or of its as-shipped table (labels are whole)."""
+    text = _readme()
+    cut = text.index("**As shipped, the hit keeps its last step dense**")
+    part = text[text.index("## Speed"):cut] if first_table else text[cut:text.index("## Quality")]
     cells = {}
-    for line in _readme().splitlines():
-        for label in QUOTED:
-            if line.startswith(f"| {label}"):
+    for line in part.splitlines():
+        for label in labels:
+            if line.startswith(f"| {label}" if first_table else f"| {label} |"):
                 cells[label] = [c.strip().strip("*") for c in line.strip("|").split("|")][1:]
     return cells
 
 
 def test_the_speed_table_quotes_one_machines_rows_and_their_ratios():
-    cells = _readme_cells()
+    cells = _table_cells(QUOTED, first_table=True)
     assert set(cells) == set(QUOTED)
     for column, shape in enumerate(SHAPES):
         rows = _session_rows(shape)
@@ -61,12 +77,39 @@ def test_the_speed_table_quotes_one_machines_rows_and_their_ratios():
             assert float(ratio.rstrip("x")) == round(fastest / _counted(row), 3), (shape, label)
 
 
+def test_the_as_shipped_table_quotes_its_machines_rows_and_their_ratios():
+    """Seconds, then the ratio to the dense row and to core's row of the same session and shape;
+    a row not measured at a shape is "-" there."""
+    cells = _table_cells(SHIPPED, first_table=False)
+    assert set(cells) == set(SHIPPED)
+    for column, shape in enumerate(SHAPES):
+        rows = _session_rows(shape, SHIPPED_SESSION)
+        dense, core = rows["fp8_e4m3fn_fast_dense_eager"], rows["fp8_e4m3fn_fast_core_eager"]
+        for label, name in SHIPPED.items():
+            seconds, vs_dense, vs_core = cells[label][3 * column:3 * column + 3]
+            if name not in rows:
+                assert (seconds, vs_dense, vs_core) == ("-", "-", "-"), (shape, label)
+                continue
+            row = rows[name]
+            assert float(seconds) == row["seconds"] and row.get("warm_seconds") is None, (shape, label)
+            assert float(vs_dense.rstrip("x")) == round(dense["seconds"] / row["seconds"], 3), (shape, label)
+            if vs_core != "-":  # core ran eager only: a compiled row has no ratio to it
+                assert not row["compiled"]
+                assert float(vs_core.rstrip("x")) == round(core["seconds"] / row["seconds"], 3), (shape, label)
+
+
 def test_the_text_quotes_the_hit_against_core_and_the_fp8_scaled_hit():
     text = " ".join(_readme().split())
-    for shape, words in (("user_stack_720p.json", "at 720p"), ("user_stack_640.json", "at 640x640")):
-        rows = _session_rows(shape)
-        ratio = rows["fp8_e4m3fn_fast_core_eager"]["seconds"] / rows["fp8_e4m3fn_fast_hit_eager"]["seconds"]
-        assert f"{ratio:.2f}x core's Model Sparse Attention {words}" in text or f"and {ratio:.2f}x {words}" in text, shape
+    ratios = []
+    for shape in SHAPES:
+        rows = _session_rows(shape, SHIPPED_SESSION)
+        core = rows["fp8_e4m3fn_fast_core_eager"]["seconds"]
+        ratios.append((core / rows["fp8_e4m3fn_fast_hit_last1_eager"]["seconds"],
+                       core / rows["fp8_e4m3fn_fast_hit_eager"]["seconds"]))
+    (shipped_720, fastest_720), (shipped_640, fastest_640) = ratios
+    assert f"{shipped_720:.2f}x core's speed at 720p and {shipped_640:.2f}x at 640x640" in text
+    assert f"{fastest_720:.2f}x and {fastest_640:.2f}x core's speed" in text
+    assert f"({fastest_720:.2f}x core at 720p, {fastest_640:.2f}x at 640x640)" in text
     scaled = _session_rows("user_stack_640.json")["fp8_scaled_hit_eager"]["seconds"]
     assert f"a hit in {scaled} s at 640x640" in text
 
@@ -79,7 +122,8 @@ def test_the_core_quality_table_is_the_files():
         psnr, diff = row[f"core_{arm}_psnr_db"], row[f"hit_minus_core_{arm}_db"]
         assert f"| {psnr:.2f} ± {row[f'core_{arm}_psnr_db_ci95']:.2f} | {diff:.2f} ± " \
                f"{row[f'hit_minus_core_{arm}_db_ci95']:.2f} |" in text, arm
-        assert f"{-diff:.2f} dB" in text, arm  # the limits line
+    defaults = row["hit_minus_core_defaults_db"]
+    assert f"{-defaults:.2f} dB further from dense" in " ".join(text.split())  # the limits line
 
 
 def test_the_last_step_dense_figure_is_the_quality_tables():
@@ -87,6 +131,9 @@ def test_the_last_step_dense_figure_is_the_quality_tables():
     line = next(x for x in table.splitlines() if x.startswith("| natural_4step_last1 |"))
     psnr = [c.strip() for c in line.strip("|").split("|")][5]
     assert f"{psnr.replace(' ± ', ' ±')}" in " ".join(_readme().split()).replace(" ± ", " ±")
+    core = json.loads((RESULTS / "product_path_entropy16k_core_sparse_h100" / "core_sparse.json").read_text())
+    ahead = float(psnr.split(" ± ")[0]) - core["rows"][0]["core_defaults_psnr_db"]
+    assert f"{ahead:.2f} dB over core at its defaults" in " ".join(_readme().split())
 
 
 def test_how_the_bank_grows_quotes_the_lifecycle_results():

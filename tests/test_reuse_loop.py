@@ -63,18 +63,20 @@ def bank_with_entry(tmp_path, tiny_wan_patcher):
     bank.close()
 
 
-def run_generation(patcher, match, options=None, steps=STEPS):
+def run_generation(patcher, match, options=None, steps=STEPS, **segment):
+    """``segment``: comfy.sample.sample's start_step / last_step, as KSamplerAdvanced passes them."""
     import comfy.sample
 
     from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
 
     positive, negative, latent = request()
-    patch = ReusePatch(patcher, match, options or ReuseOptions(dense_warmup_steps=1), block_size=BLOCK,
-                       scheduler="simple")
+    # unless a test says otherwise, every step of a hit sparse (dense_last_steps 0), as the masks it compares
+    options = options or ReuseOptions(dense_warmup_steps=1, dense_last_steps=0)
+    patch = ReusePatch(patcher, match, options, block_size=BLOCK, scheduler="simple")
     patched = patch.install()
     noise = comfy.sample.prepare_noise(latent["samples"], 0)
     out = comfy.sample.sample(patched, noise, steps, 5.0, "euler", "simple", positive, negative, latent["samples"],
-                              seed=0, disable_pbar=True)
+                              seed=0, disable_pbar=True, **segment)
     return out, patch.last_report, patch.last_run
 
 
@@ -565,9 +567,9 @@ def test_the_recorder_keeps_only_the_bucket_in_flight():
 
 
 @pytest.mark.parametrize("options, dense_steps", [
-    ({}, {}),  # a hit's entry holds step 0's masks: sparse from the first step
-    ({"hit_warmup_steps": 1}, {"0": "dense warm-up of a hit (hit_warmup_steps=1)"}),
-    ({"dense_last_steps": 1}, {"3": "one of the last steps kept dense (dense_last_steps=1)"}),
+    ({"dense_last_steps": 0}, {}),  # a hit's entry holds step 0's masks: sparse from the first step
+    ({"hit_warmup_steps": 1, "dense_last_steps": 0}, {"0": "dense warm-up of a hit (hit_warmup_steps=1)"}),
+    ({}, {"3": "one of the last steps kept dense (dense_last_steps=1)"}),  # the default
 ])
 def test_a_hit_runs_sparse_from_its_first_step_unless_told_otherwise(bank_with_entry, tiny_wan_patcher, options,
                                                                       dense_steps):
@@ -591,6 +593,27 @@ def test_a_miss_keeps_its_dense_warm_up_and_the_last_steps_asked_for(tiny_wan_pa
                                   "2": "one of the last steps kept dense (dense_last_steps=2)",
                                   "3": "one of the last steps kept dense (dense_last_steps=2)"}
     assert [layer["sparse_share"] for layer in report.layers] == [0.25] * len(report.layers)
+
+
+def test_only_the_run_that_ends_the_denoising_keeps_its_last_step_dense(tiny_wan_patcher):
+    """Wan 2.2's two experts split one schedule (KSamplerAdvanced: steps 0-1, then 2-3): the
+    high-noise half stops at a sigma above 0 and has no last step to keep dense; the low-noise half
+    ends the denoising, so its last step (the schedule's last) runs dense: one dense step in four,
+    as with one sampler, not two."""
+    from chorus_core.reuse.reuse_run import ReuseOptions
+
+    options = ReuseOptions(dense_warmup_steps=1, dense_last_steps=1)
+    _, high, _ = run_generation(tiny_wan_patcher, None, options, last_step=2)
+    _, low, _ = run_generation(tiny_wan_patcher, None, options, start_step=2)
+    warm_up = {"0": "dense warm-up of a miss (dense_warmup_steps=1)"}
+    assert (high.mode, high.steps) == ("miss", 2) and high.dense_steps == warm_up
+    assert low.dense_steps == {**warm_up, "1": "one of the last steps kept dense (dense_last_steps=1)"}
+
+
+def test_the_last_step_runs_dense_unless_told_otherwise():
+    from chorus_core.reuse.reuse_run import ReuseOptions
+
+    assert ReuseOptions().dense_last_steps == 1
 
 
 @pytest.mark.parametrize("name", ["dense_warmup_steps", "hit_warmup_steps", "dense_last_steps"])

@@ -18,7 +18,9 @@ LORA_KEYS = ("blocks.1.self_attn.q", "blocks.0.ffn.0")  # the tiny model has 2 b
 def reuse_patch(model, match):
     from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
 
-    return ReusePatch(model, match, ReuseOptions(dense_warmup_steps=1), block_size=BLOCK).install()
+    # every step of a hit sparse (dense_last_steps 0): a hit with no dense step of its own is timed
+    # against an earlier one
+    return ReusePatch(model, match, ReuseOptions(dense_warmup_steps=1, dense_last_steps=0), block_size=BLOCK).install()
 
 
 def model_sampling_sd3(model, shift):

@@ -24,10 +24,12 @@ def schedule_sigmas(patcher, steps, scheduler="simple", denoise=1.0):
     return [float(s) for s in full[-(steps + 1):]]
 
 
-def reuse_patch(model, match):
+def reuse_patch(model, match, **options):
+    """Every step of a hit sparse (dense_last_steps 0), so each step's bucket is the entry's."""
     from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
 
-    return ReusePatch(model, match, ReuseOptions(dense_warmup_steps=1), block_size=BLOCK, scheduler="simple")
+    options = {"dense_warmup_steps": 1, "dense_last_steps": 0, **options}
+    return ReusePatch(model, match, ReuseOptions(**options), block_size=BLOCK, scheduler="simple")
 
 
 def ksampler(patched, steps, denoise=1.0, start=None, end=None, latent=None):
@@ -166,7 +168,8 @@ def test_a_run_finer_than_its_entry_misses_records_and_the_next_one_hits_its_own
     finer = patch.last_report
     assert finer.mode == "miss" and finer.recording == "queued" and finer.entry_id is None
     assert list(finer.dense_steps) == ["0"]  # a plain miss, with its dense warm-up: the entry was never loaded
-    assert any("recorded on 8 steps" in w and "samples 16" in w for w in finer.warnings), finer.warnings
+    assert any("recorded on 8 steps" in w and "samples 16" in w and w.endswith("for its own schedule")
+               for w in finer.warnings), finer.warnings
     assert bank_writer.flush_all(timeout=60)
 
     patch = reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent))
@@ -176,6 +179,17 @@ def test_a_run_finer_than_its_entry_misses_records_and_the_next_one_hits_its_own
 
     buckets, report = hit_buckets(bank, tiny_wan_patcher, steps=4)  # coarser runs still hit either entry
     assert report.mode == "hit"
+
+
+def test_a_finer_run_that_may_not_record_says_it_records_nothing(recorded, tiny_wan_patcher):
+    bank, _ = recorded  # one entry recorded at 8 steps
+    positive, _, latent = request()
+    patch = reuse_patch(tiny_wan_patcher, match_for(bank, tiny_wan_patcher, positive, latent), record_on_miss=False)
+    ksampler(patch.install(), 16)
+    report = patch.last_report
+    assert report.mode == "miss" and report.recorded_entry_id is None
+    assert [w for w in report.warnings if "not served" in w and "it records nothing (record_on_miss off" in w
+            and "so a run like it misses again" in w], report.warnings
 
 
 def test_an_entry_whose_row_cannot_tell_its_schedule_is_still_checked_when_loaded(recorded, tiny_wan_patcher,

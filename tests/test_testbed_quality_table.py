@@ -9,7 +9,7 @@ from tests.testbed.quality_table import compare_pair, main, setting
 
 REQUESTS = ("pan/s100/l0/detailed", "zoom/s103/l1/detailed", "fade/s101/l0/detailed")
 SHIPPED = {"top_p": 0.9, "min_density": 0.05, "max_density": 0.5, "dense_layers": [], "dense_warmup_steps": 1,
-           "hit_warmup_steps": 0, "dense_last_steps": 0, "miss_mode": "prior"}
+           "hit_warmup_steps": 0, "dense_last_steps": 1, "miss_mode": "prior"}
 
 
 def _row(section, kind, request, seed, psnr, density=0.15):

@@ -114,8 +114,8 @@ def test_two_resumed_chunks_equal_one_run(comfy_runtime, tmp_path):
     out = tmp_path / "run"
     assert main(["--out", str(out), "--preset", "tiny_sharp", "--device", "cpu", "--chunk-steps", "2",
                  "--set", "log_every=1"]) == 0
-    assert sorted(p.name for p in out.iterdir()) >= ["chorus_testbed_wan21_i2v.safetensors", "train_config.json",
-                                                     STATE_NAME]
+    # the loss curve is there only where matplotlib is installed: the rest always
+    assert {p.name for p in out.iterdir()} >= {"chorus_testbed_wan21_i2v.safetensors", "train_config.json", STATE_NAME}
     assert json.loads((out / "train_config.json").read_text())["steps"] == 2
     assert main(["--resume", str(out / STATE_NAME), "--out", str(out), "--device", "cpu", "--time-budget-s", "60"]) == 0
     info = json.loads((out / "train_config.json").read_text())

@@ -57,8 +57,14 @@ def schedule_shortfall(schedule: Schedule, steps: int, run_sigmas=None) -> Optio
     if recorded >= steps:
         return None
     return (f"the bank entry was recorded on {recorded} steps{where} and this run samples {steps}: served to a "
-            "finer schedule an entry's masks lost 6-8 dB on the testbed, so this run is a miss that records an "
-            "entry for its own schedule")
+            "finer schedule an entry's masks lost 6-8 dB on the testbed, so this run is a miss")
+
+
+def unserved_then(records: bool) -> str:
+    """What a run whose similar entry was too coarse does instead, for its warning."""
+    if records:
+        return "; it records an entry for its own schedule"
+    return "; it records nothing (record_on_miss off, a read-only bank or another model), so a run like it misses again"
 
 
 def scaled_bucket_starts(schedule: Schedule, steps: int) -> list[int]:

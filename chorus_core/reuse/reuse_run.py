@@ -25,7 +25,8 @@ from ..attention.mask_provider import DenseProvider, DenseWarmupProvider, Sampli
 from ..attention.mask_sources import (OnlinePredictionProvider, RecordingPlan, RecordingProvider,
                                      buckets_recordable_from, recorded_steps)
 from ..attention.masks import MaskRecorder
-from .entry_source import BankEntryProvider, schedule_shortfall
+from .entry_source import BankEntryProvider, schedule_shortfall, unserved_then
+from .sampling_info import model_shift, sampler_name, sigma_schedule
 from .model_identity import fingerprint_patcher
 from .prior_store import PRIOR_ENTRIES, load_prior
 from .reuse_match import ReuseMatch, bounded, match_grid_problem
@@ -55,7 +56,9 @@ class ReuseOptions:
     # A hit's entry holds every step's masks, recorded from dense attention, so a hit needs no dense
     # warm-up: it runs sparse from the first step (what step-distilled 4-step runs gain most from).
     hit_warmup_steps: int = 0
-    dense_last_steps: int = 0  # last steps dense on every run; 0 keeps a hit's speed (1: docs/quality.md, Defaults)
+    # The last step of the denoising dense on every run: with it a 4-step hit beat core ComfyUI's sparse
+    # attention in both speed and quality on the testbed; 0 is the speed setting (docs/quality.md, Defaults)
+    dense_last_steps: int = 1
     model_files: tuple[str, ...] = ()  # files the model was loaded from, where known (a spooled recording
     # whose files are all gone is dropped at replay)
 
@@ -154,7 +157,7 @@ class ReuseRun(SparseRun):
         self.recording_plan = recording_plan
         self.block_size = match.request.layout.block_size[0] if match else block_size
         self.report = RunReport(mode="miss", steps=sampling.steps)
-        self.schedule = self._recorded_schedule(sampling, _model_shift(model_patcher))
+        self.schedule = self._recorded_schedule(sampling, model_shift(model_patcher))
         self.recording: RecordingProvider | None = None
         self.prefetch: EntryPrefetch | None = None
         self.entry_provider: BankEntryProvider | None = None
@@ -204,11 +207,16 @@ class ReuseRun(SparseRun):
         why = (f"dense warm-up of a hit (hit_warmup_steps={warmup})" if hit else
                f"dense warm-up of a miss (dense_warmup_steps={warmup})")
         dense = {str(s): why for s in range(min(warmup, steps))}
-        dense_from = steps - o.dense_last_steps if o.dense_last_steps else None
+        dense_from = steps - o.dense_last_steps if o.dense_last_steps and self.ends_denoising() else None
         for s in range(max(warmup, dense_from or steps), steps):
             dense[str(s)] = f"one of the last steps kept dense (dense_last_steps={o.dense_last_steps})"
         self.report.dense_steps = dense
         return warmup, dense_from
+
+    def ends_denoising(self) -> bool:
+        """False for a run stopping above sigma 0 (Wan 2.2's high-noise half): no last steps to keep dense."""
+        sigmas = self.sampling.sigmas
+        return not sigmas or sigmas[-1] <= 0.0
 
     def recorder_after_failure(self, step: int) -> MaskRecorder | None:
         """A hit's recorder when its entry cannot serve, asked at the hit's first sparse step.
@@ -263,7 +271,7 @@ class ReuseRun(SparseRun):
             coarse = coarse or (entry_id, shortfall)
         if coarse is None:
             return result.entry_id, 0
-        self.report.warnings.append(f"similar entry {coarse[0]} not served: {coarse[1]}")
+        self.report.warnings.append(f"similar entry {coarse[0]} not served: {coarse[1]}{unserved_then(self._can_record())}")
         return None, 0
 
     def _prefetched(self, open_entry) -> BankEntryProvider:
@@ -487,8 +495,8 @@ class ReusePatch:
         # The guider's model, not the node's input: a LoRA or ModelSamplingSD3 placed after this
         # node is part of what samples, so of the hit check, the recorded shift and the entry's model.
         run = ReuseRun(sampling.model_patcher or self.model_patcher, None if problem else self.match, self.options,
-                       SamplingSettings(steps, self.sampler or _sampler_name(sampling.sampler), self.scheduler,
-                                        _sigmas(sampling.sigmas)),
+                       SamplingSettings(steps, self.sampler or sampler_name(sampling.sampler), self.scheduler,
+                                        sigma_schedule(sampling.sigmas)),
                        block_size=self.block_size[0], recording_plan=self.recording_plan,
                        step_callbacks=step_callbacks, dense_attention=dense_attention)
         if problem is not None:
@@ -536,18 +544,6 @@ def get_reuse_patch(model_patcher) -> ReusePatch | None:
     return patch if isinstance(patch, ReusePatch) else None
 
 
-def _sigmas(sigmas) -> tuple | None:
-    """The run's sigma schedule as plain floats (recorded with an entry, and how a hit addresses it)."""
-    return None if sigmas is None else tuple(float(s) for s in sigmas.detach().float().cpu().tolist())
-
-
-def _sampler_name(sampler) -> str:
-    """k-diffusion sampler name of a KSAMPLER (``sample_euler`` -> ``euler``), else its type."""
-    function = getattr(sampler, "sampler_function", None)
-    name = getattr(function, "__name__", "") or type(sampler).__name__
-    return name.removeprefix("sample_")
-
-
 def _feature_reuse_warnings(patched) -> list[str]:
     from ..guidance.feature_reuse import get_feature_reuse_state  # the optional node's state, if it is installed
 
@@ -568,13 +564,6 @@ def _layer_rows(stats) -> list[dict]:
 def _mean_density(stats) -> float | None:
     densities = [s.effective_density for s in stats.layers.values() if s.effective_density is not None]
     return round(sum(densities) / len(densities), 4) if densities else None
-
-
-def _model_shift(model_patcher) -> float:
-    # get_model_object sees object patches (ModelSamplingSD3 sets model_sampling as one)
-    sampling = model_patcher.get_model_object("model_sampling") if hasattr(model_patcher, "get_model_object") \
-        else getattr(model_patcher.model, "model_sampling", None)
-    return float(getattr(sampling, "shift", 0.0) or 0.0)
 
 
 @contextlib.contextmanager

@@ -130,9 +130,11 @@ def mode_plan(compiled: bool, eager_hit: bool) -> list[Mode]:
 def chorus_options(mode: Mode, density: float):
     from chorus_core.reuse.reuse_run import ReuseOptions
 
+    # a mode's dense steps are its warm-up only (hit_dense0: none at all), as the committed tables
+    # were measured; dense_last_steps became 1 on 2026-12-06 (bench_user_stack.py's hit_last1 rows)
     return ReuseOptions(dense_warmup_steps=mode.dense_steps, hit_warmup_steps=mode.dense_steps,
                         min_density=density, max_density=density, miss_mode="online",
-                        record_on_miss=mode.key == "miss_recording")
+                        record_on_miss=mode.key == "miss_recording", dense_last_steps=0)
 
 
 def compiled_clone(patcher):

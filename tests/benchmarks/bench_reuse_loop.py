@@ -167,7 +167,9 @@ def recorded_step_set(steps: int) -> set[int]:
 def chorus_options(mode: str):
     from chorus_core.reuse.reuse_run import ReuseOptions
 
-    common = dict(dense_warmup_steps=WARMUP_STEPS, min_density=DENSITY, max_density=DENSITY)
+    # every step after the warm-up sparse, as the committed tables were measured (dense_last_steps
+    # became 1 on 2026-12-06; bench_user_stack.py's hit_last1 rows measure it)
+    common = dict(dense_warmup_steps=WARMUP_STEPS, min_density=DENSITY, max_density=DENSITY, dense_last_steps=0)
     if mode == "miss_prior":
         return ReuseOptions(miss_mode="prior", record_on_miss=False, **common)
     return ReuseOptions(miss_mode="online", record_on_miss=mode == "miss_recording", **common)

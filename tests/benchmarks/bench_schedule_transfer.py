@@ -107,11 +107,11 @@ def run_target(pps: dict, banks: dict, target, seed: int) -> list[dict]:
         for mode in MODES:
             entry_steps = steps if mode == "hit_same_schedule" else other
             if mode == "online_miss":
-                runs[mode] = pp.reuse_run(None, conds, seed, ReuseOptions(record_on_miss=False))
+                runs[mode] = pp.reuse_run(None, conds, seed, ReuseOptions(record_on_miss=False, dense_last_steps=0))
                 continue
             match = pp.match(banks[entry_steps], conds, pp.threshold)
             with addressing(mode):
-                runs[mode] = pp.reuse_run(match, conds, seed, ReuseOptions(record_on_miss=False))
+                runs[mode] = pp.reuse_run(match, conds, seed, ReuseOptions(record_on_miss=False, dense_last_steps=0))
         for mode, (final, report) in runs.items():
             rows.append({"request": request_name(target), "seed": seed, "N": pp.seq_len, "run_steps": steps,
                          "entry_steps": None if mode == "online_miss" else (steps if mode == "hit_same_schedule" else other),

@@ -207,11 +207,11 @@ class CapturingProvider(MaskSource):
 class ProductPath:
     def __init__(self, patcher, config: TestbedConfig, workdir: Path, threshold: float = 0.9, log=print,
                  options=None):
-        from chorus_core.reuse.reuse_run import ReuseOptions
-
         self.patcher, self.config, self.workdir, self.threshold, self.log = patcher, config, Path(workdir), threshold, log
-        # the shipped defaults (top-p, density clamps, warm-up, miss mode) unless a run varies one
-        self.options = options or ReuseOptions()
+        # the shipped defaults (top-p, density clamps, warm-up, miss mode) unless a run varies one,
+        # but every step sparse: the sources compared with the hit run the same steps sparse, as every
+        # committed table was measured (--set dense_last_steps=1 for the shipped hit's dense last step)
+        self.options = options or testbed_options()
         check_model_matches(patcher, config)
         self.bs, self.steps, self.L = config.block_size, config.sample_steps, config.num_layers
         # Every source compared with the hit runs the hit's dense steps (none by default: a hit is
@@ -650,11 +650,16 @@ def load_model(args, workdir: Path):
     return comfy.sd.load_diffusion_model(str(args.checkpoint)), make_config(args.preset, args.set)
 
 
-def reuse_options(items: list[str]):
-    """The shipped ReuseOptions with ``NAME=VALUE`` items replaced."""
+def testbed_options():
+    """The shipped ReuseOptions with every step sparse (``dense_last_steps`` 0; the default is 1)."""
     from chorus_core.reuse.reuse_run import ReuseOptions
 
-    return with_overrides(ReuseOptions(), items, "sampler option")
+    return ReuseOptions(dense_last_steps=0)
+
+
+def reuse_options(items: list[str]):
+    """The testbed's ReuseOptions with ``NAME=VALUE`` items replaced."""
+    return with_overrides(testbed_options(), items, "sampler option")
 
 
 def pick_slice(text: str) -> slice:
@@ -676,7 +681,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
-                        help="vary one of the sampler's ReuseOptions from its shipped default (e.g. dense_last_steps=1)")
+                        help="vary one of the sampler's ReuseOptions from the testbed's (the shipped ones with "
+                             "every step sparse; e.g. dense_last_steps=1)")
     parser.add_argument("--seed-start", type=int, default=0, help="first seed (split seeds over several runs)")
     parser.add_argument("--picks", type=pick_slice, default=slice(None), metavar="START:STOP",
                         help="only these of the --targets spread-out requests (split targets over several runs)")
