@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import BankInvalidArgument
+from .merge import VOTES_PREFIX
 
 log = logging.getLogger("chorus")
 
@@ -34,6 +35,16 @@ RECENCY_HALF_LIFE_S = 7 * 24 * 3600.0
 QUARANTINE_KEEP_S = 7 * 24 * 3600.0
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)I?B?")
+
+
+# What an entry costs against the budget: its blob, and the merge votes it keeps in ``meta``
+# (outside the blob, one byte per block before compression: unbounded if left uncounted).
+COUNTED_ROWS = f"entries e LEFT JOIN meta v ON v.key = '{VOTES_PREFIX}' || e.id WHERE e.status = 'ok'"
+COUNTED_BYTES = "COALESCE(e.blob_bytes, 0) + COALESCE(LENGTH(v.value), 0)"
+HELD_SQL = f"SELECT COUNT(*) AS n, COALESCE(SUM({COUNTED_BYTES}), 0) AS b FROM {COUNTED_ROWS}"
+# the rows choose_evictions takes (``blob_bytes``: the entry's whole cost)
+ENTRY_COSTS_SQL = (f"SELECT e.id, {COUNTED_BYTES} AS blob_bytes, e.hits, COALESCE(e.last_hit, e.created) AS last_use, "
+                   f"e.created FROM {COUNTED_ROWS}")
 
 
 @dataclass(frozen=True)

@@ -28,16 +28,10 @@ from .errors import BankEntryCorrupt, BankError, BankIncompatible, BankInvalidAr
 from .faults import fault
 from .fingerprint import ModelFingerprint
 from .matching import MatchResult, stack_vectors
-from .merge import VOTES_PREFIX
 from .merge_store import MergeStore
 from .records import LatentLayout, Schedule
 from .rows import blob_metadata, build_row, compat_key, decode_row, entry_label, signature_columns
 from .signature import COMPONENTS, DIM, Signature, cosine
-
-# What an entry costs against the budget: its blob, and the merge votes it keeps in ``meta``
-# (outside the blob, one byte per block before compression: unbounded if left uncounted).
-COUNTED_ROWS = f"entries e LEFT JOIN meta v ON v.key = '{VOTES_PREFIX}' || e.id WHERE e.status = 'ok'"
-COUNTED_BYTES = "COALESCE(e.blob_bytes, 0) + COALESCE(LENGTH(v.value), 0)"
 
 # Entries found damaged in read-only banks: {bank's skip key: {entry id: reason}}.
 # Kept for the whole process so a bad entry is tried once, not on every request.
@@ -189,7 +183,7 @@ class BankStorage(MergeStore):
         """The budget and what counts against it: ``max_bytes``, ``max_entries``, ``bytes`` (healthy
         entries' blobs and merge votes, plus kept quarantined blobs), ``entries``, ``quarantined_blobs``,
         ``quarantined_bytes``."""
-        held = self.db.query(f"SELECT COUNT(*) AS n, COALESCE(SUM({COUNTED_BYTES}), 0) AS b FROM {COUNTED_ROWS}")
+        held = self.db.query(budgets.HELD_SQL)
         held = next(iter(held))
         quarantined = self._quarantined_blobs()
         q_bytes = sum(q["bytes"] for q in quarantined)
@@ -208,8 +202,7 @@ class BankStorage(MergeStore):
         quarantined = self._quarantined_blobs()
         if not limit.limited and not quarantined:
             return budgets.Eviction(budget=limit, written=written), []
-        rows = list(self.db.query(f"SELECT e.id, {COUNTED_BYTES} AS blob_bytes, e.hits, "
-                                  f"COALESCE(e.last_hit, e.created) AS last_use, e.created FROM {COUNTED_ROWS}"))
+        rows = list(self.db.query(budgets.ENTRY_COSTS_SQL))
         doomed, drop_q = budgets.choose_evictions(rows, quarantined, limit, time.time(), protect=set(protect))
         gone, gone_q = set(doomed), set(drop_q)
         freed = sum(r["blob_bytes"] or 0 for r in rows if r["id"] in gone)
