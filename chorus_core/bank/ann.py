@@ -7,17 +7,17 @@ entries, far from milliseconds on a few cores. Above ``ANN_MIN`` rows, a faiss i
 ranks those exactly against its float32 matrix, so every similarity it reports is exact and only
 the candidate set is approximate.
 
-Why the inverted file: measured at 1,000,000 lifecycle-shaped signatures on one core (the
-benchmark's data; 400 queries, after the exact ranking), the flat PQ scan took p50 1.76 / p99
-2.43 ms, leaving little room under the 5 ms target once a loaded machine stretches the tail; the
-inverted file searching 8 of 256 cells took 0.41 / 0.57 ms at the same recall@1 (0.9975), for a
-longer first build (about 30 s instead of 11 s: the 256 centroids). 4 cells gave recall@1 0.995,
-2 cells 0.985.
+Why the inverted file: in the match-scale benchmark's quiet runs at 1,000,000 entries on 2 cores
+(tests/benchmarks/results/bank_match_1m_flat_pq.md, then bank_match_1m.md), the flat PQ scan read
+every code on every match, p99 6.449 ms (folder bank) and 4.288 ms (PostgreSQL), over or near the
+5 ms target; searching 8 of 256 cells gave 0.859 and 0.994 ms, recall@1 0.995 then 0.9975, for a
+longer index build (13 s against 7 s: the 256 centroids). While choosing (one core, the benchmark's data, not a
+committed run) 4 cells gave recall@1 0.995 and 2 cells 0.985.
 
 Why this and not a graph index (HNSW): measured once while choosing (2 cores, 100,000 random 768-d
 signatures; not a committed benchmark), HNSW in usearch 2.26 and faiss took 37-92 s to build and
 found a near-duplicate's own entry for 52-63 % of queries (hnswlib has had no release since 2023);
-the inverted PQ index builds 1,000,000 in about 30 s, keeps a near-duplicate in the query's own
+the inverted PQ index builds 1,000,000 in 13 s, keeps a near-duplicate in the query's own
 cells, and takes additions without retraining (new rows go to their nearest cell; it is rebuilt
 once the group has doubled). faiss (Meta's, released on PyPI as
 ``faiss-cpu``) is optional: without it matching stays exact, and says so once in the log.
@@ -70,7 +70,7 @@ def wanted(rows: int) -> bool:
 
 
 class PQShortlist:
-    """A faiss PQ fast-scan index over a group's rows, with its label -> row map."""
+    """A faiss inverted-file PQ fast-scan index over a group's rows, with its label -> row map."""
 
     def __init__(self, faiss, mat: np.ndarray, seed: int = 0):
         rng = np.random.default_rng(seed)
