@@ -32,6 +32,17 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
     last1 = result["bf16_hit_last1_eager"]
     assert (last1["run_mode"], last1["role"], last1["dense_steps"]) == ("hit", "hit", 1)
 
+    # a later call at another step count finds no entry of its own in the kept bank: the hit row is
+    # refused before any model loads, with what to run first (the 4-step entry would not serve it)
+    done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path / "later", "--weights-dir",
+                           tmp_path / "w", "--bank", tmp_path / "bank", "--steps", "8", "--rows", "bf16:hit:eager"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    later = json.loads((tmp_path / "later" / "user_stack_tiny.json").read_text())["details"]
+    assert later["errors"] == ["bf16:hit:eager: RuntimeError: bf16:hit:eager: no entry recorded for bf16@tiny@8steps "
+                               "in this bank (run bf16:miss:eager first at this shape and step count)"], later
+    assert later["models"] == {}
+
 
 def test_a_row_names_only_known_attentions_and_a_bad_one_stops_the_call_at_once(tmp_path):
     """In a process of its own: the benchmark puts the repository first on sys.path, where its

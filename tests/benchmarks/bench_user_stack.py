@@ -507,12 +507,20 @@ def comfyui_attention(name: str):
         attention.optimized_attention, wan.optimized_attention, attention.sageattn = saved
 
 
+def recorded_key(ctx, weights: str) -> str:
+    """What an entry recorded by a miss row serves: these weights at this shape and step count."""
+    return f"{weights}@{ctx['shape']}@{ctx['steps']}steps"
+
+
 def run_row(ctx, doc, spec: str, save) -> None:
     weights, arm, is_compiled = parse_row(spec)
     ctx["attention"] = row_attention(spec)
+    if arm in HIT_ARMS and not ctx["recorded"].get(recorded_key(ctx, weights)):
+        # a 4-step entry does not serve a 40-step run, nor a 720p one a 640x640 run: refused before
+        # the model's load rather than timed as a miss (2026-12-06 lost two device calls so)
+        raise RuntimeError(f"{spec}: no entry recorded for {recorded_key(ctx, weights)} in this bank "
+                           f"(run {weights}:miss:eager first at this shape and step count)")
     model = ctx_model(ctx, doc, weights)
-    if arm in HIT_ARMS and not ctx["recorded"].get(weights):
-        raise RuntimeError(f"{spec}: no entry recorded for {weights} in this bank (run {weights}:miss:eager first)")
     compile_s = None
     if is_compiled and ctx["reset_dynamo"]:
         torch._dynamo.reset()  # each compiled row compiles afresh, as in a newly started server
@@ -530,7 +538,7 @@ def run_row(ctx, doc, spec: str, save) -> None:
         if not bank_writer.flush_all(FLUSH_TIMEOUT_S):
             raise RuntimeError(f"the bank writer had not finished after {FLUSH_TIMEOUT_S:.0f} s")
         m["flush_s"] = round(time.perf_counter() - began, 2)
-        ctx["recorded"][weights] = m["recorded_entry_id"]
+        ctx["recorded"][recorded_key(ctx, weights)] = m["recorded_entry_id"]
         if not m["recorded_entry_id"]:
             raise RuntimeError(f"{spec}: the miss recorded nothing ({m['warnings']})")
     row = dict(name=spec.replace(":", "_"), role=row_role(arm), weights=weights,
