@@ -76,6 +76,25 @@ def test_shortlist_gives_exact_search_top_1(bank, location, index_on, monkeypatc
     assert fast == exact
 
 
+def test_a_first_load_in_chunks_holds_every_row_once_and_builds_the_index_once(bank, location, index_on,
+                                                                                monkeypatch):
+    """Signatures are read LOAD_CHUNK_ROWS at a time (memory at 1M); the index is built after the last."""
+    pytest.importorskip("faiss")
+    from chorus_core.bank import matching
+
+    signatures = kind_signatures(ROWS)
+    ids = fill(bank, signatures)
+    monkeypatch.setattr(matching, "LOAD_CHUNK_ROWS", 97)  # 13 chunks, the last one short
+    builds = []
+    real = ann.PQShortlist.__init__
+    monkeypatch.setattr(ann.PQShortlist, "__init__", lambda self, *a, **k: builds.append(1) or real(self, *a, **k))
+    with MaskBank.open(location) as chunked:
+        got = [chunked.match(near(signatures[i], i, 0.05), FP, LAYOUT).entry_id for i in range(0, ROWS, 100)]
+        group = next(iter(chunked.signature_index._groups.values()))
+        assert sorted(group.ids) == sorted(ids) and len(builds) == 1
+    assert got == [ids[i] for i in range(0, ROWS, 100)]
+
+
 def test_removed_entries_never_come_back(bank, location, index_on, monkeypatch):
     pytest.importorskip("faiss")
     signatures = kind_signatures(ROWS, seed=1)

@@ -57,6 +57,7 @@ def stack_vectors(rows) -> np.ndarray:
     return unit_blocks(mat)
 
 
+LOAD_CHUNK_ROWS = 50_000  # signature rows read from the bank at a time (150 MB of vectors)
 UNIT_CHUNK_ROWS = 4096  # float64 rows normalised at a time: 25 MB, not a copy of a 100k-entry index
 
 
@@ -89,9 +90,10 @@ class _Group:
     def mat(self) -> np.ndarray:
         return self._buf[:len(self.ids)]
 
-    def append(self, rows) -> None:
+    def append(self, rows, reindex: bool = True) -> None:
         """New rows are appended; a row seen before (a merge moved it to a new rowid with a new
-        signature) replaces its old vector, so an id is never listed twice."""
+        signature) replaces its old vector, so an id is never listed twice. ``reindex`` False: the
+        caller has more rows to append and builds the shortlist index once, after the last."""
         if not rows:
             return
         vectors = stack_vectors(rows)
@@ -113,7 +115,8 @@ class _Group:
         if self.ann is not None:
             at = np.array([a for _, a in replaced] + list(range(start, len(self.ids))), np.int64)
             self.ann.add(vectors[[i for i, _ in replaced] + fresh], at)
-        self._reindex()
+        if reindex:
+            self.reindex()
 
     def _grow(self, rows: int) -> None:
         """Room for ``rows`` rows, doubling: appending one entry must not copy a 3 GB matrix."""
@@ -134,9 +137,9 @@ class _Group:
         self.rowid_of = {entry_id: self.rowid_of[entry_id] for entry_id in self.ids}
         if self.ann is not None:
             self.ann.keep(np.array(keep, np.int64), old_rows)
-        self._reindex()
+        self.reindex()
 
-    def _reindex(self) -> None:
+    def reindex(self) -> None:
         """Build the shortlist index when the group is large enough and it has none or a stale one."""
         if not ann.wanted(len(self.ids)):
             self.ann = None
@@ -238,12 +241,19 @@ class SignatureIndex:
         self._state = (max(old[0], generation), max(old[1], removals))
 
     def _load(self, db, compat: str) -> _Group:
+        """Rows of ``compat`` not held yet, read LOAD_CHUNK_ROWS at a time: a first load at 1,000,000
+        entries holds one chunk's rows besides the matrix, not every row twice over (PostgreSQL's
+        rows arrive as dicts, then as dicts of bytes)."""
         group = self._groups.setdefault(compat, _Group())
-        rows = list(db.query(
-            "SELECT rowid, id, sig_clip, sig_text, sig_layout FROM entries "
-            "WHERE compat = ? AND status = 'ok' AND rowid > ? ORDER BY rowid",
-            [compat, group.max_rowid]))
-        group.append(rows)
+        while True:
+            rows = list(db.query(
+                "SELECT rowid, id, sig_clip, sig_text, sig_layout FROM entries "
+                "WHERE compat = ? AND status = 'ok' AND rowid > ? ORDER BY rowid LIMIT ?",
+                [compat, group.max_rowid, LOAD_CHUNK_ROWS]))
+            group.append(rows, reindex=False)
+            if len(rows) < LOAD_CHUNK_ROWS:
+                break
+        group.reindex()
         return group
 
     def _group(self, db, compat: str) -> None:
