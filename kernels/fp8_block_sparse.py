@@ -58,7 +58,12 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
                                          skip_output_reshape=False, qk_dtype: torch.dtype = torch.int8,
                                          smooth_k: bool = True) -> torch.Tensor:
     """Block-sparse attention with the scheme above; layouts as ``block_sparse_attention``
-    (``qk_dtype`` and ``smooth_k`` vary the scheme, for the comparisons that chose it)."""
+    (``qk_dtype`` and ``smooth_k`` vary the scheme, for the comparisons that chose it).
+
+    P is quantised against its row's final maximum here; the kernel's online softmax quantises each
+    tile against the maximum so far, also in [0, 1]. One query block's scores for all heads are held
+    at once (no head chunks as in ``block_sparse_attention_reference``): sized for tests, not yet
+    for a CPU fallback at Wan's 75,600 tokens."""
     qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
     b, h, n, d = qh.shape
     if smooth_k:  # the softmax does not change
