@@ -36,6 +36,7 @@ __all__ = [
     "block_map_to_element_mask",
     "block_sparse_attention",
     "block_sparse_attention_reference",
+    "query_blocks",
     "triton_available",
     "BackendChoice",
     "BACKENDS",
@@ -263,6 +264,14 @@ def _check_inputs(q, k, v, mask: BlockSparseMask, validate: bool = True) -> None
 _REF_SCORE_BUDGET = 1 << 26  # floats in one scores chunk (256 MB fp32): keeps the fallback memory-sane
 
 
+def query_blocks(mask: BlockSparseMask, batch: int, n: int):
+    """Per query block: (its rows as a slice of the N tokens, bool ``[B, H, N]`` of the keys it attends)."""
+    block_map = mask_to_block_map(mask).expand(batch, -1, -1, -1)  # [B, H, nq, nk]
+    for r in range(mask.n_q_blocks):
+        rows = slice(r * mask.block_q, min(n, (r + 1) * mask.block_q))
+        yield rows, block_map[:, :, r].repeat_interleave(mask.block_k, dim=-1)[..., :n]
+
+
 def block_sparse_attention_reference(
     q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False, skip_output_reshape=False, *, validate=True
 ) -> torch.Tensor:
@@ -275,13 +284,10 @@ def block_sparse_attention_reference(
     _check_inputs(qh, kh, vh, mask, validate)
     b, h, n, d = qh.shape
     cdt = torch.promote_types(q.dtype, torch.float32)
-    block_map = mask_to_block_map(mask).expand(b, -1, -1, -1)  # [B, H, nq, nk]
     out = torch.empty(b, h, n, d, dtype=q.dtype, device=q.device)
     scale = d**-0.5
     chunk = max(1, _REF_SCORE_BUDGET // max(1, b * mask.block_q * n))
-    for r in range(mask.n_q_blocks):
-        rows = slice(r * mask.block_q, min(n, (r + 1) * mask.block_q))
-        cols = block_map[:, :, r].repeat_interleave(mask.block_k, dim=-1)[..., :n]  # [B, H, N]
+    for rows, cols in query_blocks(mask, b, n):
         for h0 in range(0, h, chunk):
             hs = slice(h0, min(h, h0 + chunk))
             s = qh[:, hs, rows].to(cdt) @ kh[:, hs].to(cdt).transpose(-1, -2) * scale

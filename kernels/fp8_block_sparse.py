@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .block_sparse import BlockSparseMask, mask_to_block_map
+from .block_sparse import BlockSparseMask, query_blocks
 from .layouts import from_bhnd, to_bhnd
 
 E4M3 = torch.float8_e4m3fn
@@ -73,11 +73,8 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
     v8, v_scale = quantize_channels(vh)
     q_rows = q_scale.repeat_interleave(mask.block_q, dim=-1)[..., :n, None]
     k_cols = k_scale.repeat_interleave(mask.block_k, dim=-1)[..., None, :n]
-    block_map = mask_to_block_map(mask).expand(b, -1, -1, -1)
     out = torch.empty(b, h, n, d, dtype=q.dtype, device=q.device)
-    for r in range(mask.n_q_blocks):
-        rows = slice(r * mask.block_q, min(n, (r + 1) * mask.block_q))
-        cols = block_map[:, :, r].repeat_interleave(mask.block_k, dim=-1)[..., :n]
+    for rows, cols in query_blocks(mask, b, n):
         s = q8[:, :, rows].float() @ k8.float().transpose(-1, -2) * q_rows[:, :, rows] * k_cols * d**-0.5
         s = s.masked_fill(~cols[:, :, None, :], float("-inf"))
         p = torch.exp(s - s.amax(dim=-1, keepdim=True))
