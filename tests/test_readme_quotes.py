@@ -31,6 +31,9 @@ SHIPPED = {
     "Chorus hit as shipped, TorchCompileModel": "fp8_e4m3fn_fast_hit_last1_compiled",
     "Chorus hit, `dense_last_steps` 0, eager": "fp8_e4m3fn_fast_hit_eager",
 }
+FORTY_SESSION = "d0998e714460"  # a third warm H100: 40 steps, cfg 5 at 640x640
+FORTY = dict(SHIPPED, **{"Chorus miss that records, eager": "fp8_e4m3fn_fast_miss_eager"})
+del FORTY["Chorus hit as shipped, TorchCompileModel"]
 
 
 def _readme() -> str:
@@ -47,22 +50,26 @@ def _counted(row: dict) -> float:
     return row.get("warm_seconds") or row["seconds"]
 
 
-def _table_cells(labels, first_table: bool) -> dict:
-    """Cells of the Speed section's first table (the user's stack; labels are the rows' starts)
-    or of its as-shipped table (labels are whole)."""
+SHIPPED_MARK = "**As shipped, the hit keeps its last step dense**"
+FORTY_MARK = "**At 40 steps, cfg 5**"
+BF16_MARK = "**Wan 2.1 with bf16 weights**"
+
+
+def _table_cells(labels, start: str, end: str, whole_labels: bool = True) -> dict:
+    """Cells of the README table between two markers; a row is found by its whole label, or by
+    its label's start when whole_labels is False (the first table's labels are starts)."""
     text = _readme()
-    cut = text.index("**As shipped, the hit keeps its last step dense**")
-    part = text[text.index("## Speed"):cut] if first_table else text[cut:text.index("## Quality")]
+    part = text[text.index(start):text.index(end)]
     cells = {}
     for line in part.splitlines():
         for label in labels:
-            if line.startswith(f"| {label}" if first_table else f"| {label} |"):
+            if line.startswith(f"| {label} |" if whole_labels else f"| {label}"):
                 cells[label] = [c.strip().strip("*") for c in line.strip("|").split("|")][1:]
     return cells
 
 
 def test_the_speed_table_quotes_one_machines_rows_and_their_ratios():
-    cells = _table_cells(QUOTED, first_table=True)
+    cells = _table_cells(QUOTED, "## Speed", SHIPPED_MARK, whole_labels=False)
     assert set(cells) == set(QUOTED)
     for column, shape in enumerate(SHAPES):
         rows = _session_rows(shape)
@@ -80,7 +87,7 @@ def test_the_speed_table_quotes_one_machines_rows_and_their_ratios():
 def test_the_as_shipped_table_quotes_its_machines_rows_and_their_ratios():
     """Seconds, then the ratio to the dense row and to core's row of the same session and shape;
     a row not measured at a shape is "-" there."""
-    cells = _table_cells(SHIPPED, first_table=False)
+    cells = _table_cells(SHIPPED, SHIPPED_MARK, FORTY_MARK)
     assert set(cells) == set(SHIPPED)
     for column, shape in enumerate(SHAPES):
         rows = _session_rows(shape, SHIPPED_SESSION)
@@ -96,6 +103,18 @@ def test_the_as_shipped_table_quotes_its_machines_rows_and_their_ratios():
             if vs_core != "-":  # core ran eager only: a compiled row has no ratio to it
                 assert not row["compiled"]
                 assert float(vs_core.rstrip("x")) == round(core["seconds"] / row["seconds"], 3), (shape, label)
+
+
+def test_the_40_step_table_quotes_its_machines_rows_at_40_steps_cfg_5():
+    """Seconds as measured (cold rows counted cold), the ratios the results file computed."""
+    cells = _table_cells(FORTY, FORTY_MARK, BF16_MARK)
+    assert set(cells) == set(FORTY)
+    rows = _session_rows("user_stack_640.json", FORTY_SESSION, steps=40)
+    for label, name in FORTY.items():
+        row = rows[name]
+        assert row["cfg"] == 5.0
+        assert [float(c.rstrip("x")) for c in cells[label]] == \
+            [row["seconds"], row["vs_dense_same_weights"], row["vs_core_same_weights"]], label
 
 
 def test_the_text_quotes_the_hit_against_core_and_the_fp8_scaled_hit():
