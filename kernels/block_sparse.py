@@ -37,6 +37,8 @@ __all__ = [
     "block_sparse_attention",
     "block_sparse_attention_reference",
     "query_blocks",
+    "check_inputs",
+    "record_backend_choice",
     "triton_available",
     "BackendChoice",
     "BACKENDS",
@@ -234,7 +236,7 @@ def block_map_to_element_mask(block_map: torch.Tensor, block_q: int, block_k: in
 # --------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, mask: BlockSparseMask, validate: bool = True) -> None:
+def check_inputs(q, k, v, mask: BlockSparseMask, validate: bool = True) -> None:
     """q, k, v as [B, H, N, D] views against the mask; raises ValueError on any mismatch.
 
     ``validate=False`` skips the mask's content check (host syncs): the custom op path,
@@ -281,7 +283,7 @@ def block_sparse_attention_reference(
     block map expanded to columns; computes in float32 (float64 for float64 inputs).
     """
     qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
-    _check_inputs(qh, kh, vh, mask, validate)
+    check_inputs(qh, kh, vh, mask, validate)
     b, h, n, d = qh.shape
     cdt = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty(b, h, n, d, dtype=q.dtype, device=q.device)
@@ -312,6 +314,11 @@ class BackendChoice(NamedTuple):
 
 
 _last_choice: list = []  # the latest dispatch's BackendChoice, for run reports
+
+
+def record_backend_choice(choice: BackendChoice) -> None:
+    """Note ``choice`` as the latest block-sparse call's (the FP8 dispatch in ``fp8_block_sparse`` does too)."""
+    _last_choice[:] = [choice]
 
 
 def last_backend_choice() -> Optional[BackendChoice]:
@@ -423,14 +430,14 @@ def run_backend(
     skip_output_reshape=False, *, out=None, config=None, validate=True,
 ) -> torch.Tensor:
     """Run the chosen backend (eager; the custom op's implementation calls this too)."""
-    _last_choice[:] = [choice]
+    record_backend_choice(choice)
     if choice.name == "reference":
         res = block_sparse_attention_reference(
             q, k, v, mask, heads, skip_reshape, skip_output_reshape, validate=validate
         )
         return res if out is None else out.copy_(res)
     qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
-    _check_inputs(qh, kh, vh, mask, validate)
+    check_inputs(qh, kh, vh, mask, validate)
     if out is None:
         out, oh = output_buffer(qh, skip_output_reshape)
     else:

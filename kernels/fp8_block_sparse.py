@@ -2,7 +2,9 @@
 
 What the kernel will compute, so that its accuracy can be judged before it exists and so that it
 has a reference to be tested against (and a CPU fallback), as ``block_sparse.py``'s reference is
-for the bf16 kernels. Not wired into the nodes yet: no ``attention_precision`` input selects it.
+for the bf16 kernels. The kernel is ``triton_fp8_block_sparse``; ``fp8_block_sparse_attention``
+below dispatches to it (``attention_precision`` "fp8" in the nodes), or to the reference on CPU
+tensors, or, where FP8 cannot run, to the bf16 dispatch with the reason in its ``BackendChoice``.
 
 The scheme (SageAttention 2's: INT8 for QK^T, FP8 for PV):
 
@@ -23,10 +25,16 @@ The softmax itself (maximum, exponent, row sums) stays in float32, as in the ker
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 
-from .block_sparse import BlockSparseMask, query_blocks
-from .layouts import from_bhnd, to_bhnd
+from . import fa4_block_sparse as fa4
+from .block_sparse import (BACKEND_ENV, BackendChoice, BlockSparseMask, check_inputs, query_blocks,
+                           record_backend_choice, run_backend, select_backend, triton_available)
+from .layouts import from_bhnd, output_buffer, to_bhnd
+from .ops import define_fp8_block_sparse_op
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -83,3 +91,101 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
         pv = p8.float() @ v8.float() * (v_scale / P_SCALE)
         out[:, :, rows] = (pv / row_sum).to(q.dtype)
     return from_bhnd(out, skip_output_reshape)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch: the FP8 kernel, its reference on CPU tensors, or the bf16 dispatch with the reason
+# --------------------------------------------------------------------------------------------
+
+
+def fp8_unsupported_reason(q: torch.Tensor, mask: BlockSparseMask) -> Optional[str]:
+    """Why the FP8 Triton kernel cannot run this call (``q`` in ``[B, H, N, D]``), or None. CPU
+    tensors run it only in Triton's interpreter (TRITON_INTERPRET=1, the CPU tests)."""
+    if not triton_available():
+        return "triton is not installed"
+    if not q.is_cuda:
+        return None if os.environ.get("TRITON_INTERPRET") == "1" else "CPU tensors"
+    major, minor = fa4.device_capability(q.device)
+    if (major, minor) < (8, 9):
+        return f"FP8 tensor cores need sm_89 or newer, this GPU is sm_{major}{minor}"
+    d = q.shape[-1]
+    if d & (d - 1) or d < 16:
+        return f"head_dim {d} is not a power of two >= 16"
+    if any(blk & (blk - 1) or blk < 16 for blk in (mask.block_q, mask.block_k)):
+        return f"mask blocks {mask.block_q}x{mask.block_k} are not powers of two >= 16"
+    return None
+
+
+def select_fp8_backend(q: torch.Tensor, mask: BlockSparseMask, backend: str = "auto") -> BackendChoice:
+    """Which backend an FP8 call runs and why: ``triton_fp8``, ``reference_fp8`` (CPU tensors), or
+    where FP8 cannot run with ``backend="auto"``, the bf16 choice with why FP8 was not used.
+    ``CHORUS_BLOCK_SPARSE_BACKEND`` forces a backend as for bf16 calls; ``"fa4"`` has no FP8 path."""
+    forced = os.environ.get(BACKEND_ENV, "").strip() if backend == "auto" else ""
+    wanted = forced if forced and forced != "auto" else backend
+    qh = q if q.dim() == 4 else to_bhnd(q, mask.heads, False)
+    if wanted == "reference" or (wanted == "auto" and not q.is_cuda):
+        return BackendChoice("reference_fp8", "the FP8 scheme's pure-torch reference" +
+                             ("" if wanted == "reference" else " (CPU tensors)"))
+    why = fp8_unsupported_reason(qh, mask)
+    if wanted == "triton":
+        if why is not None:
+            raise RuntimeError(f"the FP8 Triton kernel cannot run this call: {why}")
+        return BackendChoice("triton_fp8", "requested: the FP8 Triton kernel (int8 QK^T, e4m3 PV)")
+    if wanted != "auto":
+        raise ValueError(f"attention_precision 'fp8' runs on 'auto', 'triton' or 'reference', got {wanted!r} "
+                         "(FlashAttention-4 has no FP8 block-sparse path here)")
+    if why is None:
+        return BackendChoice("triton_fp8", "FP8 Triton kernel: int8 QK^T, e4m3 PV")
+    bf16 = select_backend(q, mask, "auto")
+    return BackendChoice(bf16.name, f"{bf16.reason}; attention_precision fp8 not used: {why}")
+
+
+def fp8_block_sparse_attention(q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False,
+                               skip_output_reshape=False, *, out: Optional[torch.Tensor] = None,
+                               backend: str = "auto", config: Optional[dict] = None) -> torch.Tensor:
+    """``block_sparse_attention`` at attention precision "fp8": same layouts, mask and arguments.
+    Under ``torch.compile`` one ``chorus::fp8_block_sparse_attention`` op."""
+    if torch.compiler.is_compiling():
+        res = fp8_block_sparse_attention_op(
+            q, k, v, mask.live_blocks, mask.live_counts, mask.block_q, mask.block_k, mask.seq_len,
+            heads, skip_reshape, skip_output_reshape, backend,
+        )
+        return res if out is None else out.copy_(res)
+    choice = select_fp8_backend(q, mask, backend)
+    return run_fp8_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, out=out, config=config)
+
+
+def run_fp8_backend(choice: BackendChoice, q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False,
+                    skip_output_reshape=False, *, out=None, config=None, validate=True) -> torch.Tensor:
+    """Run an FP8 choice, or hand a bf16 fallback choice to ``block_sparse.run_backend``."""
+    if choice.name not in ("triton_fp8", "reference_fp8"):
+        return run_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, out=out, config=config,
+                           validate=validate)
+    record_backend_choice(choice)
+    qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
+    check_inputs(qh, kh, vh, mask, validate)
+    if choice.name == "reference_fp8":
+        res = fp8_block_sparse_attention_reference(qh, kh, vh, mask, heads, True, skip_output_reshape)
+        return res if out is None else out.copy_(res)
+    if out is None:
+        out, oh = output_buffer(qh, skip_output_reshape)
+    else:
+        oh = out if skip_output_reshape else to_bhnd(out, heads, False)
+    from . import triton_fp8_block_sparse as fp8_kernel  # imports triton
+
+    fp8_kernel.fp8_block_sparse_attn_fwd(qh, kh, vh, oh, mask, config)
+    return out
+
+
+def _op_impl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live_blocks: torch.Tensor, live_counts: torch.Tensor,
+    block_q: int, block_k: int, seq_len: int, heads: int, skip_reshape: bool, skip_output_reshape: bool,
+    backend: str,
+) -> torch.Tensor:
+    mask = BlockSparseMask(live_blocks, live_counts, block_q, block_k, seq_len)
+    choice = select_fp8_backend(q, mask, backend)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    return run_fp8_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, validate=False)
+
+
+fp8_block_sparse_attention_op = define_fp8_block_sparse_op(_op_impl)

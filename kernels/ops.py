@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["define_block_sparse_op", "define_dense_op", "OP_NAME", "DENSE_OP_NAME"]
+__all__ = ["define_block_sparse_op", "define_fp8_block_sparse_op", "define_dense_op", "OP_NAME", "FP8_OP_NAME",
+           "DENSE_OP_NAME"]
 
 OP_NAME = "chorus::block_sparse_attention"
+FP8_OP_NAME = "chorus::fp8_block_sparse_attention"  # attention_precision "fp8": same schema, own dispatch
 DENSE_OP_NAME = "chorus::dense_attention"
 
 
@@ -58,6 +60,12 @@ def define_block_sparse_op(impl):
     in this process wins). ``impl`` takes ``(q, k, v, live_blocks, live_counts, block_q, block_k,
     seq_len, heads, skip_reshape, skip_output_reshape, backend)``, annotated, and returns the output."""
     return _define(OP_NAME, impl, _fake)
+
+
+def define_fp8_block_sparse_op(impl):
+    """``chorus::fp8_block_sparse_attention``, the FP8 dispatch of ``fp8_block_sparse``: the schema of
+    ``define_block_sparse_op``'s op."""
+    return _define(FP8_OP_NAME, impl, _fake)
 
 
 def define_dense_op(impl):

@@ -28,7 +28,7 @@ _FALLBACK = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
-def _online_softmax(qk, m_i, l_i, qk_scale):
+def online_softmax(qk, m_i, l_i, qk_scale):
     """One tile of the online softmax (base 2): its probabilities, the rescale of what came before,
     and the new row sums and maxima. Inlined where it is called, so the pipelined loop keeps its order."""
     m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -59,7 +59,7 @@ def _attend_tile(acc, l_i, m_i, q, k_base, v_base, KD, VD, kv_row0, kv_col0, sta
     qk = tl.dot(q, tl.trans(k))
     if MASKED:
         qk = tl.where(cols[None, :] < N, qk, float("-inf"))
-    p, alpha, l_i, m_ij = _online_softmax(qk, m_i, l_i, qk_scale)
+    p, alpha, l_i, m_ij = online_softmax(qk, m_i, l_i, qk_scale)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_ij
@@ -92,11 +92,11 @@ def _main_loop_pipelined(acc, l_i, m_i, q, k_base, v_base, KD, VD, kv_row0, kv_c
             nxt = tl.load(live + j // SUBS_PER_KB) * KB + (j % SUBS_PER_KB) * BLOCK_N
             k = _load_tile(k_base, KD, kv_row0, kv_col0, nxt, offs_n, offs_d, stride_kn, USE_TMA)
             qk_next = tl.dot(q, tl.trans(k))
-            p, alpha, l_i, m_ij = _online_softmax(qk, m_i, l_i, qk_scale)
+            p, alpha, l_i, m_ij = online_softmax(qk, m_i, l_i, qk_scale)
             v = _load_tile(v_base, VD, kv_row0, kv_col0, start, offs_n, offs_d, stride_vn, USE_TMA)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i, qk, start = m_ij, qk_next, nxt
-        p, alpha, l_i, m_ij = _online_softmax(qk, m_i, l_i, qk_scale)
+        p, alpha, l_i, m_ij = online_softmax(qk, m_i, l_i, qk_scale)
         v = _load_tile(v_base, VD, kv_row0, kv_col0, start, offs_n, offs_d, stride_vn, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_ij

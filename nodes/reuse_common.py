@@ -89,11 +89,17 @@ def reuse_option_inputs() -> list:
                              "as Wan 2.2's high-noise expert, keeps none). 1: on a 4-step hit about 11 dB closer to "
                              "the dense output on the testbed, ahead of core's Model Sparse Attention in speed and "
                              "quality; 0: the fastest, one dense step in four less (docs/quality.md, Defaults)."),
+        io.Combo.Input("attention_precision", options=["bf16", "fp8"], default="bf16", optional=True,
+                       tooltip="What the block-sparse attention computes in. bf16: the model's 16-bit type. fp8: "
+                               "int8 QK^T and fp8 PV on FP8 tensor cores (Ada, Hopper and newer), bf16 where they "
+                               "are missing (the report's backend says why). bf16 until fp8 is measured at no "
+                               "quality cost (docs/quality.md, Defaults)."),
     ]
 
 
 def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
-                  dense_attention="auto", hit_warmup_steps=0, dense_last_steps=1, model_files=()):
+                  dense_attention="auto", hit_warmup_steps=0, dense_last_steps=1, model_files=(),
+                  attention_precision="bf16"):
     """ReuseOptions from the inputs of reuse_option_inputs()."""
     from ..chorus_core.reuse.reuse_run import ReuseOptions
 
@@ -101,7 +107,8 @@ def reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_densit
                         miss_mode=miss_mode, top_p=top_p, min_density=min_density, max_density=max_density,
                         record_on_miss=record_on_miss, tags=(tag,) if tag.strip() else (),
                         dense_attention=dense_attention, hit_warmup_steps=hit_warmup_steps,
-                        dense_last_steps=dense_last_steps, model_files=model_files)
+                        dense_last_steps=dense_last_steps, model_files=model_files,
+                        attention_precision=attention_precision)
 
 
 MODEL_FILE_INPUTS = {"unet_name": "diffusion_models", "ckpt_name": "checkpoints"}  # loader input -> folder

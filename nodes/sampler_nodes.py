@@ -53,7 +53,8 @@ class ChorusSparseWanSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, positive, negative, latent_image, seed, steps, cfg, sampler_name, scheduler, denoise,
                 dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density, record_on_miss, tag,
-                match=None, dense_attention="auto", hit_warmup_steps=0, dense_last_steps=1) -> io.NodeOutput:
+                match=None, dense_attention="auto", hit_warmup_steps=0, dense_last_steps=1,
+                attention_precision="bf16") -> io.NodeOutput:
         import nodes as comfy_nodes
 
         from ..chorus_core.reuse.reuse_run import ReusePatch, nothing_sampled
@@ -61,7 +62,7 @@ class ChorusSparseWanSampler(io.ComfyNode):
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
                                 record_on_miss, tag, dense_attention, hit_warmup_steps, dense_last_steps,
-                                model_source_files(cls.hidden))
+                                model_source_files(cls.hidden), attention_precision)
         problem = match_grid_problem(match, latent_image["samples"])
         if problem is not None:
             raise ValueError(f"Chorus Sparse Wan Sampler: {problem}")

@@ -37,12 +37,12 @@ class ChorusSparseAttention(io.ComfyNode):
     @classmethod
     def execute(cls, model, dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
                 record_on_miss, tag, match=None, dense_attention="auto", hit_warmup_steps=0,
-                dense_last_steps=1) -> io.NodeOutput:
+                dense_last_steps=1, attention_precision="bf16") -> io.NodeOutput:
         from ..chorus_core.reuse.reuse_run import ReusePatch
 
         options = reuse_options(dense_warmup_steps, dense_layers, miss_mode, top_p, min_density, max_density,
                                 record_on_miss, tag, dense_attention, hit_warmup_steps, dense_last_steps,
-                                model_source_files(cls.hidden))
+                                model_source_files(cls.hidden), attention_precision)
         node_id = cls.hidden.unique_id if cls.hidden is not None else None
         patch = ReusePatch(model, match, options, events=NodeEvents(node_id, max_density))
         return io.NodeOutput(patch.install())

@@ -13,7 +13,8 @@ BENCH = REPO_ROOT / "tests" / "benchmarks" / "bench_user_stack.py"
 
 
 def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_calls(tmp_path, comfyui_path):
-    rows = "bf16:dense:eager,bf16:dense:eager:sage,bf16:miss:eager,bf16:hit:eager:sage,bf16:hit:eager,bf16:hit_last1:eager"
+    rows = "bf16:dense:eager,bf16:dense:eager:sage,bf16:miss:eager,bf16:hit:eager:sage,bf16:hit:eager,bf16:hit_last1:eager,"
+    rows += "bf16:hit_fp8:eager"
     done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
                            "--bank", tmp_path / "bank", "--rows", rows], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
@@ -31,6 +32,10 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
     assert result["bf16_hit_eager"]["dense_steps"] == 0
     last1 = result["bf16_hit_last1_eager"]
     assert (last1["run_mode"], last1["role"], last1["dense_steps"]) == ("hit", "hit", 1)
+    # attention_precision "fp8": on CPU tensors the FP8 scheme's reference runs, and the row says so
+    fp8 = result["bf16_hit_fp8_eager"]
+    assert (fp8["run_mode"], fp8["role"]) == ("hit", "hit")
+    assert fp8["backend"].startswith("reference_fp8") and fp8["attention"].startswith("chorus_block_sparse_fp8")
 
     # a later call at another step count finds no entry of its own in the kept bank: the hit row is
     # refused before any model loads, with what to run first (the 4-step entry would not serve it)

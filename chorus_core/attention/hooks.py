@@ -168,6 +168,11 @@ def block_sparse():
     return import_sibling("kernels.block_sparse")
 
 
+def fp8_block_sparse():
+    """The kernels' fp8_block_sparse module (attention_precision "fp8"), imported at call time."""
+    return import_sibling("kernels.fp8_block_sparse")
+
+
 _ATTENTION_PARAMS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
 
 

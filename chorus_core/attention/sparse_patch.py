@@ -54,7 +54,7 @@ from .model_checks import (ATTENTION_BACKEND_NODE, CompetingAttentionError, Unsu
 from .run_keys import (APPLY_MODEL, DIFFUSION_MODEL, OUTER_SAMPLE, OVERRIDE_KEY, sparse_block_key, sparse_declared_key,
                        sparse_plan_key, sparse_run_key, sparse_video_key)
 from .run_stats import LayerStats, RunStats, StepStats
-from .sparse_run import (DENSE_ATTENTION_MODES, BlockCall, CallPlan, SparseAttentionState, SparseRun,
+from .sparse_run import (ATTENTION_PRECISIONS, DENSE_ATTENTION_MODES, BlockCall, CallPlan, SparseAttentionState, SparseRun,
                          declared_attention, video_token_count)
 
 __all__ = [
@@ -68,6 +68,7 @@ __all__ = [
     "install_sparse_attention",
     "CallPlan",
     "DENSE_ATTENTION_MODES",
+    "ATTENTION_PRECISIONS",
     "check_supported_model",
     "get_sparse_state",
     "get_run_stats",
@@ -456,7 +457,8 @@ def _chain_above_later_backend(options: dict, key: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def install_sparse_attention(model_patcher, provider, key: str = "chorus", dense_attention: str = "auto"):
+def install_sparse_attention(model_patcher, provider, key: str = "chorus", dense_attention: str = "auto",
+                             attention_precision: str = "bf16"):
     """Return a clone of ``model_patcher`` whose Wan self-attention runs block-sparse.
 
     :param model_patcher: a ComfyUI ModelPatcher of a Wan 2.1 I2V/T2V model; never modified.
@@ -467,6 +469,8 @@ def install_sparse_attention(model_patcher, provider, key: str = "chorus", dense
     :param dense_attention: what the self-attention left dense (warm-up steps, dense layers) runs
         on: "auto" = FlashAttention-4's dense forward where it applies, else ComfyUI's function;
         "comfyui" = always ComfyUI's function. Speed only: results agree to bf16 rounding.
+    :param attention_precision: what the block-sparse calls compute in (``ATTENTION_PRECISIONS``):
+        "bf16", or "fp8" (int8 QK^T, e4m3 PV; falls back to bf16, saying why, where FP8 cannot run).
     :raises UnsupportedModelError: for any model other than Wan 2.1 I2V/T2V.
     :raises CompetingAttentionError: when core's Model Sparse Attention patches the model too.
     """
@@ -475,9 +479,12 @@ def install_sparse_attention(model_patcher, provider, key: str = "chorus", dense
     _check_provider(provider)
     if dense_attention not in DENSE_ATTENTION_MODES:
         raise ValueError(f"dense_attention must be one of {', '.join(DENSE_ATTENTION_MODES)}, got {dense_attention!r}")
+    if attention_precision not in ATTENTION_PRECISIONS:
+        raise ValueError(f"attention_precision must be one of {', '.join(ATTENTION_PRECISIONS)}, "
+                         f"got {attention_precision!r}")
     _require_kernels()
     patched = model_patcher.clone()
-    holder = SparseAttentionState(provider, key, dense_attention)
+    holder = SparseAttentionState(provider, key, dense_attention, attention_precision)
 
     existing_blocks = patched.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
     for index in range(len(patched.model.diffusion_model.blocks)):

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from .._siblings import import_sibling
-from .hooks import AttentionCall, StepClock, block_sparse, schedule_step
+from .hooks import AttentionCall, StepClock, block_sparse, fp8_block_sparse, schedule_step
 from .mask_provider import MaskSource, PreparedMask, RunSource, SamplingCall
 from .run_stats import LayerStats, RunStats, StepCallback, StepStats
 
@@ -25,6 +25,9 @@ from .run_stats import LayerStats, RunStats, StepCallback, StepStats
 # where it applies (sm_90/sm_100, flash-attn-4 installed, bf16/fp16, head_dim 128), else
 # ComfyUI's own function; "comfyui" = always ComfyUI's own function.
 DENSE_ATTENTION_MODES = ("auto", "comfyui")
+# What the block-sparse calls compute in: "bf16" = the input's 16-bit type throughout; "fp8" = int8
+# QK^T and e4m3 PV on FP8 tensor cores (kernels/fp8_block_sparse.py), bf16 where FP8 cannot run.
+ATTENTION_PRECISIONS = ("bf16", "fp8")
 # --------------------------------------------------------------------------------------------
 # State: one holder per patched model, one SparseRun per sampling run
 # --------------------------------------------------------------------------------------------
@@ -37,10 +40,11 @@ class SparseAttentionState:
     (Chorus Sparse Attention): one OUTER_SAMPLE wrapper asks it, runs, and tells it how it ended.
     """
 
-    def __init__(self, source, key: str, dense_attention: str = "auto"):
+    def __init__(self, source, key: str, dense_attention: str = "auto", attention_precision: str = "bf16"):
         self.source = source
         self.key = key
         self.dense_attention = dense_attention
+        self.attention_precision = attention_precision
         self.stats: Optional[RunStats] = None
         self.step_callbacks: list[StepCallback] = []
 
@@ -61,6 +65,7 @@ class SparseAttentionState:
             run = self.source.begin_run(sampling, self.step_callbacks, self.dense_attention)
         else:
             run = SparseRun(self.source, self.step_callbacks, self.dense_attention)
+        run.attention_precision = self.attention_precision
         self.stats = run.stats
         return run
 
@@ -81,6 +86,7 @@ class SparseRun:
         self.provider = provider
         self.step_callbacks = step_callbacks
         self.dense_attention = dense_attention
+        self.attention_precision = "bf16"  # set by the holder that starts the run
         self._dense_kernels: dict[tuple, Optional[Callable]] = {}  # (device, dtype, head_dim) -> kernel
         self.stats = RunStats()
         self._started = time.perf_counter()
@@ -189,7 +195,7 @@ class SparseRun:
                 return self.dense(call) if fast_dense else None
             stage = "block-sparse attention failed"
             self._note_backend(call, prepared)
-            out = block_sparse().block_sparse_attention(
+            out = self.sparse_attention()(
                 call.q, call.k, call.v, prepared.mask, call.heads,
                 skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape,
             )
@@ -200,6 +206,12 @@ class SparseRun:
             return None
         self.record(layer, prepared.density)
         return out
+
+    def sparse_attention(self) -> Callable:
+        """The block-sparse function of this run's ``attention_precision`` (same arguments either way)."""
+        if self.attention_precision == "fp8":
+            return fp8_block_sparse().fp8_block_sparse_attention
+        return block_sparse().block_sparse_attention
 
     def dense_for_extra_tokens(self, layer: int, block: "BlockCall") -> None:
         """A sequence with tokens besides the video's: the masks do not cover them, so dense."""
@@ -283,7 +295,7 @@ class SparseRun:
                           "is dense")
             return None
         head_dim = int(diffusion_model.dim) // heads
-        return CallPlan.build(seq_len, prepared, block_sparse().block_sparse_attention,
+        return CallPlan.build(seq_len, prepared, self.sparse_attention(),
                               self.dense_kernel(x.device, compute_dtype(model), head_dim))
 
     def observing(self) -> bool:
@@ -334,7 +346,9 @@ class SparseRun:
     def _note_backend(self, call: "AttentionCall", prepared: PreparedMask) -> None:
         """Name the kernel backend in the run's statistics (chosen again per call; probes are cached)."""
         if self.stats.backend is None:
-            self.stats.backend = str(block_sparse().select_backend(call.q, prepared.mask))
+            select = fp8_block_sparse().select_fp8_backend if self.attention_precision == "fp8" \
+                else block_sparse().select_backend
+            self.stats.backend = str(select(call.q, prepared.mask))
 
     def _disable(self, reason: str) -> None:
         self._disabled = True

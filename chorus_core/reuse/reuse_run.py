@@ -31,7 +31,8 @@ from .model_identity import fingerprint_patcher
 from .prior_store import PRIOR_ENTRIES, load_prior
 from .reuse_match import ReuseMatch, bounded, match_grid_problem
 from ..attention.step_times import earlier_dense_step, remember_dense_step
-from ..attention.sparse_patch import DENSE_ATTENTION_MODES, get_sparse_state, install_sparse_attention
+from ..attention.sparse_patch import (ATTENTION_PRECISIONS, DENSE_ATTENTION_MODES, get_sparse_state,
+                                      install_sparse_attention)
 from ..attention.sparse_run import SparseRun
 
 log = logging.getLogger("chorus")
@@ -53,6 +54,8 @@ class ReuseOptions:
     record_on_miss: bool = True
     tags: tuple[str, ...] = ()
     dense_attention: str = "auto"  # see sparse_patch.DENSE_ATTENTION_MODES
+    # bf16 until FP8 is measured better on the product path ([user-stack] item 2; docs/quality.md, Defaults)
+    attention_precision: str = "bf16"  # see sparse_patch.ATTENTION_PRECISIONS
     # A hit's entry holds every step's masks, recorded from dense attention, so a hit needs no dense
     # warm-up: it runs sparse from the first step (what step-distilled 4-step runs gain most from).
     hit_warmup_steps: int = 0
@@ -70,6 +73,9 @@ class ReuseOptions:
             raise ValueError(f"miss_mode {self.miss_mode!r} is not one of {', '.join(MISS_MODES)}")
         if self.dense_attention not in DENSE_ATTENTION_MODES:
             raise ValueError(f"dense_attention {self.dense_attention!r} is not one of {', '.join(DENSE_ATTENTION_MODES)}")
+        if self.attention_precision not in ATTENTION_PRECISIONS:
+            raise ValueError(f"attention_precision {self.attention_precision!r} is not one of "
+                             f"{', '.join(ATTENTION_PRECISIONS)}")
         if not 0.0 < self.min_density <= self.max_density <= 1.0:
             raise ValueError(f"need 0 < min_density <= max_density <= 1, got {self.min_density} and {self.max_density}")
 
@@ -478,7 +484,8 @@ class ReusePatch:
             raise ValueError("This model already went through Chorus Sparse Attention, which runs the reuse itself: "
                              "sample it with KSampler (or any sampler), or leave that node out and keep the "
                              "Chorus Sparse Wan Sampler.")
-        patched = install_sparse_attention(self.model_patcher, self, dense_attention=self.options.dense_attention)
+        patched = install_sparse_attention(self.model_patcher, self, dense_attention=self.options.dense_attention,
+                                           attention_precision=self.options.attention_precision)
         get_sparse_state(patched).on_step(self._on_step)
         patched.set_attachments(REUSE_KEY, self)
         self.patched = patched

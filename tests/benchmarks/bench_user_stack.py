@@ -45,6 +45,8 @@ Arms (``role``):
   key blocks it computed exactly, the rest entering its softmax pooled;
 - ``hit_last1`` (role ``hit``): the same hit with its last step dense (``dense_last_steps`` 1, the
   testbed's quality option: docs/quality.md, Defaults);
+- ``hit_fp8`` and ``hit_last1_fp8`` (role ``hit``): those two hits with ``attention_precision`` "fp8"
+  (int8 QK^T, e4m3 PV: ``kernels/triton_fp8_block_sparse.py``);
 - ``core_topk`` (role ``peer``): the same kernel with the node's top-k method keeping ``--density``
   of the key blocks from the first step, as the hit does: core's sparse attention at Chorus's density.
 Every Chorus generation makes a new match and a new install, as a new prompt does; its dense steps
@@ -369,7 +371,8 @@ def chorus_patched(ctx, model, arm: str):
     request = build_match_request(model, clip, positive, {"samples": latent}, None, threshold, {}, BLOCK)
     options = ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=0, min_density=ctx["density"],
                            max_density=ctx["density"], miss_mode="online", record_on_miss=arm == "miss",
-                           dense_last_steps=1 if arm == "hit_last1" else 0)
+                           dense_last_steps=1 if arm.startswith("hit_last1") else 0,
+                           attention_precision="fp8" if arm.endswith("_fp8") else "bf16")
     patch = ReusePatch(model, match_request(ctx["bank"], request), options, scheduler=SCHEDULER, sampler=SAMPLER)
     return patch.install(), patch
 
@@ -443,6 +446,8 @@ def check_path(arm: str, m: dict, cuda: bool = True) -> None:
         raise RuntimeError(f"{arm}: the run was a {m['run_mode']} ({m['mask_source']}; {m['warnings']})")
     if not m["finite"]:
         raise RuntimeError(f"{arm}: the output is not finite")
+    if arm.endswith("_fp8") and cuda and not (m.get("backend") or "").startswith("triton_fp8"):
+        raise RuntimeError(f"{arm}: FP8 attention did not run (backend {m.get('backend')})")
     if not m.get("backend"):  # seen: a compiled hit reusing a dense model's graph (TorchCompileModel's guard
         # filter drops transformer_options, where the attention override lives) ran every call dense
         raise RuntimeError(f"{arm}: reported a {m['run_mode']} but ran no block-sparse attention call "
@@ -456,7 +461,7 @@ def check_path(arm: str, m: dict, cuda: bool = True) -> None:
 
 COMFYUI_ATTENTIONS = ("sdpa", "sage")
 CORE_ARMS = ("core", "core_topk")
-HIT_ARMS = ("hit", "hit_last1")  # hit_last1: the hit with its last step dense (dense_last_steps 1)
+HIT_ARMS = ("hit", "hit_last1", "hit_fp8", "hit_last1_fp8")  # last1: the last step dense; fp8: FP8 attention
 ARMS = ("dense", "miss", "online") + HIT_ARMS + CORE_ARMS
 
 
@@ -481,7 +486,8 @@ def attention_name(arm: str, m: dict, comfyui_attention: str = "sdpa", core_spar
     if core_sparse is not None:
         return f"core_sol_attn ({core_sparse.describe()}; dense calls: {dense})"
     backend = (m.get("backend") or "").split(" ")[0] or "none"
-    return f"chorus_block_sparse_bf16 ({backend}; dense steps: {m.get('dense_backend') or dense})"
+    precision = "fp8" if backend.endswith("_fp8") else "bf16"
+    return f"chorus_block_sparse_{precision} ({backend}; dense steps: {m.get('dense_backend') or dense})"
 
 
 @contextlib.contextmanager
@@ -554,7 +560,7 @@ def run_row(ctx, doc, spec: str, save) -> None:
 
 
 def row_role(arm: str) -> str:
-    return {"online": "miss", "core": "peer", "core_topk": "peer", "hit_last1": "hit"}.get(arm, arm)
+    return "hit" if arm in HIT_ARMS else {"online": "miss", "core": "peer", "core_topk": "peer"}.get(arm, arm)
 
 
 def row_estimate_s(ctx, doc, spec: str) -> float:
