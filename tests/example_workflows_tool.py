@@ -128,7 +128,8 @@ def wan21_i2v_chorus_step_distilled(resolution: str = "480p") -> dict:
     reuse = {k: sampler[k] for k in ("match", "dense_warmup_steps", "dense_layers", "miss_mode", "top_p",
                                      "min_density", "max_density", "record_on_miss", "tag", "dense_attention")}
     prompt["20"] = {"class_type": "ChorusSparseAttention", "inputs": {
-        "model": ["27", 0], **reuse, "hit_warmup_steps": 0, "dense_last_steps": 1}}
+        "model": ["27", 0], **reuse, "hit_warmup_steps": 0, "dense_last_steps": 1,
+        "attention_precision": "bf16"}}
     prompt["12"] = {"class_type": "KSampler", "inputs": {
         "model": ["20", 0], "seed": sampler["seed"], "steps": 4, "cfg": 1.0, "sampler_name": "euler",
         "scheduler": "simple", "positive": ["9", 0], "negative": ["9", 1], "latent_image": ["9", 2], "denoise": 1.0}}
@@ -230,7 +231,8 @@ def insert_chorus(prompt: dict, sampler: str, bank_name: str, tag: str, first_id
     prompt[patch] = {"class_type": "ChorusSparseAttention", "inputs": {
         "model": model, "match": [match, 0], "dense_warmup_steps": 1, "dense_layers": "", "miss_mode": "prior",
         "top_p": 0.9, "min_density": 0.05, "max_density": 0.5, "record_on_miss": True, "tag": tag,
-        "dense_attention": "auto", "hit_warmup_steps": 0, "dense_last_steps": 1}}
+        "dense_attention": "auto", "hit_warmup_steps": 0, "dense_last_steps": 1,
+        "attention_precision": "bf16"}}
     inputs["model"] = [patch, 0]
     return prompt
 

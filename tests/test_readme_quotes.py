@@ -117,6 +117,13 @@ def test_the_40_step_table_quotes_its_machines_rows_at_40_steps_cfg_5():
             [row["seconds"], row["vs_dense_same_weights"], row["vs_core_same_weights"]], label
 
 
+def test_the_fp8_attention_sentence_quotes_its_rows():
+    rows = _session_rows("user_stack_720p.json", "6377eddedf0d")
+    fp8, bf16, dense = (rows[f"fp8_e4m3fn_fast_{arm}_eager"]["seconds"] for arm in ("hit_fp8", "hit", "dense"))
+    text = " ".join(_readme().split())
+    assert f"a hit took {fp8} s against {bf16} s with bf16 attention (dense {dense} s;" in text
+
+
 def test_the_text_quotes_the_hit_against_core_and_the_fp8_scaled_hit():
     text = " ".join(_readme().split())
     ratios = []
