@@ -36,6 +36,7 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
     fp8 = result["bf16_hit_fp8_eager"]
     assert (fp8["run_mode"], fp8["role"]) == ("hit", "hit")
     assert fp8["backend"].startswith("reference_fp8") and fp8["attention"].startswith("chorus_block_sparse_fp8")
+    assert fp8["report_timings"]  # the run report's timings travel with the row (the first step's profile)
 
     # a later call at another step count finds no entry of its own in the kept bank: the hit row is
     # refused before any model loads, with what to run first (the 4-step entry would not serve it)

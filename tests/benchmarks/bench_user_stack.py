@@ -421,7 +421,8 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
         m.update(run_mode=rep["mode"], mask_source=rep["mask_source"], entry_id=rep["entry_id"],
                  recorded_entry_id=rep["recorded_entry_id"], dense_steps=len(rep["dense_steps"]),
                  measured_density=round(statistics.mean(kept), 4) if kept else None,
-                 backend=rep["backend"], dense_backend=rep["dense_backend"], warnings=rep["warnings"])
+                 backend=rep["backend"], dense_backend=rep["dense_backend"], warnings=rep["warnings"],
+                 report_timings=rep["timings"])  # match, prefetch load/decode/wait: what a first step holds
     return m
 
 
