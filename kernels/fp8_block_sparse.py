@@ -40,6 +40,7 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
 P_SCALE = E4M3_MAX  # P in [0, 1] uses e4m3's whole range
+SCORE_BUDGET = 1 << 26  # floats in one chunk of scores (256 MB): the reference as a CPU fallback stays memory-sane
 
 
 def quantize_blocks(x: torch.Tensor, block: int, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,9 +70,9 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
     (``qk_dtype`` and ``smooth_k`` vary the scheme, for the comparisons that chose it).
 
     P is quantised against its row's final maximum here; the kernel's online softmax quantises each
-    tile against the maximum so far, also in [0, 1]. One query block's scores for all heads are held
-    at once (no head chunks as in ``block_sparse_attention_reference``): sized for tests, not yet
-    for a CPU fallback at Wan's 75,600 tokens."""
+    tile against the maximum so far, also in [0, 1]. Heads go in chunks whose scores fit
+    ``SCORE_BUDGET`` floats, as in ``block_sparse_attention_reference``, so that Wan's 75,600 tokens
+    fit as a CPU fallback."""
     qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
     b, h, n, d = qh.shape
     if smooth_k:  # the softmax does not change
@@ -82,14 +83,16 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
     q_rows = q_scale.repeat_interleave(mask.block_q, dim=-1)[..., :n, None]
     k_cols = k_scale.repeat_interleave(mask.block_k, dim=-1)[..., None, :n]
     out = torch.empty(b, h, n, d, dtype=q.dtype, device=q.device)
+    chunk = max(1, SCORE_BUDGET // max(1, b * mask.block_q * n))
     for rows, cols in query_blocks(mask, b, n):
-        s = q8[:, :, rows].float() @ k8.float().transpose(-1, -2) * q_rows[:, :, rows] * k_cols * d**-0.5
-        s = s.masked_fill(~cols[:, :, None, :], float("-inf"))
-        p = torch.exp(s - s.amax(dim=-1, keepdim=True))
-        row_sum = p.sum(dim=-1, keepdim=True)
-        p8 = (p * P_SCALE).to(E4M3)
-        pv = p8.float() @ v8.float() * (v_scale / P_SCALE)
-        out[:, :, rows] = (pv / row_sum).to(q.dtype)
+        for h0 in range(0, h, chunk):
+            hs = slice(h0, min(h, h0 + chunk))
+            s = q8[:, hs, rows].float() @ k8[:, hs].float().transpose(-1, -2) * q_rows[:, hs, rows] * k_cols[:, hs]
+            s = (s * d**-0.5).masked_fill(~cols[:, hs, None, :], float("-inf"))
+            p = torch.exp(s - s.amax(dim=-1, keepdim=True))
+            row_sum = p.sum(dim=-1, keepdim=True)
+            pv = (p * P_SCALE).to(E4M3).float() @ v8[:, hs].float() * (v_scale[:, hs] / P_SCALE)
+            out[:, hs, rows] = (pv / row_sum).to(q.dtype)
     return from_bhnd(out, skip_output_reshape)
 
 
@@ -118,10 +121,21 @@ def fp8_unsupported_reason(q: torch.Tensor, mask: BlockSparseMask) -> Optional[s
 
 def select_fp8_backend(q: torch.Tensor, mask: BlockSparseMask, backend: str = "auto") -> BackendChoice:
     """Which backend an FP8 call runs and why: ``triton_fp8``, ``reference_fp8`` (CPU tensors), or
-    where FP8 cannot run with ``backend="auto"``, the bf16 choice with why FP8 was not used.
-    ``CHORUS_BLOCK_SPARSE_BACKEND`` forces a backend as for bf16 calls; ``"fa4"`` has no FP8 path."""
+    where FP8 cannot run with ``backend="auto"``, the bf16 choice with why FP8 was not used. An
+    explicit ``backend`` FP8 cannot honour raises; one forced by ``CHORUS_BLOCK_SPARSE_BACKEND``
+    (A/B runs) falls back to the bf16 dispatch instead, so it never costs a run its sparsity."""
     forced = os.environ.get(BACKEND_ENV, "").strip() if backend == "auto" else ""
-    wanted = forced if forced and forced != "auto" else backend
+    if not forced or forced == "auto":
+        return _fp8_choice(q, mask, backend)
+    try:
+        name, why = _fp8_choice(q, mask, forced)
+    except (RuntimeError, ValueError) as exc:
+        name, why = select_backend(q, mask, "auto")  # honours the variable itself
+        why = f"{why}; attention_precision fp8 not used: {exc}"
+    return BackendChoice(name, why if why.startswith(BACKEND_ENV) else f"{BACKEND_ENV}={forced}; {why}")
+
+
+def _fp8_choice(q: torch.Tensor, mask: BlockSparseMask, wanted: str) -> BackendChoice:
     qh = q if q.dim() == 4 else to_bhnd(q, mask.heads, False)
     if wanted == "reference" or (wanted == "auto" and not q.is_cuda):
         return BackendChoice("reference_fp8", "the FP8 scheme's pure-torch reference" +

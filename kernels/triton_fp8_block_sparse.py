@@ -33,7 +33,8 @@ INT8_MAX = 127.0
 E4M3_MAX = 448.0  # P in [0, 1] is stored as P * 448: e4m3's whole range
 
 # Tile configs per head_dim. 128: the best of seven at 720p, density 0.15 on an H100 (27.7 ms against
-# 33.9 ms for the bf16 kernel's 8 warps; tests/benchmarks/results/fp8_block_sparse.json, "sweep").
+# 33.9 ms for this kernel with 8 warps, the bf16 kernel's count; tests/benchmarks/results/fp8_block_sparse.json,
+# "sweep"). Only Hopper measured: a card with less shared memory per block may need fewer stages.
 _DEFAULTS = {
     64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, order="heavy_first"),
     128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, order="heavy_first"),
@@ -121,7 +122,8 @@ def quantize(q, k, v, block_q: int, block_k: int) -> QuantizedQKV:
     k_mean = k.mean(dim=-2, dtype=torch.float32).contiguous()  # [B, H, D]; the softmax does not change
     q8, q_scale = _int8_blocks(q, None, block_q)
     k8, k_scale = _int8_blocks(k, k_mean, block_k)
-    v_scale = (v.abs().amax(dim=-2).float().clamp_min(1e-12) / E4M3_MAX).contiguous()  # [B, H, D]
+    # the largest |v| per channel, without the full-size temporary v.abs() would make
+    v_scale = (torch.linalg.vector_norm(v, float("inf"), dim=-2).float().clamp_min(1e-12) / E4M3_MAX).contiguous()
     v_t = torch.empty(b, h, d, -(-n // 16) * 16, dtype=torch.float8_e4m3fn, device=v.device)
     block = 64
     _quantize_v_kernel[(triton.cdiv(n, block), b * h)](
@@ -217,7 +219,9 @@ def _fp8_bsa_fwd_kernel(Q, QS, K, KS, VT, VS, O, LIVE, COUNT, ORDER,
 
 def fp8_pick_config(head_dim: int, block_q: int, block_k: int, config: Optional[dict] = None) -> dict:
     """Tile config: the default for ``head_dim``, overridden, clipped to the mask blocks (as the bf16 kernel's)."""
-    return pick_config(head_dim, block_q, block_k, dict(_DEFAULTS.get(head_dim, {}), **(config or {})))
+    cfg = pick_config(head_dim, block_q, block_k, dict(_DEFAULTS.get(head_dim, {}), **(config or {})))
+    cfg.pop("tma", None)  # the bf16 kernel's TMA loads: this kernel has none
+    return cfg
 
 
 def fp8_block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None):
@@ -230,6 +234,8 @@ def fp8_block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None):
     for name, x in (("q", q), ("k", k), ("v", v), ("out", o)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride on head_dim (make it contiguous)")
+    if o.shape != q.shape or o.dtype != q.dtype:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} in [B, H, N, D] view, got {tuple(o.shape)} {o.dtype}")
     cfg = fp8_pick_config(d, mask.block_q, mask.block_k, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     qq = quantize(q, k, v, mask.block_q, mask.block_k)

@@ -155,6 +155,24 @@ def test_a_kernel_failure_in_an_eager_planned_call_makes_the_rest_dense(tiny_wan
     assert (stats.sparse_calls, stats.dense_calls) == (0, LAYERS * STEPS)
 
 
+def test_an_fp8_kernel_failure_makes_the_rest_of_the_run_16_bit_sparse_not_dense(tiny_wan_patcher, monkeypatch):
+    import kernels.fp8_block_sparse as fp8
+
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("FP8 kernel launch failed (test)")
+
+    monkeypatch.setattr(fp8, "run_fp8_backend", broken)
+    patched = install_sparse_attention(tiny_wan_patcher, hit_provider(), attention_precision="fp8")
+    sample(patched)
+    stats = get_run_stats(patched)
+    assert stats.warnings == ["block-sparse attention failed at layer 0, step 1 (RuntimeError: FP8 kernel launch "
+                              "failed (test)); the rest of this run uses 16-bit block-sparse attention instead of FP8"]
+    assert (stats.sparse_calls, stats.dense_calls) == (LAYERS * (STEPS - 1) - 1, LAYERS + 1)
+    assert stats.backend.startswith("reference (")  # the 16-bit dispatch's, on these CPU tensors
+
+
 def test_an_error_outside_the_kernels_is_not_swallowed(tiny_wan_patcher, dynamo):
     """Only failures raised in Chorus's kernels are retried dense; ComfyUI's own errors propagate."""
     from chorus_core.attention.sparse_patch import install_sparse_attention

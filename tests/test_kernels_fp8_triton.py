@@ -128,3 +128,30 @@ def test_on_the_gpu_the_kernel_is_within_the_issues_cosine_of_the_bf16_kernel(de
     assert cosine(fp8, bf16) >= 0.999
     assert cosine(fp8, fp8_block_sparse_attention_reference(q, k, v, m, H)) >= 0.9995
     assert torch.isfinite(fp8).all()
+
+
+def test_the_reference_in_head_chunks_is_the_reference_whole(monkeypatch):
+    import kernels.fp8_block_sparse as fp8
+
+    q, k, v = inputs(n=400)
+    m = mask_for(n=400)
+    whole = fp8.fp8_block_sparse_attention_reference(q, k, v, m, H)
+    monkeypatch.setattr(fp8, "SCORE_BUDGET", 128 * 400)  # one head at a time
+    assert torch.equal(fp8.fp8_block_sparse_attention_reference(q, k, v, m, H), whole)
+
+
+def test_a_forced_backend_fp8_cannot_honour_falls_back_to_the_16_bit_dispatch(monkeypatch):
+    """An A/B run's CHORUS_BLOCK_SPARSE_BACKEND never costs an FP8 run its sparsity; an explicit
+    backend argument FP8 cannot honour still raises."""
+    import kernels.fp8_block_sparse as fp8
+
+    q, _, _ = inputs(n=300)
+    m = mask_for(n=300)
+    monkeypatch.setattr(fp8, "fp8_unsupported_reason", lambda q, mask: "FP8 tensor cores need sm_89 or newer")
+    monkeypatch.setenv("CHORUS_BLOCK_SPARSE_BACKEND", "triton")
+    name, why = select_fp8_backend(q, m)
+    assert name == "triton" and why.startswith("CHORUS_BLOCK_SPARSE_BACKEND=triton; ")
+    assert why.endswith("attention_precision fp8 not used: the FP8 Triton kernel cannot run this call: "
+                        "FP8 tensor cores need sm_89 or newer")
+    with pytest.raises(RuntimeError, match="cannot run this call"):
+        select_fp8_backend(q, m, "triton")

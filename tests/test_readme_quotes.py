@@ -121,7 +121,7 @@ def test_the_fp8_attention_sentence_quotes_its_rows():
     rows = _session_rows("user_stack_720p.json", "6377eddedf0d")
     fp8, bf16, dense = (rows[f"fp8_e4m3fn_fast_{arm}_eager"]["seconds"] for arm in ("hit_fp8", "hit", "dense"))
     text = " ".join(_readme().split())
-    assert f"a hit took {fp8} s against {bf16} s with bf16 attention (dense {dense} s;" in text
+    assert f"a hit took {fp8} s against {bf16} s with 16-bit attention (dense {dense} s;" in text
 
 
 def test_the_text_quotes_the_hit_against_core_and_the_fp8_scaled_hit():

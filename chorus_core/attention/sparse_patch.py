@@ -164,15 +164,16 @@ def _planned_answer(run, plan: CallPlan, block: BlockCall, call: AttentionCall, 
         plan.answered.append((layer, False))
         return _planned_dense(run, plan, call) if fast_dense else None
     plan.answered.append((layer, True))
-    sparse = functools.partial(plan.sparse, call.q, call.k, call.v, mask, call.heads,
-                               skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape)
+    args = (call.q, call.k, call.v, mask, call.heads)
+    layouts = dict(skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape)
     if torch.compiler.is_compiling():
-        return sparse()  # a failure raises out of the graph: the APPLY_MODEL wrapper handles it
+        return plan.sparse(*args, **layouts)  # a failure raises out of the graph: the APPLY_MODEL wrapper handles it
     if run.disabled:  # an earlier layer of this call failed
         plan.answered[-1] = (layer, False)
         return None
     try:
-        return sparse()
+        # the run's function, not the plan's: an FP8 failure earlier in this call made it the 16-bit one
+        return run.sparse_attention()(*args, **layouts)
     except Exception as exc:
         run.fail_planned(layer, exc)
         plan.answered[-1] = (layer, False)

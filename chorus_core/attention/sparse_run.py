@@ -200,8 +200,11 @@ class SparseRun:
                 skip_reshape=call.skip_reshape, skip_output_reshape=call.skip_output_reshape,
             )
         except Exception as exc:
-            self._disable(f"{stage} at layer {layer}, step {step} ({type(exc).__name__}: {exc}); "
-                          "the rest of this run is dense")
+            where = f"{stage} at layer {layer}, step {step} ({type(exc).__name__}: {exc})"
+            if stage == "masks unavailable":
+                self._disable(f"{where}; the rest of this run is dense")
+            else:
+                self.kernel_failed(where)
             self.record(layer, None)
             return None
         self.record(layer, prepared.density)
@@ -322,8 +325,17 @@ class SparseRun:
     def fail_planned(self, layer: Optional[int], exc: Exception) -> None:
         step = self._step.step if self._step is not None else None
         where = f"at layer {layer}, step {step}" if layer is not None else "in a compiled model call"
-        self._disable(f"block-sparse attention failed {where} ({type(exc).__name__}: {exc}); the rest of this "
-                      "run is dense")
+        self.kernel_failed(f"block-sparse attention failed {where} ({type(exc).__name__}: {exc})")
+
+    def kernel_failed(self, where: str) -> None:
+        """A block-sparse call failed (``where`` says how): an FP8 run goes on with 16-bit block-sparse
+        attention (the FP8 kernel is the newer, less proven one), any other run goes dense."""
+        if self.attention_precision == "fp8":
+            self.attention_precision = "bf16"
+            self.stats.backend = None  # named again by the next block-sparse call
+            self._warn(f"{where}; the rest of this run uses 16-bit block-sparse attention instead of FP8")
+        else:
+            self._disable(f"{where}; the rest of this run is dense")
 
     def _kernel_usable(self, device: torch.device) -> bool:
         """On a GPU without a kernel (no Triton, no FA4), or on MPS/XPU, the torch reference would be
@@ -352,6 +364,9 @@ class SparseRun:
 
     def _disable(self, reason: str) -> None:
         self._disabled = True
+        self._warn(reason)
+
+    def _warn(self, reason: str) -> None:
         if reason not in self.stats.warnings:
             self.stats.warnings.append(reason)
             logging.warning("Chorus: %s", reason)
@@ -389,7 +404,7 @@ class CallPlan:
     seq_len: int  # video tokens of this call
     masks: tuple  # per layer: BlockSparseMask, or None (dense)
     densities: tuple  # per layer: the mask's density, or None; read after the call only
-    sparse: Callable  # kernels.block_sparse.block_sparse_attention
+    sparse: Callable  # the run's block-sparse function (bf16 or fp8 dispatch; same arguments)
     dense: Optional[Callable]  # kernels.dense_attention.dense_attention, or None: ComfyUI's function
     answered: list = field(default_factory=list)  # (layer, ran sparse) per self-attention answered
     extra_tokens: list = field(default_factory=list)  # (layer, seq_len, video tokens): ran dense

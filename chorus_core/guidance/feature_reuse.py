@@ -230,7 +230,7 @@ class _Run:
             try:
                 mask = self.sparse_mask(sparse_run, layer, reduced.options, call, reduced.layout)
                 if mask is not None:
-                    out = block_sparse().block_sparse_attention(
+                    out = sparse_run.sparse_attention()(  # the run's attention_precision
                         call.q, call.k, call.v, mask, call.heads, skip_reshape=call.skip_reshape,
                         skip_output_reshape=call.skip_output_reshape)
                     density = mask.density
