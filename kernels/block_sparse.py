@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import fa4_block_sparse as fa4
-from .layouts import from_bhnd, output_buffer, to_bhnd
+from .layouts import from_bhnd, output_views, to_bhnd
 from .ops import define_block_sparse_op
 
 __all__ = [
@@ -438,10 +438,7 @@ def run_backend(
         return res if out is None else out.copy_(res)
     qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
     check_inputs(qh, kh, vh, mask, validate)
-    if out is None:
-        out, oh = output_buffer(qh, skip_output_reshape)
-    else:
-        oh = out if skip_output_reshape else to_bhnd(out, heads, False)
+    out, oh = output_views(qh, out, heads, skip_output_reshape)
     if choice.name == "fa4":
         fa4.fa4_block_sparse_fwd(qh, kh, vh, oh, mask.live_blocks, mask.live_counts, mask.block_q, mask.block_k)
         return out

@@ -33,7 +33,7 @@ import torch
 from . import fa4_block_sparse as fa4
 from .block_sparse import (BACKEND_ENV, BackendChoice, BlockSparseMask, check_inputs, query_blocks,
                            record_backend_choice, run_backend, select_backend, triton_available)
-from .layouts import from_bhnd, output_buffer, to_bhnd
+from .layouts import from_bhnd, output_views, to_bhnd
 from .ops import define_fp8_block_sparse_op
 
 E4M3 = torch.float8_e4m3fn
@@ -181,10 +181,7 @@ def run_fp8_backend(choice: BackendChoice, q, k, v, mask: BlockSparseMask, heads
     if choice.name == "reference_fp8":
         res = fp8_block_sparse_attention_reference(qh, kh, vh, mask, heads, True, skip_output_reshape)
         return res if out is None else out.copy_(res)
-    if out is None:
-        out, oh = output_buffer(qh, skip_output_reshape)
-    else:
-        oh = out if skip_output_reshape else to_bhnd(out, heads, False)
+    out, oh = output_views(qh, out, heads, skip_output_reshape)
     from . import triton_fp8_block_sparse as fp8_kernel  # imports triton
 
     fp8_kernel.fp8_block_sparse_attn_fwd(qh, kh, vh, oh, mask, config)
@@ -196,6 +193,7 @@ def _op_impl(
     block_q: int, block_k: int, seq_len: int, heads: int, skip_reshape: bool, skip_output_reshape: bool,
     backend: str,
 ) -> torch.Tensor:
+    """``block_sparse._op_impl``'s counterpart (kept apart: each looks its dispatch up when it runs)."""
     mask = BlockSparseMask(live_blocks, live_counts, block_q, block_k, seq_len)
     choice = select_fp8_backend(q, mask, backend)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))

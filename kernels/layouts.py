@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["to_bhnd", "from_bhnd", "output_buffer"]
+__all__ = ["to_bhnd", "from_bhnd", "output_buffer", "output_views"]
 
 
 def to_bhnd(x: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
@@ -41,3 +41,10 @@ def output_buffer(q_bhnd: torch.Tensor, skip_output_reshape: bool) -> tuple[torc
         return out, out
     out = q_bhnd.new_empty(b, n, h * d)
     return out, out.view(b, n, h, d).transpose(1, 2)
+
+
+def output_views(q_bhnd: torch.Tensor, out, heads: int, skip_output_reshape: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's output buffer (a new one when ``out`` is None) and its ``[B, H, N, D]`` view."""
+    if out is None:
+        return output_buffer(q_bhnd, skip_output_reshape)
+    return out, out if skip_output_reshape else to_bhnd(out, heads, False)

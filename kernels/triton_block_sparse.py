@@ -236,28 +236,38 @@ def _kv_descriptors(k, v, block_n):
     )
 
 
+def check_launch(q, k, v, o, kernel: str) -> None:
+    """``[B, H, N, D]`` views a kernel of this package can launch on: ValueError saying what is wrong."""
+    d = q.shape[-1]
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"{kernel} needs a power-of-two head_dim >= 16, got {d}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", o)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride on head_dim (make it contiguous)")
+    if o.shape != q.shape or o.dtype != q.dtype:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} in [B, H, N, D] view, got {tuple(o.shape)} {o.dtype}")
+
+
+def live_lists(mask):
+    """The mask's live ids and counts with a unit last stride (the kernels step ids and rows by one),
+    and their batch strides: 0 for a batch-1 mask, which broadcasts over the batch."""
+    lb, lc = mask.live_blocks, mask.live_counts
+    if lb.stride(-1) != 1 or lc.stride(-1) != 1:
+        lb, lc = lb.contiguous(), lc.contiguous()
+    return lb, lc, lb.stride(0) if lb.shape[0] > 1 else 0, lc.stride(0) if lc.shape[0] > 1 else 0
+
+
 def block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None):
     """Launch the kernel on ``[B, H, N, D]`` views (any strides, unit stride on D) into ``o``.
 
     Returns the launched kernel handle (its ``n_regs`` / ``n_spills`` feed the benchmark notes).
     """
     b, h, n, d = q.shape
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {d}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("out", o)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit stride on head_dim (make it contiguous)")
-    if o.shape != q.shape or o.dtype != q.dtype:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} in [B, H, N, D] view, got {tuple(o.shape)} {o.dtype}")
+    check_launch(q, k, v, o, "the Triton kernel")
     cfg = pick_config(d, mask.block_q, mask.block_k, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     order = launch_order(mask, b, bm, cfg["order"])
-    lb, lc = mask.live_blocks, mask.live_counts
-    if lb.stride(-1) != 1 or lc.stride(-1) != 1:  # the kernel steps ids and rows with unit stride
-        lb, lc = lb.contiguous(), lc.contiguous()
-    # batch-1 masks broadcast over the batch through a zero stride
-    lb_sb = lb.stride(0) if lb.shape[0] > 1 else 0
-    lc_sb = lc.stride(0) if lc.shape[0] > 1 else 0
+    lb, lc, lb_sb, lc_sb = live_lists(mask)
     kd, vd = _kv_descriptors(k, v, bn) if cfg.get("tma") else (k, v)
     return _bsa_fwd_kernel[(order.numel(),)](
         q, k, v, o, kd, vd, lb, lc, order,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_block_sparse import LOG2E, launch_order, online_softmax, pick_config
+from .triton_block_sparse import LOG2E, check_launch, launch_order, live_lists, online_softmax, pick_config
 
 INT8_MAX = 127.0
 E4M3_MAX = 448.0  # P in [0, 1] is stored as P * 448: e4m3's whole range
@@ -78,18 +78,25 @@ def _to_e4m3(x, ROUND_FIRST: tl.constexpr):
 
 
 @triton.jit
+def _token_block(X, stride_b, stride_h, stride_n, H, N, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's ``BLOCK`` tokens of one (b, h) of ``X`` in float32 (rows past N read as 0), with
+    b, h, the token and channel offsets and the in-range mask."""
+    b = (tl.program_id(1) // H).to(tl.int64)
+    h = (tl.program_id(1) % H).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_DIM)
+    inside = rows[:, None] < N
+    x = tl.load(X + b * stride_b + h * stride_h + rows[:, None] * stride_n + cols[None, :], mask=inside, other=0.0)
+    return x.to(tl.float32), b, h, rows, cols, inside
+
+
+@triton.jit
 def _quantize_int8_kernel(X, MEAN, OUT, SCALE, stride_xb, stride_xh, stride_xn, stride_ob, stride_oh, stride_on,
                           stride_sb, stride_sh, H, N,
                           HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SUBTRACT_MEAN: tl.constexpr):
     """One block of ``BLOCK`` tokens of one (b, h): its largest magnitude maps to 127."""
+    x, b, h, rows, cols, inside = _token_block(X, stride_xb, stride_xh, stride_xn, H, N, HEAD_DIM, BLOCK)
     blk = tl.program_id(0)
-    b = (tl.program_id(1) // H).to(tl.int64)
-    h = (tl.program_id(1) % H).to(tl.int64)
-    rows = blk * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, HEAD_DIM)
-    inside = rows[:, None] < N
-    x = tl.load(X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xn + cols[None, :], mask=inside,
-                other=0.0).to(tl.float32)
     if SUBTRACT_MEAN:  # the mean is [B, H, D], contiguous
         x = tl.where(inside, x - tl.load(MEAN + (b * H + h) * HEAD_DIM + cols)[None, :], 0.0)
     scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12) / 127.0
@@ -103,14 +110,7 @@ def _quantize_int8_kernel(X, MEAN, OUT, SCALE, stride_xb, stride_xh, stride_xn, 
 def _quantize_v_kernel(V, SCALE, OUT, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_od, H, N,
                        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """``BLOCK`` tokens of V of one (b, h), divided by their channel's scale, stored transposed as e4m3."""
-    blk = tl.program_id(0)
-    b = (tl.program_id(1) // H).to(tl.int64)
-    h = (tl.program_id(1) % H).to(tl.int64)
-    rows = blk * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, HEAD_DIM)
-    inside = rows[:, None] < N
-    v = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vn + cols[None, :], mask=inside,
-                other=0.0).to(tl.float32)
+    v, b, h, rows, cols, inside = _token_block(V, stride_vb, stride_vh, stride_vn, H, N, HEAD_DIM, BLOCK)
     v = v / tl.load(SCALE + (b * H + h) * HEAD_DIM + cols)[None, :]
     t_ptrs = OUT + b * stride_ob + h * stride_oh + cols[None, :] * stride_od + rows[:, None]
     tl.store(t_ptrs, _to_e4m3(v, ROUND_FIRST), mask=inside)
@@ -229,22 +229,12 @@ def fp8_block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None):
 
     Returns the launched kernel handle, as ``block_sparse_attn_fwd`` does."""
     b, h, n, d = q.shape
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"the FP8 kernel needs a power-of-two head_dim >= 16, got {d}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("out", o)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit stride on head_dim (make it contiguous)")
-    if o.shape != q.shape or o.dtype != q.dtype:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} in [B, H, N, D] view, got {tuple(o.shape)} {o.dtype}")
+    check_launch(q, k, v, o, "the FP8 kernel")
     cfg = fp8_pick_config(d, mask.block_q, mask.block_k, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     qq = quantize(q, k, v, mask.block_q, mask.block_k)
     order = launch_order(mask, b, bm, cfg["order"])
-    lb, lc = mask.live_blocks, mask.live_counts
-    if lb.stride(-1) != 1 or lc.stride(-1) != 1:
-        lb, lc = lb.contiguous(), lc.contiguous()
-    lb_sb = lb.stride(0) if lb.shape[0] > 1 else 0  # batch-1 masks broadcast over the batch
-    lc_sb = lc.stride(0) if lc.shape[0] > 1 else 0
+    lb, lc, lb_sb, lc_sb = live_lists(mask)
     return _fp8_bsa_fwd_kernel[(order.numel(),)](
         qq.q, qq.q_scale, qq.k, qq.k_scale, qq.v_t, qq.v_scale, o, lb, lc, order,
         qq.q.stride(0), qq.q.stride(1), qq.q.stride(2), qq.q_scale.stride(0), qq.q_scale.stride(1),
