@@ -244,5 +244,6 @@ def fp8_block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None):
         lb_sb, lb.stride(1), lb.stride(2), lc_sb, lc.stride(1),
         h, n, math.ceil(n / bm), d**-0.5 * LOG2E,
         HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, TILES_PER_QB=mask.block_q // bm, SUBS_PER_KB=mask.block_k // bn,
-        RAGGED=n % mask.block_k != 0, ROUND_FIRST=_interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        RAGGED=n % mask.block_k != 0, ROUND_FIRST=_interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -54,8 +54,8 @@ from .model_checks import (ATTENTION_BACKEND_NODE, CompetingAttentionError, Unsu
 from .run_keys import (APPLY_MODEL, DIFFUSION_MODEL, OUTER_SAMPLE, OVERRIDE_KEY, sparse_block_key, sparse_declared_key,
                        sparse_plan_key, sparse_run_key, sparse_video_key)
 from .run_stats import LayerStats, RunStats, StepStats
-from .sparse_run import (ATTENTION_PRECISIONS, DENSE_ATTENTION_MODES, BlockCall, CallPlan, SparseAttentionState, SparseRun,
-                         declared_attention, video_token_count)
+from .sparse_run import (ATTENTION_PRECISIONS, DENSE_ATTENTION_MODES, BlockCall, CallPlan, SparseAttentionState,
+                         SparseRun, declared_attention, video_token_count)
 
 __all__ = [
     "UnsupportedModelError",
