@@ -29,8 +29,7 @@ import triton.language as tl
 
 from .triton_block_sparse import LOG2E, check_launch, launch_order, live_lists, online_softmax, pick_config
 
-INT8_MAX = 127.0
-E4M3_MAX = 448.0  # P in [0, 1] is stored as P * 448: e4m3's whole range
+E4M3_MAX = 448.0  # e4m3's largest value: V's channel maxima map to it, and P in [0, 1] is stored as P * 448
 
 # Tile configs per head_dim. 128: the best of seven at 720p, density 0.15 on an H100 (27.7 ms against
 # 33.9 ms for this kernel with 8 warps, the bf16 kernel's count; tests/benchmarks/results/fp8_block_sparse.json,
@@ -66,7 +65,7 @@ def _round_half_even(y):
 
 @triton.jit
 def _to_e4m3(x, ROUND_FIRST: tl.constexpr):
-    """``x`` (>= 0 or any sign, within +-448) as e4m3. Triton's CPU interpreter (TRITON_INTERPRET=1,
+    """``x`` (within +-448) as e4m3. Triton's CPU interpreter (TRITON_INTERPRET=1,
     the CPU tests) drops the carry when a value rounds up into the next binade (127.9 becomes 64):
     there ROUND_FIRST puts x on e4m3's grid in float32 first, so the cast itself is exact."""
     if ROUND_FIRST:
