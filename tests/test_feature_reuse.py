@@ -315,3 +315,36 @@ def test_apply_feature_reuse_refuses_a_non_video_latent(tiny_wan_patcher):
     with pytest.raises(ValueError, match="video latent"):
         apply_feature_reuse(tiny_wan_patcher, torch.zeros(1, 4, 8, 8), None, 0.5)
     assert token_grid((1, 16, 5, 16, 16)) == GRID
+
+
+@pytest.mark.comfy
+def test_reduced_calls_follow_the_runs_attention_precision(tiny_wan_patcher, monkeypatch):
+    """With attention_precision "fp8" the reduced layer's block-sparse calls go to the FP8 dispatch
+    too (on these CPU tensors, the scheme's reference), not to the 16-bit one."""
+    from i2v_inputs import sample_request
+
+    import kernels.fp8_block_sparse as fp8
+    from chorus_core.attention.mask_provider import StaticBlockMapProvider
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    nb = math.ceil(SEQ_LEN / BLOCK)
+    g = torch.Generator().manual_seed(5)
+    maps = {layer: (torch.rand(1, 2, nb, nb, generator=g) < 0.3) | torch.eye(nb, dtype=torch.bool) for layer in (0, 1)}
+    seen = []
+    real = fp8.fp8_block_sparse_attention
+
+    def counted(q, *args, **kwargs):
+        seen.append(q.shape[-2] if q.dim() == 4 else q.shape[1])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(fp8, "fp8_block_sparse_attention", counted)
+    settings = FeatureReuseSettings(layers=(1,), start_percent=0.0, rim=0)
+    region_map = random_map(GRID, (1, 2, 2), 0.5)
+    sparse = install_sparse_attention(tiny_wan_patcher, StaticBlockMapProvider.for_all_steps(maps, (BLOCK, BLOCK)),
+                                      attention_precision="fp8")
+    patched = install_feature_reuse(sparse, region_map, GRID, settings)
+    sample_request(patched, seed=2, steps=STEPS)
+    reduced = SEQ_LEN - 3 * int(region_map.sum())
+    assert get_feature_reuse_state(patched).stats.sparse_reduced_calls == STEPS
+    assert seen.count(reduced) == STEPS and seen.count(SEQ_LEN) == STEPS  # layer 1 reduced, layer 0 whole
+    assert get_run_stats(patched).backend.startswith("reference_fp8")
