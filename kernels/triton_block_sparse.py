@@ -236,6 +236,37 @@ def _kv_descriptors(k, v, block_n):
     )
 
 
+_FITTED: dict = {}  # (kernel, device, dtype, head_dim, tile config) -> the (BLOCK_N, num_stages) that fit
+
+
+def fitting_candidates(cfg: dict) -> list[tuple[int, int]]:
+    """(BLOCK_N, num_stages) to try, from the tuned config down: fewer stages (one K and V tile
+    less each), then half as many keys per tile at two stages and one."""
+    block_n, stages = cfg["BLOCK_N"], cfg["num_stages"]
+    smaller = [(block_n // 2, s) for s in range(min(stages, 2), 0, -1)] if block_n >= 32 else []
+    return [(block_n, s) for s in range(stages, 0, -1)] + smaller
+
+
+def launch_fitting(launch, cfg: dict, key: tuple):
+    """``launch(block_n, num_stages)`` at the tuned config, or the first smaller one the GPU's shared
+    memory holds. The configs are tuned on Hopper (227 KB a block); consumer and Ada cards have about
+    100 KB, A100 164 KB, and Triton refuses a launch that needs more (OutOfResources) rather than
+    spilling. What fitted is remembered per device and config, so later calls go straight to it."""
+    from triton.runtime.errors import OutOfResources
+
+    key = key + (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+    refused = None
+    for block_n, stages in ([_FITTED[key]] if key in _FITTED else fitting_candidates(cfg)):
+        try:
+            handle = launch(block_n, stages)
+        except OutOfResources as exc:
+            refused = exc
+            continue
+        _FITTED[key] = (block_n, stages)
+        return handle
+    raise refused
+
+
 def check_launch(q, k, v, o, kernel: str) -> None:
     """``[B, H, N, D]`` views a kernel of this package can launch on: ValueError saying what is wrong."""
     d = q.shape[-1]
@@ -265,22 +296,26 @@ def block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None):
     b, h, n, d = q.shape
     check_launch(q, k, v, o, "the Triton kernel")
     cfg = pick_config(d, mask.block_q, mask.block_k, config)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    bm = cfg["BLOCK_M"]
     order = launch_order(mask, b, bm, cfg["order"])
     lb, lc, lb_sb, lc_sb = live_lists(mask)
-    kd, vd = _kv_descriptors(k, v, bn) if cfg.get("tma") else (k, v)
-    return _bsa_fwd_kernel[(order.numel(),)](
-        q, k, v, o, kd, vd, lb, lc, order,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lb_sb, lb.stride(1), lb.stride(2),
-        lc_sb, lc.stride(1),
-        h, n, math.ceil(n / bm), d**-0.5 * LOG2E,
-        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
-        TILES_PER_QB=mask.block_q // bm, SUBS_PER_KB=mask.block_k // bn,
-        RAGGED=n % mask.block_k != 0, PIPELINE_QK=bool(cfg.get("pipeline_qk", False)),
-        USE_TMA=kd is not k,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+
+    def launch(block_n: int, stages: int):
+        kd, vd = _kv_descriptors(k, v, block_n) if cfg.get("tma") else (k, v)
+        return _bsa_fwd_kernel[(order.numel(),)](
+            q, k, v, o, kd, vd, lb, lc, order,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            lb_sb, lb.stride(1), lb.stride(2),
+            lc_sb, lc.stride(1),
+            h, n, math.ceil(n / bm), d**-0.5 * LOG2E,
+            HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=block_n,
+            TILES_PER_QB=mask.block_q // bm, SUBS_PER_KB=mask.block_k // block_n,
+            RAGGED=n % mask.block_k != 0, PIPELINE_QK=bool(cfg.get("pipeline_qk", False)),
+            USE_TMA=kd is not k,
+            num_warps=cfg["num_warps"], num_stages=stages,
+        )
+
+    return launch_fitting(launch, cfg, ("bf16", str(q.device), q.dtype, d))

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_block_sparse import LOG2E, check_launch, launch_order, live_lists, online_softmax, pick_config
+from .triton_block_sparse import (LOG2E, check_launch, launch_fitting, launch_order, live_lists, online_softmax,
+                                  pick_config)
 
 E4M3_MAX = 448.0  # e4m3's largest value: V's channel maxima map to it, and P in [0, 1] is stored as P * 448
 
@@ -230,19 +231,22 @@ def fp8_block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None):
     b, h, n, d = q.shape
     check_launch(q, k, v, o, "the FP8 kernel")
     cfg = fp8_pick_config(d, mask.block_q, mask.block_k, config)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    bm = cfg["BLOCK_M"]
     qq = quantize(q, k, v, mask.block_q, mask.block_k)
     order = launch_order(mask, b, bm, cfg["order"])
     lb, lc, lb_sb, lc_sb = live_lists(mask)
-    return _fp8_bsa_fwd_kernel[(order.numel(),)](
-        qq.q, qq.q_scale, qq.k, qq.k_scale, qq.v_t, qq.v_scale, o, lb, lc, order,
-        qq.q.stride(0), qq.q.stride(1), qq.q.stride(2), qq.q_scale.stride(0), qq.q_scale.stride(1),
-        qq.k.stride(0), qq.k.stride(1), qq.k.stride(2), qq.k_scale.stride(0), qq.k_scale.stride(1),
-        qq.v_t.stride(0), qq.v_t.stride(1), qq.v_t.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lb_sb, lb.stride(1), lb.stride(2), lc_sb, lc.stride(1),
-        h, n, math.ceil(n / bm), d**-0.5 * LOG2E,
-        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, TILES_PER_QB=mask.block_q // bm, SUBS_PER_KB=mask.block_k // bn,
-        RAGGED=n % mask.block_k != 0, ROUND_FIRST=_interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    def launch(block_n: int, stages: int):
+        return _fp8_bsa_fwd_kernel[(order.numel(),)](
+            qq.q, qq.q_scale, qq.k, qq.k_scale, qq.v_t, qq.v_scale, o, lb, lc, order,
+            qq.q.stride(0), qq.q.stride(1), qq.q.stride(2), qq.q_scale.stride(0), qq.q_scale.stride(1),
+            qq.k.stride(0), qq.k.stride(1), qq.k.stride(2), qq.k_scale.stride(0), qq.k_scale.stride(1),
+            qq.v_t.stride(0), qq.v_t.stride(1), qq.v_t.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            lb_sb, lb.stride(1), lb.stride(2), lc_sb, lc.stride(1),
+            h, n, math.ceil(n / bm), d**-0.5 * LOG2E,
+            HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=block_n, TILES_PER_QB=mask.block_q // bm,
+            SUBS_PER_KB=mask.block_k // block_n, RAGGED=n % mask.block_k != 0, ROUND_FIRST=_interpreting(),
+            num_warps=cfg["num_warps"], num_stages=stages,
+        )
+
+    return launch_fitting(launch, cfg, ("fp8", str(q.device), q.dtype, d))

@@ -317,6 +317,49 @@ def test_triton_matches_reference(case, gen):
 
 
 @needs_triton
+def test_a_gpu_with_less_shared_memory_gets_a_smaller_config_that_fits(gen, monkeypatch):
+    """Tuned on Hopper (227 KB of shared memory a block); an RTX 4090 has about 100 KB, where
+    Triton refuses the launch (OutOfResources). The kernel steps down to fewer stages, then
+    narrower key tiles, and keeps what fitted for the next calls."""
+    from triton.runtime.errors import OutOfResources
+
+    import kernels.triton_block_sparse as tbs
+
+    real, launches = tbs._bsa_fwd_kernel, []
+
+    class SmallCard:  # refuses every launch with a 32-key tile or more than one stage
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((kwargs["BLOCK_N"], kwargs["num_stages"]))
+                if kwargs["BLOCK_N"] > 16 or kwargs["num_stages"] > 1:
+                    raise OutOfResources(200_000, 101_376, "shared memory")
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(tbs, "_bsa_fwd_kernel", SmallCard())
+    monkeypatch.setattr(tbs, "_FITTED", {})
+    config = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=3)
+    assert tbs.fitting_candidates(config) == [(32, 3), (32, 2), (32, 1), (16, 2), (16, 1)]
+    q, k, v, block_map = make_case(1, 2, 150, 32, 32, "random35", gen)
+    mask = block_map_to_mask(block_map, 32, 32, 150)
+    out = run_triton(q, k, v, mask, 2, config)
+    assert_close(out, block_sparse_attention_reference(q, k, v, mask, 2), 1e-5, 1e-4)
+    assert launches == [(32, 3), (32, 2), (32, 1), (16, 2), (16, 1)]
+    run_triton(q, k, v, mask, 2, config)
+    assert launches[5:] == [(16, 1)]  # the next call goes straight to what fitted
+
+    class TinyCard:  # refuses every launch
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(200_000, 1_024, "shared memory")
+            return launch
+
+    monkeypatch.setattr(tbs, "_bsa_fwd_kernel", TinyCard())
+    with pytest.raises(OutOfResources):  # nothing fits: the error reaches the caller (the run goes dense)
+        run_triton(q, k, v, mask, 2, dict(config, num_warps=8))
+
+
+@needs_triton
 def test_triton_all_live_equals_dense_sdpa(gen):
     q, k, v, block_map = make_case(1, 2, 150, 32, 32, "all_live", gen)
     mask = block_map_to_mask(block_map, 32, 32, 150)

@@ -155,3 +155,32 @@ def test_a_forced_backend_fp8_cannot_honour_falls_back_to_the_16_bit_dispatch(mo
                         "FP8 tensor cores need sm_89 or newer")
     with pytest.raises(RuntimeError, match="cannot run this call"):
         select_fp8_backend(q, m, "triton")
+
+
+@needs_interpreter
+def test_the_fp8_kernel_steps_down_to_a_config_a_smaller_card_holds(monkeypatch):
+    """The FP8 tiles are tuned on Hopper; an Ada card (about 100 KB of shared memory a block)
+    refuses the three-stage launch, and the kernel runs at fewer stages instead."""
+    from triton.runtime.errors import OutOfResources
+
+    import kernels.triton_block_sparse as tbs
+    import kernels.triton_fp8_block_sparse as kernel
+
+    real, launches = kernel._fp8_bsa_fwd_kernel, []
+
+    class AdaCard:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["num_stages"])
+                if kwargs["num_stages"] > 2:
+                    raise OutOfResources(120_000, 101_376, "shared memory")
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kernel, "_fp8_bsa_fwd_kernel", AdaCard())
+    monkeypatch.setattr(tbs, "_FITTED", {})
+    q, k, v = inputs(n=300)
+    m = mask_for(n=300)
+    out = fp8_block_sparse_attention(q, k, v, m, H, backend="triton")
+    assert launches == [3, 2]
+    assert cosine(out, fp8_block_sparse_attention_reference(q, k, v, m, H)) >= 0.9995
