@@ -25,10 +25,11 @@ Importing this module never needs triton.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
+
+from .block_sparse import triton_interpreting
 
 try:  # optional: without triton (or with a broken install) only the reference runs
     import triton
@@ -161,10 +162,6 @@ def block_mass(
 # --------------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _block_mass_triton(qh, kh, block_size, scale, stride, lse, config) -> torch.Tensor:
     """q, k ``[B, H, N, D]`` views -> mass ``[B, H, nb, nb]`` float32 (see module docstring)."""
     kern = _kernels()
@@ -172,7 +169,7 @@ def _block_mass_triton(qh, kh, block_size, scale, stride, lse, config) -> torch.
     nb = math.ceil(n / block_size)
     block_d = max(16, 1 << (d - 1).bit_length())
     # The interpreter's tl.dot is wrong for bf16/fp16 operands: upcast there (CPU tests only).
-    upcast = _interpreting() or qh.dtype == torch.float32
+    upcast = triton_interpreting() or qh.dtype == torch.float32
     # A tile is always block_size query rows: with stride s, every s-th row of s query blocks,
     # so sampling cuts the work without shrinking the matrix-unit tiles.
     tiles = math.ceil(nb / stride)

@@ -40,6 +40,7 @@ __all__ = [
     "check_inputs",
     "record_backend_choice",
     "triton_available",
+    "triton_interpreting",
     "BackendChoice",
     "BACKENDS",
     "select_backend",
@@ -50,6 +51,12 @@ BACKENDS = ("fa4", "triton", "reference")
 BACKEND_ENV = "CHORUS_BLOCK_SPARSE_BACKEND"  # forces what backend="auto" picks (A/B runs)
 
 _triton_ok: list = []  # one entry once probed: a plain module cache, not functools (see below)
+
+
+def triton_interpreting() -> bool:
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1: the CPU tests), where the kernels
+    work around its arithmetic faults (bf16 dots, e4m3 casts)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_available() -> bool:

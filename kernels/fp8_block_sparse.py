@@ -32,7 +32,8 @@ import torch
 
 from . import fa4_block_sparse as fa4
 from .block_sparse import (BACKEND_ENV, BackendChoice, BlockSparseMask, check_inputs, query_blocks,
-                           record_backend_choice, run_backend, select_backend, triton_available)
+                           record_backend_choice, run_backend, select_backend, triton_available,
+                           triton_interpreting)
 from .layouts import from_bhnd, output_views, to_bhnd
 from .ops import define_fp8_block_sparse_op
 
@@ -107,7 +108,7 @@ def fp8_unsupported_reason(q: torch.Tensor, mask: BlockSparseMask) -> Optional[s
     if not triton_available():
         return "triton is not installed"
     if not q.is_cuda:
-        return None if os.environ.get("TRITON_INTERPRET") == "1" else "CPU tensors"
+        return None if triton_interpreting() else "CPU tensors"
     major, minor = fa4.device_capability(q.device)
     if (major, minor) < (8, 9):
         return f"FP8 tensor cores need sm_89 or newer, this GPU is sm_{major}{minor}"

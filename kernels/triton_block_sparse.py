@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 LOG2E = 1.4426950408889634
 
@@ -252,8 +253,6 @@ def launch_fitting(launch, cfg: dict, key: tuple):
     memory holds. The configs are tuned on Hopper (227 KB a block); consumer and Ada cards have about
     100 KB, A100 164 KB, and Triton refuses a launch that needs more (OutOfResources) rather than
     spilling. What fitted is remembered per device and config, so later calls go straight to it."""
-    from triton.runtime.errors import OutOfResources
-
     key = key + (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
     refused = None
     for block_n, stages in ([_FITTED[key]] if key in _FITTED else fitting_candidates(cfg)):

@@ -20,13 +20,13 @@ Two steps per call:
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .block_sparse import triton_interpreting
 from .triton_block_sparse import (LOG2E, check_launch, launch_fitting, launch_order, live_lists, online_softmax,
                                   pick_config)
 
@@ -50,10 +50,6 @@ class QuantizedQKV(NamedTuple):
     k_scale: torch.Tensor  # float32 [B, H, ceil(N / block_k)]
     v_t: torch.Tensor  # e4m3 [B, H, D, N padded to 16]
     v_scale: torch.Tensor  # float32 [B, H, D]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -128,7 +124,7 @@ def quantize(q, k, v, block_q: int, block_k: int) -> QuantizedQKV:
     block = 64
     _quantize_v_kernel[(triton.cdiv(n, block), b * h)](
         v, v_scale, v_t, v.stride(0), v.stride(1), v.stride(2), v_t.stride(0), v_t.stride(1), v_t.stride(2), h, n,
-        HEAD_DIM=d, BLOCK=block, ROUND_FIRST=_interpreting(), num_warps=4)
+        HEAD_DIM=d, BLOCK=block, ROUND_FIRST=triton_interpreting(), num_warps=4)
     return QuantizedQKV(q8, q_scale, k8, k_scale, v_t, v_scale)
 
 
@@ -245,7 +241,7 @@ def fp8_block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None):
             lb_sb, lb.stride(1), lb.stride(2), lc_sb, lc.stride(1),
             h, n, math.ceil(n / bm), d**-0.5 * LOG2E,
             HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=block_n, TILES_PER_QB=mask.block_q // bm,
-            SUBS_PER_KB=mask.block_k // block_n, RAGGED=n % mask.block_k != 0, ROUND_FIRST=_interpreting(),
+            SUBS_PER_KB=mask.block_k // block_n, RAGGED=n % mask.block_k != 0, ROUND_FIRST=triton_interpreting(),
             num_warps=cfg["num_warps"], num_stages=stages,
         )
 

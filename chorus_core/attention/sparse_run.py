@@ -212,9 +212,14 @@ class SparseRun:
 
     def sparse_attention(self) -> Callable:
         """The block-sparse function of this run's ``attention_precision`` (same arguments either way)."""
+        return self._dispatch()[0]
+
+    def _dispatch(self) -> tuple[Callable, Callable]:
+        """(block-sparse function, its backend selection) for this run's ``attention_precision``."""
         if self.attention_precision == "fp8":
-            return fp8_block_sparse().fp8_block_sparse_attention
-        return block_sparse().block_sparse_attention
+            fp8 = fp8_block_sparse()
+            return fp8.fp8_block_sparse_attention, fp8.select_fp8_backend
+        return block_sparse().block_sparse_attention, block_sparse().select_backend
 
     def dense_for_extra_tokens(self, layer: int, block: "BlockCall") -> None:
         """A sequence with tokens besides the video's: the masks do not cover them, so dense."""
@@ -358,9 +363,7 @@ class SparseRun:
     def _note_backend(self, call: "AttentionCall", prepared: PreparedMask) -> None:
         """Name the kernel backend in the run's statistics (chosen again per call; probes are cached)."""
         if self.stats.backend is None:
-            select = fp8_block_sparse().select_fp8_backend if self.attention_precision == "fp8" \
-                else block_sparse().select_backend
-            self.stats.backend = str(select(call.q, prepared.mask))
+            self.stats.backend = str(self._dispatch()[1](call.q, prepared.mask))
 
     def _disable(self, reason: str) -> None:
         self._disabled = True
