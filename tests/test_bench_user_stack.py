@@ -108,3 +108,23 @@ print(json.dumps([(r['warm_seconds'], r['vs_dense_same_weights']) for r in rows]
     (cold_warm, cold_ratio), (hit_warm, hit_ratio) = json.loads(done.stdout.strip().splitlines()[-1])
     assert cold_warm == 12.0 and hit_warm is None  # 15 s less the first step's 3 s over the median
     assert hit_ratio == 2.0 and cold_ratio == 0.8  # 12 / 6, not 15 / 6; the cold run itself 12 / 15
+
+
+def test_fp8_attention_hits_on_the_fp8_loads_users_run(tmp_path, comfyui_path):
+    """attention_precision "fp8" on an fp8_scaled file and on UNETLoader's fp8_e4m3fn_fast weights:
+    each miss records an entry of its own model and the FP8 hit serves it (on the CPU the FP8
+    scheme's reference computes the block-sparse calls)."""
+    rows = ("fp8_scaled:miss:eager,fp8_scaled:hit_fp8:eager,"
+            "fp8_e4m3fn_fast:miss:eager,fp8_e4m3fn_fast:hit_last1_fp8:eager")
+    done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
+                           "--bank", tmp_path / "bank", "--rows", rows], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((tmp_path / "user_stack_tiny.json").read_text())
+    assert doc["details"]["errors"] == []
+    result = {r["name"]: r for r in doc["rows"]}
+    for weights, arm in (("fp8_scaled", "hit_fp8"), ("fp8_e4m3fn_fast", "hit_last1_fp8")):
+        hit = result[f"{weights}_{arm}_eager"]
+        assert hit["run_mode"] == "hit" and hit["backend"].startswith("reference_fp8"), hit
+        assert hit["entry_id"] == result[f"{weights}_miss_eager"]["recorded_entry_id"]
+    assert result["fp8_e4m3fn_fast_hit_last1_fp8_eager"]["dense_steps"] == 1
