@@ -1,4 +1,4 @@
-"""The user-stack benchmark runs end to end at a tiny size on the CPU, :sage rows included."""
+"""The user-stack benchmark runs end to end at a tiny size on the CPU, :sage and :flash rows included."""
 
 import json
 import os
@@ -14,7 +14,7 @@ BENCH = REPO_ROOT / "tests" / "benchmarks" / "bench_user_stack.py"
 
 def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_calls(tmp_path, comfyui_path):
     rows = "bf16:dense:eager,bf16:dense:eager:sage,bf16:miss:eager,bf16:hit:eager:sage,bf16:hit:eager,bf16:hit_last1:eager,"
-    rows += "bf16:hit_fp8:eager"
+    rows += "bf16:hit_fp8:eager,bf16:dense:eager:flash"
     done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
                            "--bank", tmp_path / "bank", "--rows", rows], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
@@ -23,6 +23,8 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
     assert result["bf16_dense_eager"]["attention"] == "cudnn_sdpa"
     assert result["bf16_dense_eager_sage"]["attention"] == "sageattention_1.0.6"
     assert result["bf16_dense_eager_sage"]["role"] == "dense"  # a dense baseline like the others
+    flash = result["bf16_dense_eager_flash"]  # torch SDPA's flash kernel first: on the CPU, the order is not set
+    assert (flash["attention"], flash["role"]) == ("flash_sdpa", "dense")
     # ComfyUI's attention_sage ran (on CPU tensors it falls back to torch, and says so)
     assert "Error running sage attention" in done.stdout + done.stderr
     assert "SageAttention" in result["bf16_hit_eager_sage"]["dense_backend"]
@@ -53,7 +55,7 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
 def test_a_row_names_only_known_attentions_and_a_bad_one_stops_the_call_at_once(tmp_path):
     """In a process of its own: the benchmark puts the repository first on sys.path, where its
     nodes/ package would stand in for ComfyUI's nodes module in every later test."""
-    for bad in ("bf16:hit:compiled:flash", "bf16:hit:compiled:sage:x", "bf16:dense"):
+    for bad in ("bf16:hit:compiled:xformers", "bf16:hit:compiled:sage:x", "bf16:dense"):
         done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir",
                                tmp_path / "never", "--rows", f"bf16:dense:eager,{bad}"], cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=120)
@@ -128,3 +130,24 @@ def test_fp8_attention_hits_on_the_fp8_loads_users_run(tmp_path, comfyui_path):
         assert hit["run_mode"] == "hit" and hit["backend"].startswith("reference_fp8"), hit
         assert hit["entry_id"] == result[f"{weights}_miss_eager"]["recorded_entry_id"]
     assert result["fp8_e4m3fn_fast_hit_last1_fp8_eager"]["dense_steps"] == 1
+
+
+def test_flash_rows_put_torchs_flash_kernel_first_where_the_others_put_cudnn(tmp_path):
+    """What a :flash row asks torch for on a GPU: flash first in SDPA's priority order, cuDNN after
+    it only for shapes flash refuses (the CPU has no order to set, so sdpa_kernel is recorded here)."""
+    probe = (
+        "import sys, torch.nn.attention as a\n"
+        f"sys.path.insert(0, {str(BENCH.parent)!r})\n"
+        "import bench_user_stack as b\n"
+        "seen = []\n"
+        "a.sdpa_kernel = lambda backends, set_priority: (seen.append(([x.name for x in backends], set_priority)),"
+        " __import__('contextlib').nullcontext())[1]\n"
+        "for order in (b.SDPA_ORDER, b.FLASH_SDPA_ORDER):\n"
+        "    with b.cudnn_first(True, order):\n"
+        "        pass\n"
+        "print(seen)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str([
+        (["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"], True),
+        (["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH"], True)])

@@ -11,8 +11,9 @@ device)::
 
 or on the CPU at a tiny width and grid, to test the script end to end: ``--tiny``. A row is
 ``WEIGHTS:ARM:eager|compiled``, with ``:sage`` at the end for ComfyUI's ``--use-sage-attention``
-(``sageattention`` 1.0.6) on the row's dense calls: a dense baseline like the cuDNN rows, and for a
-Chorus row the attention of its dense steps and layers.
+(``sageattention`` 1.0.6) on the row's dense calls, or ``:flash`` for torch SDPA with its flash
+kernel first instead of cuDNN: a dense baseline like the cuDNN rows, and for a Chorus row the
+attention of its dense steps and layers.
 
 What runs: a Wan 2.1 I2V model at 14B width (dim 5120, 40 heads x 128, ffn 13824, 40 blocks, with
 the CLIP-image projector; 16.4 B parameters) with random weights, written once to two files in
@@ -320,30 +321,34 @@ def compiled(model):
 
 
 SDPA_ORDER = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# ``:flash`` rows: torch's flash kernel first (FlashAttention-2 in torch 2.11), as a user gets where
+# cuDNN's attention is not picked; the others only for a shape flash refuses
+FLASH_SDPA_ORDER = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
 @contextlib.contextmanager
-def cudnn_first(cuda: bool):
+def cudnn_first(cuda: bool, order: tuple = SDPA_ORDER):
     """torch SDPA with cuDNN first in its priority order (as ComfyUI sets it on Windows), the others
-    after it for a shape cuDNN refuses; a global setting, so compiled code traces the same choice and
-    nothing in the model is patched (no graph break)."""
+    after it for a shape cuDNN refuses (or ``order``: flash first for ``:flash`` rows); a global
+    setting, so compiled code traces the same choice and nothing in the model is patched (no graph
+    break)."""
     if not cuda:
         yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([getattr(SDPBackend, n) for n in SDPA_ORDER], set_priority=True):
+    with sdpa_kernel([getattr(SDPBackend, n) for n in order], set_priority=True):
         yield
 
 
-def sdpa_choices(cuda: bool, tokens: int) -> dict:
-    """The backend torch picks under ``cudnn_first`` for the model's attention shapes (batch 1)."""
+def sdpa_choices(cuda: bool, tokens: int, order: tuple = SDPA_ORDER) -> dict:
+    """The backend torch picks under ``cudnn_first(cuda, order)`` for the model's attention shapes (batch 1)."""
     if not cuda:
         return {}
     from torch.nn.attention import SDPBackend
 
     out = {}
-    with cudnn_first(cuda):
+    with cudnn_first(cuda, order):
         for name, kv in (("self", tokens), ("cross_text", 512), ("cross_image", 257)):
             q = torch.randn(1, 40, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(1, 40, kv, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -395,7 +400,8 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
     e2e.sync(cuda)
     graphs_before = graphs_compiled()
     start = time.perf_counter()
-    with timed_model_loads(cuda) as loads, cudnn_first(cuda), comfyui_attention(ctx["attention"]), \
+    order = FLASH_SDPA_ORDER if ctx["attention"] == "flash" else SDPA_ORDER
+    with timed_model_loads(cuda) as loads, cudnn_first(cuda, order), comfyui_attention(ctx["attention"]), \
             torch.inference_mode():
         sampled, core_stats = model, None
         if arm in CORE_ARMS:
@@ -460,7 +466,8 @@ def check_path(arm: str, m: dict, cuda: bool = True) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-COMFYUI_ATTENTIONS = ("sdpa", "sage")
+COMFYUI_ATTENTIONS = ("sdpa", "sage", "flash")
+DENSE_ATTENTION_NAMES = {"sdpa": "cudnn_sdpa", "sage": "sageattention_1.0.6", "flash": "flash_sdpa"}
 CORE_ARMS = ("core", "core_topk")
 HIT_ARMS = ("hit", "hit_last1", "hit_fp8", "hit_last1_fp8")  # last1: the last step dense; fp8: FP8 attention
 ARMS = ("dense", "miss", "online") + HIT_ARMS + CORE_ARMS
@@ -470,18 +477,19 @@ def parse_row(spec: str) -> tuple[str, str, bool]:
     weights, arm, how = (spec.split(":") + ["", ""])[:3]
     if weights not in WEIGHTS or arm not in ARMS or how not in ("eager", "compiled") \
             or row_attention(spec) not in COMFYUI_ATTENTIONS or spec.count(":") > 3:
-        raise SystemExit(f"bad row {spec!r}: WEIGHTS:{'|'.join(ARMS)}:eager|compiled[:sage]")
+        raise SystemExit(f"bad row {spec!r}: WEIGHTS:{'|'.join(ARMS)}:eager|compiled[:sage|:flash]")
     return weights, arm, how == "compiled"
 
 
 def row_attention(spec: str) -> str:
-    """ComfyUI's own attention for the row: ``sdpa`` (torch SDPA, cuDNN first) unless ``:sage`` ends it."""
+    """ComfyUI's own attention for the row: ``sdpa`` (torch SDPA, cuDNN first) unless ``:sage`` or
+    ``:flash`` ends it."""
     parts = spec.split(":")
     return parts[3] if len(parts) > 3 else "sdpa"
 
 
 def attention_name(arm: str, m: dict, comfyui_attention: str = "sdpa", core_sparse: core.CoreSettings | None = None) -> str:
-    dense = "cudnn_sdpa" if comfyui_attention == "sdpa" else "sageattention_1.0.6"
+    dense = DENSE_ATTENTION_NAMES[comfyui_attention]
     if arm == "dense":
         return dense
     if core_sparse is not None:
@@ -497,8 +505,8 @@ def comfyui_attention(name: str):
     ComfyUI's own pick; ``sage`` is what ``--use-sage-attention`` runs (ComfyUI's attention_sage over
     ``sageattention`` 1.0.6, the Triton one on the package index, carried by user_stack_env.sh).
     In process there is no start-up flag, so the module attributes the flag sets are set here, and
-    put back after the row."""
-    if name == "sdpa":
+    put back after the row. ``flash`` is ComfyUI's own attention too (its SDPA order is ``generate``'s)."""
+    if name in ("sdpa", "flash"):
         yield
         return
     import comfy.ldm.modules.attention as attention
@@ -763,8 +771,8 @@ def parse_args(argv):
     p.add_argument("--density", type=float, default=0.15)
     p.add_argument("--blocks", type=int, default=40)
     p.add_argument("--rows", default=DEFAULT_ROWS,
-                   help="WEIGHTS:ARM:eager|compiled[:sage], comma-separated, in order (:sage: ComfyUI's "
-                        "--use-sage-attention for the row's dense calls)")
+                   help="WEIGHTS:ARM:eager|compiled[:sage|:flash], comma-separated, in order (:sage: ComfyUI's "
+                        "--use-sage-attention for the row's dense calls; :flash: torch SDPA's flash kernel first)")
     p.add_argument("--weights-dir", default=str(Path(tempfile.gettempdir()) / "us-weights"))
     p.add_argument("--bank", default=str(Path(tempfile.gettempdir()) / "us-bank"),
                    help="the bank folder: a later call on the same machine serves hits from the entries recorded here")
@@ -823,6 +831,8 @@ def main(argv=None):
                attention="sdpa",
                run_id=f"{machine_session()}-{uuid.uuid4().hex[:6]}")
     doc["details"]["sdpa_choice"] = sdpa_choices(cuda, tokens)
+    if any(row_attention(s) == "flash" for s in args.rows.split(",") if s):
+        doc["details"]["sdpa_choice_flash_first"] = sdpa_choices(cuda, tokens, FLASH_SDPA_ORDER)
     log(f"torch SDPA picks, cuDNN first: {doc['details']['sdpa_choice']}")
     doc["details"]["bank_entries_at_start"] = len(bank.entries())  # recorded by an earlier call on this machine
     ctx["recorded"].update(json.loads((Path(args.bank) / "user_stack_recorded.json").read_text())
