@@ -65,10 +65,12 @@ def quantize_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False,
-                                         skip_output_reshape=False, qk_dtype: torch.dtype = torch.int8,
-                                         smooth_k: bool = True) -> torch.Tensor:
+                                         skip_output_reshape=False, qk_dtype: Optional[torch.dtype] = torch.int8,
+                                         smooth_k: bool = True, quantize_pv: bool = True) -> torch.Tensor:
     """Block-sparse attention with the scheme above; layouts as ``block_sparse_attention``
-    (``qk_dtype`` and ``smooth_k`` vary the scheme, for the comparisons that chose it).
+    (``qk_dtype``, ``smooth_k`` and ``quantize_pv`` vary the scheme, for the comparisons that chose
+    it and that look for where its error comes from: ``qk_dtype`` None keeps Q and K in float32,
+    ``quantize_pv`` False keeps P and V in float32).
 
     P is quantised against its row's final maximum here; the kernel's online softmax quantises each
     tile against the maximum so far, also in [0, 1]. Heads go in chunks whose scores fit
@@ -78,9 +80,9 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
     b, h, n, d = qh.shape
     if smooth_k:  # the softmax does not change
         kh = kh.float() - kh.float().mean(dim=-2, keepdim=True)
-    q8, q_scale = quantize_blocks(qh, mask.block_q, qk_dtype)
-    k8, k_scale = quantize_blocks(kh, mask.block_k, qk_dtype)
-    v8, v_scale = quantize_channels(vh)
+    q8, q_scale = quantize_blocks(qh, mask.block_q, qk_dtype) if qk_dtype is not None else _unscaled(qh, mask.block_q)
+    k8, k_scale = quantize_blocks(kh, mask.block_k, qk_dtype) if qk_dtype is not None else _unscaled(kh, mask.block_k)
+    v8, v_scale = quantize_channels(vh) if quantize_pv else (vh.float(), torch.ones_like(vh[..., :1, :], dtype=torch.float32))
     q_rows = q_scale.repeat_interleave(mask.block_q, dim=-1)[..., :n, None]
     k_cols = k_scale.repeat_interleave(mask.block_k, dim=-1)[..., None, :n]
     out = torch.empty(b, h, n, d, dtype=q.dtype, device=q.device)
@@ -92,9 +94,16 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
             s = (s * d**-0.5).masked_fill(~cols[:, hs, None, :], float("-inf"))
             p = torch.exp(s - s.amax(dim=-1, keepdim=True))
             row_sum = p.sum(dim=-1, keepdim=True)
-            pv = (p * P_SCALE).to(E4M3).float() @ v8[:, hs].float() * (v_scale[:, hs] / P_SCALE)
+            p_values = (p * P_SCALE).to(E4M3).float() if quantize_pv else p * P_SCALE
+            pv = p_values @ v8[:, hs].float() * (v_scale[:, hs] / P_SCALE)
             out[:, hs, rows] = (pv / row_sum).to(q.dtype)
     return from_bhnd(out, skip_output_reshape)
+
+
+def _unscaled(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in float32 with unit scales, shaped as ``quantize_blocks``' output (no quantisation)."""
+    b, h, n, _ = x.shape
+    return x.float(), torch.ones(b, h, -(-n // block), dtype=torch.float32, device=x.device)
 
 
 # --------------------------------------------------------------------------------------------

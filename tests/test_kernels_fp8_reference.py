@@ -92,3 +92,21 @@ def test_dropped_blocks_do_not_reach_the_output():
     after = attend(fp8_block_sparse_attention_reference, q, k, v2, m)
     moved = (after[:, 0, :BLOCK].float() - before[:, 0, :BLOCK].float()).abs().max()
     assert moved < 0.5, moved  # not the +100 a kept block would pass on
+
+
+def test_with_nothing_quantised_the_scheme_is_exact_and_each_half_alone_adds_error():
+    """The ablation arms (tests/testbed/fp8_ablation.py): Q, K, P and V all in float32 give the exact
+    block-sparse output; quantising one half of the scheme (QK^T in int8, or P and V in e4m3) gives
+    an error of its own, and both together no less than the larger alone."""
+    q, k, v = (x.float() for x in inputs())
+    m = mask()
+    exact = attend(block_sparse_attention_reference, q, k, v, m).float()
+
+    def error(**scheme):
+        out = fp8_block_sparse_attention_reference(q, k, v, m, H, True, True, **scheme).float()
+        return ((out - exact).norm() / exact.norm()).item()
+
+    assert error(qk_dtype=None, quantize_pv=False) < 1e-5
+    qk_only, pv_only, both = error(quantize_pv=False), error(qk_dtype=None), error()
+    assert min(qk_only, pv_only) > 1e-4
+    assert both >= 0.9 * max(qk_only, pv_only), (qk_only, pv_only, both)
