@@ -143,7 +143,7 @@ def test_flash_rows_put_torchs_flash_kernel_first_where_the_others_put_cudnn(tmp
         "a.sdpa_kernel = lambda backends, set_priority: (seen.append(([x.name for x in backends], set_priority)),"
         " __import__('contextlib').nullcontext())[1]\n"
         "for order in (b.SDPA_ORDER, b.FLASH_SDPA_ORDER):\n"
-        "    with b.cudnn_first(True, order):\n"
+        "    with b.sdpa_priority(True, order):\n"
         "        pass\n"
         "print(seen)\n")
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -327,9 +327,9 @@ FLASH_SDPA_ORDER = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION",
 
 
 @contextlib.contextmanager
-def cudnn_first(cuda: bool, order: tuple = SDPA_ORDER):
-    """torch SDPA with cuDNN first in its priority order (as ComfyUI sets it on Windows), the others
-    after it for a shape cuDNN refuses (or ``order``: flash first for ``:flash`` rows); a global
+def sdpa_priority(cuda: bool, order: tuple = SDPA_ORDER):
+    """torch SDPA's priority order for the row: cuDNN first by default (as ComfyUI sets it on Windows),
+    the others after it for a shape cuDNN refuses, or flash first for ``:flash`` rows; a global
     setting, so compiled code traces the same choice and nothing in the model is patched (no graph
     break)."""
     if not cuda:
@@ -342,13 +342,13 @@ def cudnn_first(cuda: bool, order: tuple = SDPA_ORDER):
 
 
 def sdpa_choices(cuda: bool, tokens: int, order: tuple = SDPA_ORDER) -> dict:
-    """The backend torch picks under ``cudnn_first(cuda, order)`` for the model's attention shapes (batch 1)."""
+    """The backend torch picks under ``sdpa_priority(cuda, order)`` for the model's attention shapes (batch 1)."""
     if not cuda:
         return {}
     from torch.nn.attention import SDPBackend
 
     out = {}
-    with cudnn_first(cuda, order):
+    with sdpa_priority(cuda, order):
         for name, kv in (("self", tokens), ("cross_text", 512), ("cross_image", 257)):
             q = torch.randn(1, 40, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(1, 40, kv, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -401,7 +401,7 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
     graphs_before = graphs_compiled()
     start = time.perf_counter()
     order = FLASH_SDPA_ORDER if ctx["attention"] == "flash" else SDPA_ORDER
-    with timed_model_loads(cuda) as loads, cudnn_first(cuda, order), comfyui_attention(ctx["attention"]), \
+    with timed_model_loads(cuda) as loads, sdpa_priority(cuda, order), comfyui_attention(ctx["attention"]), \
             torch.inference_mode():
         sampled, core_stats = model, None
         if arm in CORE_ARMS:
