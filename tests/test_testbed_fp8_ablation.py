@@ -1,6 +1,7 @@
 """FP8 attention's error by half of its scheme (tests.testbed.fp8_ablation): per call, each arm's
 error against float32 over the same blocks."""
 
+import pytest
 import torch
 
 from tests.testbed.fp8_ablation import ARMS, call_errors
@@ -28,3 +29,22 @@ def test_sharper_attention_raises_the_int8_qk_halfs_error():
     a logit's error on as a relative error of its weight: QK^T's share grows as attention sharpens."""
     mild, sharp = (call_errors(*_call(sharpness=s), block_size=128) for s in (1.0, 4.0))
     assert sharp["int8 QK only"] > 1.5 * mild["int8 QK only"], (mild, sharp)
+
+
+@pytest.mark.comfy
+def test_a_dense_run_gives_every_step_and_layer_its_errors_at_any_step_count(comfy_runtime):
+    """End to end on a random tiny testbed model: the dense run records every call's q, k and v
+    (the 10-step presets' step buckets do not stop a 4-step run), and each call gets every arm."""
+    from tests.testbed.config import make_config
+    from tests.testbed.fp8_ablation import ablate
+    from tests.testbed.models import build_model
+    from tests.testbed.report import eval_requests
+
+    config = make_config("tiny_sharp", ["sample_steps=3"])  # fewer steps than its buckets (up to 3) name
+    torch.manual_seed(0)
+    request = eval_requests(config, config.long_size)[0][0]
+    result = ablate(build_model(config).eval(), config, request, "cpu", 0.3, log=lambda _: None)
+    layers = {c["layer"] for c in result["calls"]}
+    assert {(c["step"], c["layer"]) for c in result["calls"]} == {(s, l) for s in range(3) for l in layers}
+    assert len(layers) > 1 and set(result["mean_rel_err"]) == set(ARMS)
+    assert all(0 < c["16-bit"] < c["fp8"] for c in result["calls"])

@@ -22,6 +22,7 @@ call and as a mean, so the half that loses most is the one to change. Run on the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -62,6 +63,8 @@ def ablate(model, config, request, device: str = "cpu", density: float = HIT_DEN
     """One dense run of ``request``; every (step, layer) call's errors and their means per arm."""
     from .report import Report, top_blocks
 
+    # one bucket per step: the dense run's buckets are not used here, and the preset's are for 10 steps
+    config = dataclasses.replace(config, step_buckets=tuple((s,) for s in range(config.sample_steps)))
     rep = Report(model, config, device, log)
     run = rep.dense_run(request, 0, qkv_steps=range(config.sample_steps))
     calls = []
