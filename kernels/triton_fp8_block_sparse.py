@@ -15,6 +15,9 @@ Two steps per call:
 2. ``fp8_block_sparse_attn_fwd``: one program per ``BLOCK_M`` query tile of one (batch element,
    head), walking its live key blocks as the bf16 kernel does, in one flat loop over
    (live block, sub-tile) that Triton pipelines.
+
+With ``pv_fp8=False`` only QK^T is quantised: P goes to V's 16-bit type and V is read as given
+(SageAttention 1's split), for the measurement that decides whether it is worth a node option.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ class QuantizedQKV(NamedTuple):
     q_scale: torch.Tensor  # float32 [B, H, ceil(N / block_q)]
     k: torch.Tensor  # int8 [B, H, N, D], K less its mean over tokens
     k_scale: torch.Tensor  # float32 [B, H, ceil(N / block_k)]
-    v_t: torch.Tensor  # e4m3 [B, H, D, N padded to 16]
-    v_scale: torch.Tensor  # float32 [B, H, D]
+    v_t: Optional[torch.Tensor]  # e4m3 [B, H, D, N padded to 16]; None when V stays 16-bit
+    v_scale: Optional[torch.Tensor]  # float32 [B, H, D]; None when V stays 16-bit
 
 
 @triton.jit
@@ -112,12 +115,15 @@ def _quantize_v_kernel(V, SCALE, OUT, stride_vb, stride_vh, stride_vn, stride_ob
     tl.store(t_ptrs, _to_e4m3(v, ROUND_FIRST), mask=inside)
 
 
-def quantize(q, k, v, block_q: int, block_k: int) -> QuantizedQKV:
-    """Q, K, V as ``[B, H, N, D]`` views (unit stride on D) -> what the kernel reads (see the module docstring)."""
+def quantize(q, k, v, block_q: int, block_k: int, pv_fp8: bool = True) -> QuantizedQKV:
+    """Q, K, V as ``[B, H, N, D]`` views (unit stride on D) -> what the kernel reads (see the module
+    docstring); V only with ``pv_fp8``."""
     b, h, n, d = q.shape
     k_mean = k.mean(dim=-2, dtype=torch.float32).contiguous()  # [B, H, D]; the softmax does not change
     q8, q_scale = _int8_blocks(q, None, block_q)
     k8, k_scale = _int8_blocks(k, k_mean, block_k)
+    if not pv_fp8:
+        return QuantizedQKV(q8, q_scale, k8, k_scale, None, None)
     # the largest |v| per channel, without the full-size temporary v.abs() would make
     v_scale = (torch.linalg.vector_norm(v, float("inf"), dim=-2).float().clamp_min(1e-12) / E4M3_MAX).contiguous()
     v_t = torch.empty(b, h, d, -(-n // 16) * 16, dtype=torch.float8_e4m3fn, device=v.device)
@@ -140,21 +146,33 @@ def _int8_blocks(x, mean, block: int):
 
 
 @triton.jit
-def _fp8_tile(acc, l_i, m_i, q, qs, k_base, vt_base, KS, kb, start, offs_n, offs_d, stride_kn, stride_vd, N,
-              qk_scale, MASKED: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """Fold keys ``start .. start+BLOCK_N`` (in key block ``kb``) into the running (acc, l_i, m_i)."""
+def _fp8_tile(acc, l_i, m_i, q, qs, k_base, v_base, KS, kb, start, offs_n, offs_d, stride_kn, stride_vn, stride_vd,
+              N, qk_scale, MASKED: tl.constexpr, ROUND_FIRST: tl.constexpr, PV_FP8: tl.constexpr):
+    """Fold keys ``start .. start+BLOCK_N`` (in key block ``kb``) into the running (acc, l_i, m_i).
+    ``PV_FP8``: P and V (e4m3, transposed) on the fp8 tensor cores; else P in V's 16-bit type and V
+    as given, on the 16-bit ones (SageAttention 1's split: only QK^T quantised)."""
     cols = start + offs_n
+    if PV_FP8:
+        v_ptrs = v_base + offs_d[:, None] * stride_vd + cols[None, :]  # V^T: [HEAD_DIM, BLOCK_N]
+    else:
+        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :]  # V: [BLOCK_N, HEAD_DIM]
     if MASKED:
         k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=cols[:, None] < N, other=0)
-        vt = tl.load(vt_base + offs_d[:, None] * stride_vd + cols[None, :], mask=cols[None, :] < N, other=0.0)
+        if PV_FP8:
+            v = tl.load(v_ptrs, mask=cols[None, :] < N, other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=cols[:, None] < N, other=0.0)
     else:
         k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :])
-        vt = tl.load(vt_base + offs_d[:, None] * stride_vd + cols[None, :])
+        v = tl.load(v_ptrs)
     qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (qs * tl.load(KS + kb))
     if MASKED:
         qk = tl.where(cols[None, :] < N, qk, float("-inf"))
     p, alpha, l_i, m_ij = online_softmax(qk, m_i, l_i, qk_scale)
-    acc = tl.dot(_to_e4m3(p * 448.0, ROUND_FIRST), tl.trans(vt), acc * alpha[:, None])
+    if PV_FP8:
+        acc = tl.dot(_to_e4m3(p * 448.0, ROUND_FIRST), tl.trans(v), acc * alpha[:, None])
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_ij
 
 
@@ -162,13 +180,13 @@ def _fp8_tile(acc, l_i, m_i, q, qs, k_base, vt_base, KS, kb, start, offs_n, offs
 def _fp8_bsa_fwd_kernel(Q, QS, K, KS, VT, VS, O, LIVE, COUNT, ORDER,
                         stride_qb, stride_qh, stride_qn, stride_qsb, stride_qsh,
                         stride_kb, stride_kh, stride_kn, stride_ksb, stride_ksh,
-                        stride_vb, stride_vh, stride_vd,
+                        stride_vb, stride_vh, stride_vn, stride_vd,
                         stride_ob, stride_oh, stride_on,
                         stride_lb, stride_lh, stride_lq, stride_cb, stride_ch,
                         H, N, n_tiles, qk_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         TILES_PER_QB: tl.constexpr, SUBS_PER_KB: tl.constexpr, RAGGED: tl.constexpr,
-                        ROUND_FIRST: tl.constexpr):
+                        ROUND_FIRST: tl.constexpr, PV_FP8: tl.constexpr):
     flat = tl.load(ORDER + tl.program_id(0))  # heaviest tiles of each head first, as in the bf16 kernel
     tile = flat % n_tiles
     b = (flat // n_tiles // H).to(tl.int64)
@@ -177,7 +195,7 @@ def _fp8_bsa_fwd_kernel(Q, QS, K, KS, VT, VS, O, LIVE, COUNT, ORDER,
     count = tl.load(COUNT + b * stride_cb + h * stride_ch + row)
     live = LIVE + b * stride_lb + h * stride_lh + row * stride_lq
     k_base = K + b * stride_kb + h * stride_kh
-    vt_base = VT + b * stride_vb + h * stride_vh
+    v_base = VT + b * stride_vb + h * stride_vh  # V^T in e4m3 (PV_FP8), else V itself
     k_scales = KS + b * stride_ksb + h * stride_ksh
 
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -197,18 +215,21 @@ def _fp8_bsa_fwd_kernel(Q, QS, K, KS, VT, VS, O, LIVE, COUNT, ORDER,
         n_full = count - (tl.load(live + count - 1) == last_kb).to(tl.int32)
     for j in range(0, n_full * SUBS_PER_KB):  # one flat loop over (live block, sub-tile): pipelined
         kb = tl.load(live + j // SUBS_PER_KB)
-        acc, l_i, m_i = _fp8_tile(acc, l_i, m_i, q, qs, k_base, vt_base, k_scales, kb,
-                                  kb * KB + (j % SUBS_PER_KB) * BLOCK_N, offs_n, offs_d, stride_kn, stride_vd,
-                                  N, qk_scale, False, ROUND_FIRST)
+        acc, l_i, m_i = _fp8_tile(acc, l_i, m_i, q, qs, k_base, v_base, k_scales, kb,
+                                  kb * KB + (j % SUBS_PER_KB) * BLOCK_N, offs_n, offs_d, stride_kn, stride_vn,
+                                  stride_vd, N, qk_scale, False, ROUND_FIRST, PV_FP8)
     if RAGGED:
         if n_full < count:
             for s in tl.static_range(SUBS_PER_KB):
                 start = last_kb * KB + s * BLOCK_N
                 if start < N:  # sub-tiles wholly past N are skipped, never all -inf
-                    acc, l_i, m_i = _fp8_tile(acc, l_i, m_i, q, qs, k_base, vt_base, k_scales, last_kb, start,
-                                              offs_n, offs_d, stride_kn, stride_vd, N, qk_scale, True, ROUND_FIRST)
-    v_scale = tl.load(VS + (b * H + h) * HEAD_DIM + offs_d) / 448.0  # V's channel scales and P's 448, once
-    acc = acc * v_scale[None, :] / l_i[:, None]
+                    acc, l_i, m_i = _fp8_tile(acc, l_i, m_i, q, qs, k_base, v_base, k_scales, last_kb, start,
+                                              offs_n, offs_d, stride_kn, stride_vn, stride_vd, N, qk_scale, True,
+                                              ROUND_FIRST, PV_FP8)
+    if PV_FP8:
+        v_scale = tl.load(VS + (b * H + h) * HEAD_DIM + offs_d) / 448.0  # V's channel scales and P's 448, once
+        acc = acc * v_scale[None, :]
+    acc = acc / l_i[:, None]
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < N)
 
@@ -220,29 +241,35 @@ def fp8_pick_config(head_dim: int, block_q: int, block_k: int, config: Optional[
     return cfg
 
 
-def fp8_block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None):
+def fp8_block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None, pv_fp8: bool = True):
     """Quantise ``[B, H, N, D]`` views (any strides, unit stride on D) and attend into ``o``.
 
+    ``pv_fp8`` False keeps P and V 16-bit (QK^T alone in int8): on the testbed the e4m3 P and V
+    were most of the scheme's error (``tests/testbed/fp8_ablation.py``); not yet a node option.
     Returns the launched kernel handle, as ``block_sparse_attn_fwd`` does."""
     b, h, n, d = q.shape
     check_launch(q, k, v, o, "the FP8 kernel")
     cfg = fp8_pick_config(d, mask.block_q, mask.block_k, config)
     bm = cfg["BLOCK_M"]
-    qq = quantize(q, k, v, mask.block_q, mask.block_k)
+    qq = quantize(q, k, v, mask.block_q, mask.block_k, pv_fp8)
+    v_in, v_scale = (qq.v_t, qq.v_scale) if pv_fp8 else (v, qq.q_scale)  # the scale is unread without PV_FP8
+    v_strides = (v_in.stride(0), v_in.stride(1), 0, v_in.stride(2)) if pv_fp8 else \
+        (v_in.stride(0), v_in.stride(1), v_in.stride(2), 0)
     order = launch_order(mask, b, bm, cfg["order"])
     lb, lc, lb_sb, lc_sb = live_lists(mask)
     def launch(block_n: int, stages: int):
         return _fp8_bsa_fwd_kernel[(order.numel(),)](
-            qq.q, qq.q_scale, qq.k, qq.k_scale, qq.v_t, qq.v_scale, o, lb, lc, order,
+            qq.q, qq.q_scale, qq.k, qq.k_scale, v_in, v_scale, o, lb, lc, order,
             qq.q.stride(0), qq.q.stride(1), qq.q.stride(2), qq.q_scale.stride(0), qq.q_scale.stride(1),
             qq.k.stride(0), qq.k.stride(1), qq.k.stride(2), qq.k_scale.stride(0), qq.k_scale.stride(1),
-            qq.v_t.stride(0), qq.v_t.stride(1), qq.v_t.stride(2),
+            *v_strides,
             o.stride(0), o.stride(1), o.stride(2),
             lb_sb, lb.stride(1), lb.stride(2), lc_sb, lc.stride(1),
             h, n, math.ceil(n / bm), d**-0.5 * LOG2E,
             HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=block_n, TILES_PER_QB=mask.block_q // bm,
             SUBS_PER_KB=mask.block_k // block_n, RAGGED=n % mask.block_k != 0, ROUND_FIRST=triton_interpreting(),
+            PV_FP8=pv_fp8,
             num_warps=cfg["num_warps"], num_stages=stages,
         )
 
-    return launch_fitting(launch, cfg, ("fp8", str(q.device), q.dtype, d))
+    return launch_fitting(launch, cfg, ("fp8" if pv_fp8 else "int8", str(q.device), q.dtype, d))

@@ -17,6 +17,10 @@ For 480p and 720p (81 frames, 40 heads x 128, batch 1, float16 as ComfyUI comput
   query-key block pair divided by cuDNN's time per block pair (below 1: a kept block costs less
   than one of cuDNN's).
 
+- **int8 QK^T with 16-bit P and V** (``int8qk``: ``fp8_block_sparse_attn_fwd(..., pv_fp8=False)``,
+  SageAttention 1's split, not yet a node option): the same accuracy and speed columns, because on
+  the testbed the e4m3 P and V carried most of the FP8 scheme's error (``tests/testbed/fp8_ablation.py``).
+
 ``--sweep`` first tries FP8 tile configs at 720p, density 0.15, and times the table with the best.
 Writes fp8_block_sparse.json and .md into DIR (keys: RESULTS.md).
 """
@@ -42,6 +46,7 @@ from bench_block_sparse import HEAD_DIM, HEADS, SHAPES, bench, kept_flops, struc
 
 from kernels.block_sparse import block_map_to_mask, block_sparse_attention, last_backend_choice  # noqa: E402
 from kernels.fp8_block_sparse import fp8_block_sparse_attention  # noqa: E402
+from kernels.triton_fp8_block_sparse import fp8_block_sparse_attn_fwd  # noqa: E402
 
 BLOCK = 128
 DENSITIES = [0.05, 0.10, 0.15, 0.25, 0.50]
@@ -100,6 +105,13 @@ def shape_rows(shape: str, config, log) -> list[dict]:
 
     from kernels.triton_fp8_block_sparse import quantize
 
+    def int8qk(qx, kx, vx, mask):  # the kernel with P and V 16-bit, on [B, N, H*D] inputs
+        heads_first = [x.view(1, n, HEADS, HEAD_DIM).transpose(1, 2) for x in (qx, kx, vx)]
+        o = torch.empty(1, n, HEADS * HEAD_DIM, device="cuda", dtype=DTYPE)
+        fp8_block_sparse_attn_fwd(*heads_first, o.view(1, n, HEADS, HEAD_DIM).transpose(1, 2), mask, config,
+                                  pv_fp8=False)
+        return o
+
     n = math.prod(SHAPES[shape])
     nb = math.ceil(n / BLOCK)
     data = {kind: make_qkv(n, kind) for kind in ("spread", "sharp")}
@@ -122,15 +134,18 @@ def shape_rows(shape: str, config, log) -> list[dict]:
         for kind, (qx, kx, vx) in data.items():
             exact = block_sparse_attention(qx, kx, vx, mask, HEADS, backend="triton")
             row[f"accuracy_{kind}"] = accuracy(fp8_block_sparse_attention(qx, kx, vx, mask, HEADS, config=config), exact)
+            row[f"int8qk_accuracy_{kind}"] = accuracy(int8qk(qx, kx, vx, mask), exact)
         row["fp8_backend"] = str(last_backend_choice())
         bf16_ms = bench(lambda: block_sparse_attention(q, k, v, mask, HEADS, backend="triton"))
         fp8_ms = bench(lambda: fp8_block_sparse_attention(q, k, v, mask, HEADS, config=config))
+        int8qk_ms = bench(lambda: int8qk(q, k, v, mask))
         row.update(bf16_sparse_ms=round(bf16_ms, 3), fp8_sparse_ms=round(fp8_ms, 3),
                    fp8_vs_bf16_sparse=round(bf16_ms / fp8_ms, 3), fp8_vs_cudnn_dense=round(cudnn_ms / fp8_ms, 3),
                    bf16_per_kept_block_vs_cudnn=round(bf16_ms / kept / per_block_cudnn, 3),
                    fp8_per_kept_block_vs_cudnn=round(fp8_ms / kept / per_block_cudnn, 3),
                    fp8_kernel_per_kept_block_vs_cudnn=round((fp8_ms - quant_ms) / kept / per_block_cudnn, 3),
-                   fp8_tflops=round(kept_flops(block_map.expand(1, HEADS, nb, nb), n) / fp8_ms / 1e9, 1))
+                   fp8_tflops=round(kept_flops(block_map.expand(1, HEADS, nb, nb), n) / fp8_ms / 1e9, 1),
+                   int8qk_sparse_ms=round(int8qk_ms, 3), int8qk_vs_bf16_sparse=round(bf16_ms / int8qk_ms, 3))
         rows.append(row)
         log(json.dumps(row))
     return rows
@@ -138,7 +153,7 @@ def shape_rows(shape: str, config, log) -> list[dict]:
 
 COLUMNS = ["shape", "density", "cudnn_dense_ms", "bf16_sparse_ms", "fp8_sparse_ms", "quantize_ms", "fp8_vs_bf16_sparse",
            "fp8_vs_cudnn_dense", "bf16_per_kept_block_vs_cudnn", "fp8_per_kept_block_vs_cudnn",
-           "fp8_kernel_per_kept_block_vs_cudnn", "fp8_tflops"]
+           "fp8_kernel_per_kept_block_vs_cudnn", "fp8_tflops", "int8qk_sparse_ms", "int8qk_vs_bf16_sparse"]
 
 
 def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
@@ -151,9 +166,11 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
               "| shape | density | spread cosine | spread worst | spread median | sharp cosine | sharp worst | sharp median |",
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        s, p = r["accuracy_spread"], r["accuracy_sharp"]
-        lines.append(f"| {r['shape']} | {r['density']} | {s['cosine']} | {s['worst_row_rel_err']} | "
-                     f"{s['median_row_rel_err']} | {p['cosine']} | {p['worst_row_rel_err']} | {p['median_row_rel_err']} |")
+        for label, prefix in (("fp8", ""), ("int8qk", "int8qk_")):
+            s, p = r[f"{prefix}accuracy_spread"], r[f"{prefix}accuracy_sharp"]
+            lines.append(f"| {r['shape']} | {r['density']} ({label}) | {s['cosine']} | {s['worst_row_rel_err']} | "
+                         f"{s['median_row_rel_err']} | {p['cosine']} | {p['worst_row_rel_err']} | "
+                         f"{p['median_row_rel_err']} |")
     path.write_text("\n".join(lines) + "\n")
 
 
