@@ -44,11 +44,15 @@ P_SCALE = E4M3_MAX  # P in [0, 1] uses e4m3's whole range
 SCORE_BUDGET = 1 << 26  # floats in one chunk of scores (256 MB): the reference as a CPU fallback stays memory-sane
 
 
-def quantize_blocks(x: torch.Tensor, block: int, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(x: torch.Tensor, block: int, dtype: Optional[torch.dtype] = torch.int8
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, H, N, D]`` -> (values in ``dtype``, float32 scales ``[B, H, ceil(N / block)]``), one scale
-    per ``block`` tokens, mapping the block's largest value to the type's largest (127, or 448 for e4m3)."""
+    per ``block`` tokens, mapping the block's largest value to the type's largest (127, or 448 for e4m3).
+    ``dtype`` None: ``x`` in float32 with unit scales (not quantised, for the comparisons)."""
     b, h, n, d = x.shape
     blocks = -(-n // block)
+    if dtype is None:
+        return x.float(), torch.ones(b, h, blocks, dtype=torch.float32, device=x.device)
     padded = torch.nn.functional.pad(x.float(), (0, 0, 0, blocks * block - n))
     grouped = padded.view(b, h, blocks, block, d)
     top = E4M3_MAX if dtype == E4M3 else INT8_MAX
@@ -80,8 +84,8 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
     b, h, n, d = qh.shape
     if smooth_k:  # the softmax does not change
         kh = kh.float() - kh.float().mean(dim=-2, keepdim=True)
-    q8, q_scale = quantize_blocks(qh, mask.block_q, qk_dtype) if qk_dtype is not None else _unscaled(qh, mask.block_q)
-    k8, k_scale = quantize_blocks(kh, mask.block_k, qk_dtype) if qk_dtype is not None else _unscaled(kh, mask.block_k)
+    q8, q_scale = quantize_blocks(qh, mask.block_q, qk_dtype)
+    k8, k_scale = quantize_blocks(kh, mask.block_k, qk_dtype)
     v8, v_scale = quantize_channels(vh) if quantize_pv else (vh.float(), torch.ones_like(vh[..., :1, :], dtype=torch.float32))
     q_rows = q_scale.repeat_interleave(mask.block_q, dim=-1)[..., :n, None]
     k_cols = k_scale.repeat_interleave(mask.block_k, dim=-1)[..., None, :n]
@@ -98,12 +102,6 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
             pv = p_values @ v8[:, hs].float() * (v_scale[:, hs] / P_SCALE)
             out[:, hs, rows] = (pv / row_sum).to(q.dtype)
     return from_bhnd(out, skip_output_reshape)
-
-
-def _unscaled(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` in float32 with unit scales, shaped as ``quantize_blocks``' output (no quantisation)."""
-    b, h, n, _ = x.shape
-    return x.float(), torch.ones(b, h, -(-n // block), dtype=torch.float32, device=x.device)
 
 
 # --------------------------------------------------------------------------------------------

@@ -252,9 +252,9 @@ def fp8_block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None, p
     cfg = fp8_pick_config(d, mask.block_q, mask.block_k, config)
     bm = cfg["BLOCK_M"]
     qq = quantize(q, k, v, mask.block_q, mask.block_k, pv_fp8)
-    v_in, v_scale = (qq.v_t, qq.v_scale) if pv_fp8 else (v, qq.q_scale)  # the scale is unread without PV_FP8
-    v_strides = (v_in.stride(0), v_in.stride(1), 0, v_in.stride(2)) if pv_fp8 else \
-        (v_in.stride(0), v_in.stride(1), v_in.stride(2), 0)
+    # V as the kernel reads it, strides in (b, h, token, channel) order either way: e4m3 V^T seen
+    # through its transpose, or V itself (then the scale argument is unread)
+    v_in, v_scale = (qq.v_t.transpose(2, 3), qq.v_scale) if pv_fp8 else (v, qq.q_scale)
     order = launch_order(mask, b, bm, cfg["order"])
     lb, lc, lb_sb, lc_sb = live_lists(mask)
     def launch(block_n: int, stages: int):
@@ -262,7 +262,7 @@ def fp8_block_sparse_attn_fwd(q, k, v, o, mask, config: Optional[dict] = None, p
             qq.q, qq.q_scale, qq.k, qq.k_scale, v_in, v_scale, o, lb, lc, order,
             qq.q.stride(0), qq.q.stride(1), qq.q.stride(2), qq.q_scale.stride(0), qq.q_scale.stride(1),
             qq.k.stride(0), qq.k.stride(1), qq.k.stride(2), qq.k_scale.stride(0), qq.k_scale.stride(1),
-            *v_strides,
+            *v_in.stride(),
             o.stride(0), o.stride(1), o.stride(2),
             lb_sb, lb.stride(1), lb.stride(2), lc_sb, lc.stride(1),
             h, n, math.ceil(n / bm), d**-0.5 * LOG2E,

@@ -219,7 +219,8 @@ class SparseRun:
         if self.attention_precision == "fp8":
             fp8 = fp8_block_sparse()
             return fp8.fp8_block_sparse_attention, fp8.select_fp8_backend
-        return block_sparse().block_sparse_attention, block_sparse().select_backend
+        bf16 = block_sparse()
+        return bf16.block_sparse_attention, bf16.select_backend
 
     def dense_for_extra_tokens(self, layer: int, block: "BlockCall") -> None:
         """A sequence with tokens besides the video's: the masks do not cover them, so dense."""

@@ -46,6 +46,7 @@ from bench_block_sparse import HEAD_DIM, HEADS, SHAPES, bench, kept_flops, struc
 
 from kernels.block_sparse import block_map_to_mask, block_sparse_attention, last_backend_choice  # noqa: E402
 from kernels.fp8_block_sparse import fp8_block_sparse_attention  # noqa: E402
+from kernels.layouts import output_buffer, to_bhnd  # noqa: E402
 from kernels.triton_fp8_block_sparse import fp8_block_sparse_attn_fwd  # noqa: E402
 
 BLOCK = 128
@@ -106,11 +107,10 @@ def shape_rows(shape: str, config, log) -> list[dict]:
     from kernels.triton_fp8_block_sparse import quantize
 
     def int8qk(qx, kx, vx, mask):  # the kernel with P and V 16-bit, on [B, N, H*D] inputs
-        heads_first = [x.view(1, n, HEADS, HEAD_DIM).transpose(1, 2) for x in (qx, kx, vx)]
-        o = torch.empty(1, n, HEADS * HEAD_DIM, device="cuda", dtype=DTYPE)
-        fp8_block_sparse_attn_fwd(*heads_first, o.view(1, n, HEADS, HEAD_DIM).transpose(1, 2), mask, config,
-                                  pv_fp8=False)
-        return o
+        heads_first = [to_bhnd(x, HEADS, False) for x in (qx, kx, vx)]
+        out, oh = output_buffer(heads_first[0], False)
+        fp8_block_sparse_attn_fwd(*heads_first, oh, mask, config, pv_fp8=False)
+        return out
 
     n = math.prod(SHAPES[shape])
     nb = math.ceil(n / BLOCK)
