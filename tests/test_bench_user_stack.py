@@ -14,7 +14,7 @@ BENCH = REPO_ROOT / "tests" / "benchmarks" / "bench_user_stack.py"
 
 def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_calls(tmp_path, comfyui_path):
     rows = "bf16:dense:eager,bf16:dense:eager:sage,bf16:miss:eager,bf16:hit:eager:sage,bf16:hit:eager,bf16:hit_last1:eager,"
-    rows += "bf16:hit_fp8:eager,bf16:dense:eager:flash"
+    rows += "bf16:hit_fp8:eager,bf16:dense:eager:flash,bf16:dense:eager:torch,bf16:dense:eager:fa4"
     done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
                            "--bank", tmp_path / "bank", "--rows", rows], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
@@ -25,6 +25,10 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
     assert result["bf16_dense_eager_sage"]["role"] == "dense"  # a dense baseline like the others
     flash = result["bf16_dense_eager_flash"]  # torch SDPA's flash kernel first: on the CPU, the order is not set
     assert (flash["attention"], flash["role"]) == ("flash_sdpa", "dense")
+    linux_default = result["bf16_dense_eager_torch"]  # torch's own order, as ComfyUI leaves it on Linux
+    assert (linux_default["attention"], linux_default["role"]) == ("torch_sdpa_default_order", "dense")
+    fa4 = result["bf16_dense_eager_fa4"]  # FA4's dense forward in ComfyUI's place; on the CPU its reference
+    assert (fa4["attention"], fa4["role"]) == ("fa4_dense", "dense")
     # ComfyUI's attention_sage ran (on CPU tensors it falls back to torch, and says so)
     assert "Error running sage attention" in done.stdout + done.stderr
     assert "SageAttention" in result["bf16_hit_eager_sage"]["dense_backend"]

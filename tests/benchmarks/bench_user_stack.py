@@ -12,8 +12,9 @@ device)::
 or on the CPU at a tiny width and grid, to test the script end to end: ``--tiny``. A row is
 ``WEIGHTS:ARM:eager|compiled``, with ``:sage`` at the end for ComfyUI's ``--use-sage-attention``
 (``sageattention`` 1.0.6) on the row's dense calls, or ``:flash`` for torch SDPA with its flash
-kernel first instead of cuDNN: a dense baseline like the cuDNN rows, and for a Chorus row the
-attention of its dense steps and layers.
+kernel first instead of cuDNN, or ``:torch`` for torch's own SDPA order (none set: what ComfyUI runs
+on Linux, where it puts cuDNN first on Windows only): a dense baseline like the cuDNN rows, and for a
+Chorus row the attention of its dense steps and layers.
 
 What runs: a Wan 2.1 I2V model at 14B width (dim 5120, 40 heads x 128, ffn 13824, 40 blocks, with
 the CLIP-image projector; 16.4 B parameters) with random weights, written once to two files in
@@ -324,6 +325,11 @@ SDPA_ORDER = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH
 # ``:flash`` rows: torch's flash kernel first (FlashAttention-2 in torch 2.11), as a user gets where
 # cuDNN's attention is not picked; the others only for a shape flash refuses
 FLASH_SDPA_ORDER = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# ``:torch`` rows: no order set, torch's own, which is what ComfyUI leaves on Linux (it sets cuDNN
+# first on Windows only): ComfyUI's default attention for a Linux GPU server
+TORCH_SDPA_ORDER = None
+SDPA_ORDERS = {"sdpa": SDPA_ORDER, "sage": SDPA_ORDER, "flash": FLASH_SDPA_ORDER, "torch": TORCH_SDPA_ORDER,
+               "fa4": SDPA_ORDER}
 
 
 @contextlib.contextmanager
@@ -332,7 +338,7 @@ def sdpa_priority(cuda: bool, order: tuple = SDPA_ORDER):
     the others after it for a shape cuDNN refuses, or flash first for ``:flash`` rows; a global
     setting, so compiled code traces the same choice and nothing in the model is patched (no graph
     break)."""
-    if not cuda:
+    if not cuda or order is None:
         yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -400,7 +406,7 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
     e2e.sync(cuda)
     graphs_before = graphs_compiled()
     start = time.perf_counter()
-    order = FLASH_SDPA_ORDER if ctx["attention"] == "flash" else SDPA_ORDER
+    order = SDPA_ORDERS[ctx["attention"]]
     with timed_model_loads(cuda) as loads, sdpa_priority(cuda, order), comfyui_attention(ctx["attention"]), \
             torch.inference_mode():
         sampled, core_stats = model, None
@@ -466,8 +472,9 @@ def check_path(arm: str, m: dict, cuda: bool = True) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-COMFYUI_ATTENTIONS = ("sdpa", "sage", "flash")
-DENSE_ATTENTION_NAMES = {"sdpa": "cudnn_sdpa", "sage": "sageattention_1.0.6", "flash": "flash_sdpa"}
+COMFYUI_ATTENTIONS = ("sdpa", "sage", "flash", "torch", "fa4")
+DENSE_ATTENTION_NAMES = {"sdpa": "cudnn_sdpa", "sage": "sageattention_1.0.6", "flash": "flash_sdpa",
+                         "torch": "torch_sdpa_default_order", "fa4": "fa4_dense"}
 CORE_ARMS = ("core", "core_topk")
 HIT_ARMS = ("hit", "hit_last1", "hit_fp8", "hit_last1_fp8")  # last1: the last step dense; fp8: FP8 attention
 ARMS = ("dense", "miss", "online") + HIT_ARMS + CORE_ARMS
@@ -477,7 +484,7 @@ def parse_row(spec: str) -> tuple[str, str, bool]:
     weights, arm, how = (spec.split(":") + ["", ""])[:3]
     if weights not in WEIGHTS or arm not in ARMS or how not in ("eager", "compiled") \
             or row_attention(spec) not in COMFYUI_ATTENTIONS or spec.count(":") > 3:
-        raise SystemExit(f"bad row {spec!r}: WEIGHTS:{'|'.join(ARMS)}:eager|compiled[:sage|:flash]")
+        raise SystemExit(f"bad row {spec!r}: WEIGHTS:{'|'.join(ARMS)}:eager|compiled[:sage|:flash|:torch|:fa4]")
     return weights, arm, how == "compiled"
 
 
@@ -505,21 +512,51 @@ def comfyui_attention(name: str):
     ComfyUI's own pick; ``sage`` is what ``--use-sage-attention`` runs (ComfyUI's attention_sage over
     ``sageattention`` 1.0.6, the Triton one on the package index, carried by user_stack_env.sh).
     In process there is no start-up flag, so the module attributes the flag sets are set here, and
-    put back after the row. ``flash`` is ComfyUI's own attention too (its SDPA order is ``generate``'s)."""
-    if name in ("sdpa", "flash"):
+    put back after the row. ``flash`` and ``torch`` are ComfyUI's own attention too (their SDPA order
+    is ``generate``'s); ``fa4`` puts FlashAttention-4's dense forward in its place (``fa4_attention``)."""
+    if name in ("sdpa", "flash", "torch"):
         yield
         return
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.wan.model as wan
-    import sageattention
 
     saved = attention.optimized_attention, wan.optimized_attention, getattr(attention, "sageattn", None)
-    attention.sageattn = sageattention.sageattn  # imported by attention.py only under the flag
-    attention.optimized_attention = wan.optimized_attention = attention.attention_sage
+    if name == "fa4":
+        attention.optimized_attention = wan.optimized_attention = fa4_attention(attention.optimized_attention)
+    else:
+        import sageattention
+
+        attention.sageattn = sageattention.sageattn  # imported by attention.py only under the flag
+        attention.optimized_attention = wan.optimized_attention = attention.attention_sage
     try:
         yield
     finally:
         attention.optimized_attention, wan.optimized_attention, attention.sageattn = saved
+
+
+def fa4_attention(comfyui_function):
+    """ComfyUI's attention function with FlashAttention-4's dense forward in its place (``:fa4``
+    rows): ComfyUI has no start-up flag for FA4 (``--use-flash-attention`` is FlashAttention 2), so
+    this is what a node that swaps the function in would run. Every attention of this model is
+    fp16 at head size 128, which FA4 takes: on a GPU where it cannot, the row fails rather than time
+    something else under FA4's name (checked once, so compiled code has no probe in it); a masked
+    call goes to ComfyUI's function. On the CPU (``--tiny``) the reference runs. Under torch.compile
+    FA4 is the ``chorus::dense_attention`` custom op."""
+    from kernels.dense_attention import dense_attention, dense_unsupported_for
+
+    if torch.cuda.is_available():
+        why = dense_unsupported_for(torch.device("cuda"), torch.float16, HEAD_DIM)
+        if why is not None:
+            raise RuntimeError(f"a :fa4 row needs FlashAttention-4's dense forward: {why}")
+
+    def attention_fa4(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                      skip_output_reshape=False, **kwargs):
+        if mask is not None:
+            return comfyui_function(q, k, v, heads, mask=mask, attn_precision=attn_precision,
+                                    skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape, **kwargs)
+        return dense_attention(q, k, v, heads, skip_reshape, skip_output_reshape)
+
+    return attention_fa4
 
 
 def recorded_key(ctx, weights: str) -> str:
@@ -771,7 +808,7 @@ def parse_args(argv):
     p.add_argument("--density", type=float, default=0.15)
     p.add_argument("--blocks", type=int, default=40)
     p.add_argument("--rows", default=DEFAULT_ROWS,
-                   help="WEIGHTS:ARM:eager|compiled[:sage|:flash], comma-separated, in order (:sage: ComfyUI's "
+                   help="WEIGHTS:ARM:eager|compiled[:sage|:flash|:torch], comma-separated, in order (:sage: ComfyUI's "
                         "--use-sage-attention for the row's dense calls; :flash: torch SDPA's flash kernel first)")
     p.add_argument("--weights-dir", default=str(Path(tempfile.gettempdir()) / "us-weights"))
     p.add_argument("--bank", default=str(Path(tempfile.gettempdir()) / "us-bank"),
@@ -833,6 +870,8 @@ def main(argv=None):
     doc["details"]["sdpa_choice"] = sdpa_choices(cuda, tokens)
     if any(row_attention(s) == "flash" for s in args.rows.split(",") if s):
         doc["details"]["sdpa_choice_flash_first"] = sdpa_choices(cuda, tokens, FLASH_SDPA_ORDER)
+    if any(row_attention(s) == "torch" for s in args.rows.split(",") if s):
+        doc["details"]["sdpa_choice_torch_order"] = sdpa_choices(cuda, tokens, TORCH_SDPA_ORDER)
     log(f"torch SDPA picks, cuDNN first: {doc['details']['sdpa_choice']}")
     doc["details"]["bank_entries_at_start"] = len(bank.entries())  # recorded by an earlier call on this machine
     ctx["recorded"].update(json.loads((Path(args.bank) / "user_stack_recorded.json").read_text())

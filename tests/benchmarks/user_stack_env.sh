@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 us_stage() {  # keep this call's parts for the call that assembles them
   mkdir -p "$US_STAGE"
   local f
-  for f in .carry/ck*/ck.part.* .carry/us1/ck.sha256; do
+  for f in .carry/ck*/ck.part.* .carry/us1/ck.sha256 .carry/fa*/fa.part.* .carry/fa1/fa.sha256 .carry/fa*/*.whl; do
     [ -f "$f" ] && cp "$f" "$US_STAGE/"
   done
   ls "$US_STAGE"
@@ -67,6 +67,27 @@ us_ready() {  # assemble comfy-kitchen's CUDA library from the staged parts, che
     mv "$so.tmp" "$so"
   fi
   python3 -c "import comfy_kitchen as ck; print('comfy_kitchen', {k: v['available'] or v['unavailable_reason'] for k, v in ck.list_backends().items()})"
+}
+
+US_FA4=/tmp/us-fa4
+
+us_fa4() {  # FlashAttention-4 for the :fa4 rows, once its parts are staged (user_stack_fa4_carry.sh)
+  if [ ! -f "$US_FA4/.chorus-complete" ]; then  # written last: a failed assembly is done again
+    read -r sum parts < "$US_STAGE/fa.sha256" || { echo "us_fa4: no fa.sha256 staged"; return 1; }
+    local have
+    have=$(ls "$US_STAGE"/fa.part.* 2>/dev/null | wc -l)
+    [ "$have" = "$parts" ] || { echo "us_fa4: $have of $parts parts staged"; return 1; }
+    echo "$sum  -" > /tmp/us-fa4.sha256
+    cat "$US_STAGE"/fa.part.* | sha256sum -c --quiet /tmp/us-fa4.sha256 || { echo "us_fa4: checksum differs"; return 1; }
+    rm -rf "$US_FA4" && mkdir -p "$US_FA4" || return 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$US_FA4" \
+      "$US_STAGE"/*.whl || return 1
+    # the CUDA 13 libraries go over the installed packages (pip --target would replace their folder)
+    cat "$US_STAGE"/fa.part.* | xz -d | tar -x -C "$US_FA4" || return 1
+    touch "$US_FA4/.chorus-complete"
+  fi
+  export PYTHONPATH=$US_FA4:$US_FA4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  python3 -c "import flash_attn.cute.interface as f; print('FA4', f.__file__)" || { echo "us_fa4: FA4 does not import"; return 1; }
 }
 
 us_weights_dir() {  # the checkpoint files need about 50 GB: where an earlier call wrote them, else

@@ -7,11 +7,15 @@
 #   US_SHAPE=640x640 US_TAG=d1 US_ROWS=... US_COMMIT=$(git rev-parse --short HEAD) \
 #     bash tests/benchmarks/user_stack_one_call.sh          # carry: .carry/us1 .carry/ck1
 # A later call on the same warm machine finds ComfyUI, comfy-kitchen and the weights in /tmp and needs
-# no carry. US_TESTS: GPU test files to run first (CHORUS_TEST_GPU=1). Results and logs go to $OUT.
+# no carry (FlashAttention-4's parts, .carry/faN, one a call: see user_stack_fa4_carry.sh). US_TESTS: GPU test files to run first (CHORUS_TEST_GPU=1). Results and logs go to $OUT.
 source tests/benchmarks/user_stack_env.sh
 us_stage > /dev/null
 us_env || us_base || exit 1
 us_ready || exit 1
+# FlashAttention-4 (the :fa4 rows) once all its parts are staged (user_stack_fa4_carry.sh); until
+# then a :fa4 row fails with the reason and the others run. With FA4 importable, Chorus's rows use it
+# too where it applies (their backend says so).
+if [ -f /tmp/us-stage/fa.sha256 ]; then us_fa4 || echo "FA4 not ready: its rows will fail"; fi
 WD=$(us_weights_dir)
 echo "$WD" > /tmp/us-wd
 for t in ${US_TESTS:-}; do
