@@ -3,15 +3,16 @@
 # device (the :fa4 rows of bench_user_stack.py), here:
 #   tests/benchmarks/user_stack_fa4_carry.sh [PART_BYTES]
 # FA4 needs nvidia-cutlass-dsl's CUDA 13 libraries (a 92 MB wheel, 227 MB unpacked): they travel
-# unpacked and xz'd, in parts of PART_BYTES (default 50,000,000: what a call's 64 MiB leave beside
+# unpacked and xz'd (64 MB), in parts of PART_BYTES (default 54,000,000: what a call's 64 MiB leave beside
 # the tracked tree with the testbed checkpoints moved out), one part a call, on a warm machine
 # (us_stage keeps them in /tmp/us-stage between calls); the other FA4 wheels (10 MB) travel with
-# the last part. The device's Python has torch, einops, protobuf and cuda-bindings already.
+# the last part, which is small enough to go with the first call's .carry/us1 and .carry/ck1; the
+# device's Python has torch, einops, protobuf and cuda-bindings already.
 #   .carry/faN/fa.part.NN   the parts; .carry/fa1/fa.sha256: the xz stream's sha256 and part count
 #   .carry/faLAST/*.whl     flash-attn-4 and the rest of its wheels
 # Needs pip with access to the package index.
 set -euo pipefail
-part=${1:-50000000}
+part=${1:-54000000}
 repo=$(git rev-parse --show-toplevel)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
