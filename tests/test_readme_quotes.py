@@ -9,8 +9,8 @@ RESULTS = REPO_ROOT / "tests" / "benchmarks" / "results"
 SESSION = "1bef3161b301"  # one warm H100: every quoted speed row
 # README row label start -> the results row each shape column quotes (None: not measured there)
 QUOTED = {
-    "ComfyUI's default: bf16 file": ("bf16_dense_eager", "bf16_dense_eager"),
-    "dense, fp8, eager": ("fp8_e4m3fn_fast_dense_eager", "fp8_e4m3fn_fast_dense_eager"),
+    "dense, bf16 file, cuDNN SDPA, eager": ("bf16_dense_eager", "bf16_dense_eager"),
+    "dense, fp8, cuDNN SDPA, eager": ("fp8_e4m3fn_fast_dense_eager", "fp8_e4m3fn_fast_dense_eager"),
     "dense, fp8, SageAttention": ("fp8_e4m3fn_fast_dense_eager_sage", "fp8_e4m3fn_fast_dense_eager_sage"),
     "dense, fp8, TorchCompileModel": (None, "fp8_e4m3fn_fast_dense_compiled"),
     "core's Model Sparse Attention at its defaults, eager": ("fp8_e4m3fn_fast_core_eager", "fp8_e4m3fn_fast_core_eager"),
@@ -31,7 +31,22 @@ SHIPPED = {
     "Chorus hit as shipped, TorchCompileModel": "fp8_e4m3fn_fast_hit_last1_compiled",
     "Chorus hit, `dense_last_steps` 0, eager": "fp8_e4m3fn_fast_hit_eager",
 }
-LEAD_SESSION = "4b838106e5e2"  # one warm H100, three calls: the lead table's fastest rows
+STACK_SESSION = "ff08f25d4bd1"  # one warm H100, three calls: every dense attention beside the FP8 hits
+_H1, _H2, _H3 = (f"{STACK_SESSION}-{call}" for call in ("309cd3", "5a4c97", "43769b"))
+STACK = {  # the first table: README row label -> (run id, results row)
+    "ComfyUI's default on Linux: bf16 file, torch's own SDPA order (its flash kernel), eager": (_H1, "bf16_dense_eager_torch"),
+    "dense, fp8, torch's own SDPA order (flash), eager": (_H2, "fp8_e4m3fn_fast_dense_eager_torch"),
+    "dense, fp8, SageAttention 1.0.6 (`--use-sage-attention`), eager": (_H1, "fp8_e4m3fn_fast_dense_eager_sage"),
+    "dense, fp8, cuDNN SDPA, eager": (_H1, "fp8_e4m3fn_fast_dense_eager"),
+    "dense, fp8, cuDNN SDPA, TorchCompileModel": (_H2, "fp8_e4m3fn_fast_dense_compiled"),
+    "dense, fp8, FlashAttention-4, eager (the fastest dense)": (_H2, "fp8_e4m3fn_fast_dense_eager_fa4"),
+    "core's Model Sparse Attention at its defaults, fp8, eager": (_H1, "fp8_e4m3fn_fast_core_eager"),
+    "**Chorus hit, FP8 attention**, `dense_last_steps` 0, TorchCompileModel": (_H3, "fp8_e4m3fn_fast_hit_fp8_compiled"),
+    "**Chorus hit, FP8 attention**, `dense_last_steps` 0, eager": (_H1, "fp8_e4m3fn_fast_hit_fp8_eager"),
+}
+STACK_DEFAULT = "ComfyUI's default on Linux: bf16 file, torch's own SDPA order (its flash kernel), eager"
+STACK_FIRST_HIT = (_H1, "fp8_e4m3fn_fast_hit_fp8_eager")  # the call's first hit: the slower of its two rows
+LEAD_SESSION = "4b838106e5e2"  # another warm H100, three calls: Chorus's other settings
 _G1, _G2, _G3 = (f"{LEAD_SESSION}-{call}" for call in ("9d86f2", "0e21cf", "25335c"))
 LEAD = {
     "dense, TorchCompileModel (the fastest dense)": (_G2, "fp8_e4m3fn_fast_dense_compiled"),
@@ -42,7 +57,6 @@ LEAD = {
     "Chorus hit, FP8 attention, last step dense (the shipped `dense_last_steps` 1), eager":
         (_G1, "fp8_e4m3fn_fast_hit_last1_fp8_eager"),
 }
-LEAD_FIRST_HIT = (_G3, "fp8_e4m3fn_fast_hit_fp8_eager")  # the call's first hit: the slower of its two rows
 FORTY_SESSION = "d0998e714460"  # a third warm H100: 40 steps, cfg 5 at 640x640
 FORTY = dict(SHIPPED, **{"Chorus miss that records, eager": "fp8_e4m3fn_fast_miss_eager"})
 del FORTY["Chorus hit as shipped, TorchCompileModel"]
@@ -63,7 +77,9 @@ def _counted(row: dict) -> float:
 
 
 SHIPPED_MARK = "**As shipped, the hit keeps its last step dense**"
-OTHERS_MARK = "**What else a user can pick**"
+SETTINGS_MARK = "Chorus's other settings"
+COMBINE_MARK = "**What to combine**"
+OTHERS_MARK = "**At 640x640 too**"
 FORTY_MARK = "**At 40 steps, cfg 5**"
 BF16_MARK = "**Wan 2.1 with bf16 weights**"
 
@@ -130,24 +146,49 @@ def test_the_40_step_table_quotes_its_machines_rows_at_40_steps_cfg_5():
             [row["seconds"], row["vs_dense_same_weights"], row["vs_core_same_weights"]], label
 
 
-def test_the_lead_table_quotes_one_machines_fastest_rows_and_their_ratios():
-    """The first table: one warm machine's calls; a row is named by its call's run id, because the
-    machine ran some arms in two calls (a process's first FP8 hit also loads its kernels)."""
-    cells = _table_cells(LEAD, "## Speed", OTHERS_MARK)
+def _run_rows(session: str) -> dict:
+    """A session's 720p rows by (run id, name): a call's later row of a name is its warm one."""
+    return {(r["run"], r["name"]): r for r in json.loads((RESULTS / "user_stack_720p.json").read_text())["rows"]
+            if r.get("session") == session}
+
+
+def test_the_first_table_quotes_one_machines_rows_against_its_fastest_dense_run_and_comfyuis_default():
+    """Every dense attention a user can pick, core and the FP8 hits, from one warm machine's calls;
+    rows that were their model's first generation are counted warm, as the results file counts them."""
+    cells = _table_cells(STACK, "## Speed", SETTINGS_MARK)
+    assert set(cells) == set(STACK)
+    rows = _run_rows(STACK_SESSION)
+    fastest = min(_counted(r) for r in rows.values() if r["role"] == "dense" and r["weights"] != "bf16")
+    assert fastest == _counted(rows[STACK["dense, fp8, FlashAttention-4, eager (the fastest dense)"]])
+    default = _counted(rows[STACK[STACK_DEFAULT]])
+    assert rows[STACK[STACK_DEFAULT]]["attention"] == "torch_sdpa_default_order"
+    for label, key in STACK.items():
+        row = rows[key]
+        assert (row["steps"], row["cfg"], row["shape"]) == (4, 1.0, "720p"), label
+        assert [float(c.rstrip("x")) for c in cells[label]] == \
+            [_counted(row), round(fastest / _counted(row), 3), round(default / _counted(row), 3)], label
+    text = " ".join(_readme().split())
+    in_call = [r for r in json.loads((RESULTS / "user_stack_720p.json").read_text())["rows"]
+               if (r["run"], r["name"]) == STACK_FIRST_HIT]  # the table quotes the second, warm one
+    assert len(in_call) == 2 and in_call[0]["seconds"] > in_call[1]["seconds"] == rows[STACK_FIRST_HIT]["seconds"]
+    assert f"a process's first hit also loads its Triton kernels ({in_call[0]['seconds']} s in the same call)" in text
+    for measured in ("bf16_dense_eager_torch", "fp8_e4m3fn_fast_dense_eager_fa4"):  # the two counted warm
+        row = next(r for r in rows.values() if r["name"] == measured)
+        assert row["warm_seconds"] is not None and f"{row['seconds']} s" in text, measured
+
+
+def test_the_settings_table_quotes_another_machines_fastest_rows_and_their_ratios():
+    """Chorus's other settings: one warm machine's calls; a row is named by its call's run id,
+    because the machine ran some arms in two calls (a process's first FP8 hit also loads its kernels)."""
+    cells = _table_cells(LEAD, SETTINGS_MARK, COMBINE_MARK)
     assert set(cells) == set(LEAD)
-    in_session = [r for r in json.loads((RESULTS / "user_stack_720p.json").read_text())["rows"]
-                  if r.get("session") == LEAD_SESSION]
-    rows = {(r["run"], r["name"]): r for r in in_session}  # a call's later row of a name: its warm one
+    rows = _run_rows(LEAD_SESSION)
     fastest = min(r["seconds"] for r in rows.values() if r["role"] == "dense")
     assert fastest == rows[LEAD["dense, TorchCompileModel (the fastest dense)"]]["seconds"]
     for label, key in LEAD.items():
         row = rows[key]
         assert (row["steps"], row["cfg"], row["weights"]) == (4, 1.0, "fp8_e4m3fn_fast"), label
         assert [float(c.rstrip("x")) for c in cells[label]] == [row["seconds"], round(fastest / row["seconds"], 3)], label
-    text = " ".join(_readme().split())
-    first_hit = [r for r in in_session if (r["run"], r["name"]) == LEAD_FIRST_HIT]
-    assert len(first_hit) == 2 and first_hit[0]["seconds"] > first_hit[1]["seconds"]
-    assert f"a process's first hit also loads its Triton kernels ({first_hit[0]['seconds']} s in the same call)" in text
 
 
 def test_the_text_quotes_the_hit_against_core_and_the_fp8_scaled_hit():
