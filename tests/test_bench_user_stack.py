@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -155,3 +156,55 @@ def test_flash_rows_put_torchs_flash_kernel_first_where_the_others_put_cudnn(tmp
     assert done.stdout.strip() == str([
         (["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"], True),
         (["FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH"], True)])
+
+
+def test_a_dense_row_longer_than_a_call_runs_in_stages_and_the_merge_joins_them(tmp_path, comfyui_path):
+    """--stage: 720p at 40 steps, cfg 5 (a dense run of about 870 s) does not fit a 600 s device
+    call, so its dense rows run as two stages, one call each, and --merge joins each row's stages;
+    a Chorus row runs whole, and a later stage without its first one is refused before any set-up."""
+    env = {**os.environ, "COMFYUI_PATH": str(comfyui_path)}
+
+    def call(tag: str, *extra) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path / tag, "--tag", tag,
+                               "--weights-dir", tmp_path / "w", "--bank", tmp_path / "bank", "--stage-latent",
+                               tmp_path / "latents", *map(str, extra)],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+    chorus = call("x", "--stage", "0:2", "--rows", "bf16:dense:eager,bf16:miss:eager")
+    assert chorus.returncode != 0 and "bf16:miss:eager is a Chorus row" in chorus.stderr
+    early = call("early", "--stage", "2:4", "--rows", "bf16:dense:eager")
+    assert early.returncode != 0 and "run --stage 0:2 of bf16_dense_eager first" in early.stderr
+    assert not (tmp_path / "w").exists()  # refused before the checkpoint files were built
+    for tag, stage in (("s1", "0:2"), ("s2", "2:4")):
+        done = call(tag, "--stage", stage, "--rows", "bf16:dense:eager")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # a compiled stage compiles on a short whole schedule first (a 20-step warm-up at 720p, cfg 5
+    # would take a call's time): its timed run is the stage, and its latent is what the next starts from
+    compiled = call("c1", "--stage", "0:2", "--warmup-steps", "1", "--rows", "bf16:dense:compiled")
+    assert compiled.returncode == 0, compiled.stdout[-3000:] + compiled.stderr[-3000:]
+    assert re.search(r"bf16:dense:compiled: warm-up \(compile\) [0-9.]+ s, steps \[[0-9.]+\],", compiled.stdout
+                     + compiled.stderr)
+    [warm] = json.loads((tmp_path / "c1" / "user_stack_tiny_c1.json").read_text())["rows"]
+    assert warm["stage"] == [0, 2] and len(warm["step_ms"]) == 2 and warm["compile_s"] > 0
+    parts = [json.loads((tmp_path / t / f"user_stack_tiny_{t}.json").read_text())["rows"][0] for t in ("s1", "s2")]
+    assert [p["stage"] for p in parts] == [[0, 2], [2, 4]] and [len(p["step_ms"]) for p in parts] == [2, 2]
+    assert all(p["vs_dense_same_weights"] is None for p in parts)  # a stage alone is no generation
+
+    def merge(*tags) -> dict:
+        out = tmp_path / ("m_" + "_".join(tags))
+        done = subprocess.run([sys.executable, str(BENCH), "--merge",
+                               ",".join(str(tmp_path / t / f"user_stack_tiny_{t}.json") for t in tags),
+                               "--out", out], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((out / "user_stack_tiny.json").read_text())
+
+    half = merge("s1")  # the second stage not yet timed: no row, and a note that says why
+    assert half["rows"] == [] and any("stop at step 2 of 4" in n for n in half["details"]["notes"])
+    [row] = merge("s1", "s2")["rows"]
+    assert row["seconds"] == round(parts[0]["seconds"] + parts[1]["seconds"], 3) and len(row["step_ms"]) == 4
+    assert [s["stage"] for s in row["stages"]] == [[0, 2], [2, 4]] and row["stage"] is None
+    assert row["run"] == f"{parts[0]['run']}+{parts[1]['run']}" and row["vs_dense_same_weights"] is not None
+    # each stage's first step counts at the median of the other steps, as a cold first generation's does
+    firsts, rest = [row["step_ms"][0], row["step_ms"][2]], [row["step_ms"][1], row["step_ms"][3]]
+    median = sum(rest) / 2
+    assert row["warm_seconds"] == round(row["seconds"] - sum(max(0.0, f - median) for f in firsts) / 1e3, 3)

@@ -9,7 +9,11 @@ device)::
     python tests/benchmarks/bench_user_stack.py --build-only --weights-dir /tmp/us-weights   # files only
     python tests/benchmarks/bench_user_stack.py --merge A.json,B.json --out DIR              # calls -> one table
 
-or on the CPU at a tiny width and grid, to test the script end to end: ``--tiny``. A row is
+A dense run longer than a device call (720p at 40 steps, cfg 5: about 870 s) runs in stages,
+``--stage 0:20`` in one call and ``--stage 20:40`` in the next (dense and core rows; a compiled
+row's warm-up on a short schedule with ``--warmup-steps``), and ``--merge`` joins each row's stages.
+
+On the CPU at a tiny width and grid, ``--tiny`` tests the script end to end. A row is
 ``WEIGHTS:ARM:eager|compiled``, with ``:sage`` at the end for ComfyUI's ``--use-sage-attention``
 (``sageattention`` 1.0.6) on the row's dense calls, or ``:flash`` for torch SDPA with its flash
 kernel first instead of cuDNN, or ``:torch`` for torch's own SDPA order (none set: what ComfyUI runs
@@ -72,6 +76,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -94,6 +99,7 @@ import core_sparse_arm as core  # noqa: E402  (core ComfyUI's Model Sparse Atten
 import bench_end_to_end as e2e  # noqa: E402  (request, machine name, cuDNN SDPA; puts the repo on sys.path,
 import bench_reuse_loop as loop  # noqa: E402  so both are imported before ComfyUI's folder goes in front)
 from bench_few_step import graphs_compiled, timed_model_loads  # noqa: E402  (compile count, weight moves)
+import few_step_stages as stages  # noqa: E402  (a dense run longer than one call, timed in stages)
 import torch  # noqa: E402
 
 HEAD_DIM, BLOCK = 128, 128
@@ -388,12 +394,20 @@ def chorus_patched(ctx, model, arm: str):
     return patch.install(), patch
 
 
-def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
+def generate(ctx, model, arm: str, is_compiled: bool, warm_up: bool = False) -> dict:
+    """One timed sampling call of the row: its whole schedule, or with ``--stage`` (A, B) its steps
+    A..B-1, whose output latent the next stage starts from; a compiled row's warm-up runs
+    ``--warmup-steps`` of a schedule that long, whole, when given (the graphs do not depend on it)."""
     import comfy.sample
 
     cuda = ctx["cuda"]
     positive, negative, latent, _ = ctx["req"]
     noise = comfy.sample.prepare_noise(latent, 0)
+    steps, stage, staged = ctx["steps"], ctx["stage"], {}
+    if warm_up and ctx["warmup_steps"]:
+        steps, stage = ctx["warmup_steps"], None
+    if stage is not None:
+        latent, noise, staged = stages.staged_sampling(stage, steps, ctx["stage_latent"], ctx["label"], latent, noise)
     stamps, patch = [], None
 
     def callback(step, x0, x, total):
@@ -416,10 +430,12 @@ def generate(ctx, model, arm: str, is_compiled: bool) -> dict:
             sampled, patch = chorus_patched(ctx, model, arm)
         if is_compiled:
             sampled = compiled(sampled)
-        out = comfy.sample.sample(sampled, noise, ctx["steps"], ctx["cfg"], SAMPLER, SCHEDULER, positive, negative,
-                                  latent, callback=callback, disable_pbar=True, seed=0)
+        out = comfy.sample.sample(sampled, noise, steps, ctx["cfg"], SAMPLER, SCHEDULER, positive, negative,
+                                  latent, callback=callback, disable_pbar=True, seed=0, **staged)
     e2e.sync(cuda)
     end = time.perf_counter()
+    if stage is not None:
+        stages.keep_stage_output(stage, steps, ctx["stage_latent"], ctx["label"], out)
     step_ms = [round((b - a) * 1e3, 1) for a, b in zip([start] + stamps[:-1], stamps)]
     m = dict(seconds=round(end - start, 3), step_ms=step_ms, graphs=graphs_compiled() - graphs_before,
              model_load_s=round(sum(loads), 3), finite=bool(torch.isfinite(out).all()))
@@ -566,7 +582,7 @@ def recorded_key(ctx, weights: str) -> str:
 
 def run_row(ctx, doc, spec: str, save) -> None:
     weights, arm, is_compiled = parse_row(spec)
-    ctx["attention"] = row_attention(spec)
+    ctx["attention"], ctx["label"] = row_attention(spec), spec.replace(":", "_")
     if arm in HIT_ARMS and not ctx["recorded"].get(recorded_key(ctx, weights)):
         # a 4-step entry does not serve a 40-step run, nor a 720p one a 640x640 run: refused before
         # the model's load rather than timed as a miss (2026-12-06 lost two device calls so)
@@ -577,7 +593,7 @@ def run_row(ctx, doc, spec: str, save) -> None:
     if is_compiled and ctx["reset_dynamo"]:
         torch._dynamo.reset()  # each compiled row compiles afresh, as in a newly started server
     if is_compiled:
-        warm = generate(ctx, model, arm, True)
+        warm = generate(ctx, model, arm, True, warm_up=True)
         check_path(arm, warm, ctx["cuda"])
         compile_s = warm["seconds"]
         log(f"{spec}: warm-up (compile) {compile_s:.1f} s, steps {warm['step_ms']}, graphs {warm['graphs']}")
@@ -593,12 +609,13 @@ def run_row(ctx, doc, spec: str, save) -> None:
         ctx["recorded"][recorded_key(ctx, weights)] = m["recorded_entry_id"]
         if not m["recorded_entry_id"]:
             raise RuntimeError(f"{spec}: the miss recorded nothing ({m['warnings']})")
-    row = dict(name=spec.replace(":", "_"), role=row_role(arm), weights=weights,
+    row = dict(name=ctx["label"], role=row_role(arm), weights=weights,
                attention=attention_name(arm, m, ctx["attention"], core_settings(ctx, arm) if arm in CORE_ARMS else None),
                compiled=is_compiled, steps=ctx["steps"], cfg=ctx["cfg"],
                shape=ctx["shape"], blocks=ctx["blocks"], seconds=m["seconds"], compile_s=compile_s,
                arm=arm, load_s=ctx["load_s"][weights], density=None if arm in ("dense", "core") else ctx["density"],
-               session=ctx["session"], run=ctx["run_id"], **{k: v for k, v in m.items() if k != "seconds"})
+               session=ctx["session"], run=ctx["run_id"], stage=list(ctx["stage"]) if ctx["stage"] else None,
+               **{k: v for k, v in m.items() if k != "seconds"})
     doc["rows"].append(row)
     log(f"{spec}: {m['seconds']:.2f} s, steps {m['step_ms']}, graphs {m['graphs']}, mode {m.get('run_mode')}, "
         f"density {m.get('measured_density')}, backend {m.get('backend')} / {m.get('dense_backend')}")
@@ -650,10 +667,17 @@ def warm_seconds(row: dict) -> float | None:
     kernel for the first time, which a running server has done before): its seconds with the first
     step counted at the median of the others. None for any other row."""
     steps = row.get("step_ms") or []
+    if row.get("stages"):  # joined stages: each stage's sampling call has a first step of its own
+        firsts = list(itertools.accumulate([0] + [b - a for a, b in (p["stage"] for p in row["stages"])][:-1]))
+        rest = statistics.median([t for i, t in enumerate(steps) if i not in firsts])
+        return round(row["seconds"] - sum(max(0.0, steps[i] - rest) for i in firsts) / 1e3, 3)
     if (row.get("model_load_s") or 0) <= FIRST_AFTER_LOAD_S or len(steps) < 2:
         return None
     excess = steps[0] - statistics.median(steps[1:])
     return round(row["seconds"] - max(0.0, excess) / 1e3, 3)
+
+
+RATIO_KEYS = ("vs_dense_same_weights", "vs_fastest_dense_fp8", "vs_dense_bf16", "vs_core_same_weights")
 
 
 def ratios(rows: list[dict]) -> None:
@@ -663,10 +687,12 @@ def ratios(rows: list[dict]) -> None:
     compiled rows, like every baseline here). A baseline that was the first
     generation after its model's load counts at its ``warm_seconds`` (lower: the ratios against it
     are the smaller ones)."""
+    whole = [r for r in rows if not stages.is_partial(r)]  # a stage alone is no generation
     for r in rows:
-        r["warm_seconds"] = warm_seconds(r)
-    for r in rows:
-        same = [x for x in rows if x.get("session") == r.get("session") and x["shape"] == r["shape"]
+        r["warm_seconds"] = None if stages.is_partial(r) else warm_seconds(r)
+        r.update(dict.fromkeys(RATIO_KEYS))
+    for r in whole:
+        same = [x for x in whole if x.get("session") == r.get("session") and x["shape"] == r["shape"]
                 and x["steps"] == r["steps"] and x["cfg"] == r["cfg"]]
 
         def best(pick):
@@ -681,7 +707,7 @@ def ratios(rows: list[dict]) -> None:
             r[key] = round(base / r["seconds"], 3) if base else None
 
 
-COLUMNS = ["name", "role", "weights", "compute_dtype", "attention", "compiled", "seconds", "warm_seconds", "compile_s",
+COLUMNS = ["name", "role", "weights", "compute_dtype", "attention", "compiled", "stage", "seconds", "warm_seconds", "compile_s",
            "step_ms", "load_s",
            "model_load_s", "measured_density", "routed_share", "graphs", "peak_gib", "flush_s", "vs_dense_same_weights",
            "vs_fastest_dense_fp8", "vs_dense_bf16", "vs_core_same_weights", "run"]
@@ -785,6 +811,7 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str], inva
         merged["details"]["notes"] += [n for n in d["details"]["notes"] if n not in merged["details"]["notes"]]
         merged["details"]["weights_files"] += d["details"]["weights_files"]
     merged["details"]["notes"] += notes
+    merged["rows"], merged["details"]["stage_rows"] = join_staged_rows(merged["rows"], merged["details"]["notes"])
     merged["details"].setdefault("invalid_rows", [])
     for spec in invalid:
         key, reason = spec.split("=", 1)
@@ -796,6 +823,29 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str], inva
         merged["details"]["invalid_rows"] += [dict(r, invalid=reason) for r in moved]
     merged["command"], merged["date"] = command, max(d["date"] for d in docs)
     write_results(out_dir, RESULT_NAMES[merged["details"]["shape"]], merged)
+
+
+def join_staged_rows(rows: list[dict], notes: list[str]) -> tuple[list[dict], list[dict]]:
+    """(rows, the stages they hold): the stages of a row (same name, schedule, cfg and shape) that
+    cover its schedule joined into one row, their seconds added (each stage's own model load and
+    first step included: what a user who splits the run waits); a row still missing a stage stays
+    out of the table, with a note that says which. A stage timed twice: the first file's counts."""
+    whole = [r for r in rows if not stages.is_partial(r)]
+    staged = [r for r in rows if stages.is_partial(r)]
+    groups: dict[tuple, list[dict]] = {}
+    for r in staged:
+        groups.setdefault((r["name"], r["steps"], r["cfg"], r["shape"]), []).append(r)
+    for (name, steps, *_), parts in groups.items():
+        firsts, _again = stages.first_of_each_stage(parts)
+        joined = stages.join_stages([dict(r, generation_s=r["seconds"]) for r in firsts], steps)
+        if isinstance(joined, str):
+            notes.append(f"{name} at {steps} steps: not in the table, {joined}")
+            continue
+        sessions = sorted({r["session"] for r in firsts}, key=[r["session"] for r in firsts].index)
+        seconds = joined.pop("generation_s")
+        whole.append(dict(joined, seconds=seconds, session="+".join(sessions), run="+".join(r["run"] for r in firsts),
+                          compile_s=None, stages=[dict(p, seconds=p.pop("generation_s")) for p in joined["stages"]]))
+    return whole, staged
 
 
 def parse_args(argv):
@@ -818,6 +868,14 @@ def parse_args(argv):
                    help="torch._dynamo.reset() before each compiled row: no row reuses another's graphs (a compiled "
                         "dense model's graph served a later compiled hit, which then ran dense) or its dynamic shapes")
     p.add_argument("--build-only", action="store_true", help="write the two checkpoint files and stop (no ComfyUI)")
+    p.add_argument("--stage", default=None, metavar="A:B",
+                   help="dense and core rows only: time steps A..B-1 of the --steps schedule (a run longer than one "
+                        "device call, e.g. 720p at 40 steps, cfg 5: 0:20 in one call, 20:40 in the next); --merge "
+                        "joins a row's stages into one")
+    p.add_argument("--stage-latent", default=str(Path(tempfile.gettempdir()) / "us-stage-latent"),
+                   help="where a stage leaves the latent the next one starts from (carry it to another machine)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="a compiled row's warm-up (its compile) samples a schedule this long instead of the row's")
     p.add_argument("--budget-s", type=float, default=520.0, help="start no row after this many seconds")
     p.add_argument("--call-limit-s", type=float, default=None,
                    help="seconds this process may still run (the device call's limit less what ran before it): a "
@@ -834,8 +892,15 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    stage = stages.parse_stage(args.stage, [args.steps]) if args.stage else None
     for spec_row in [s for s in args.rows.split(",") if s]:
-        parse_row(spec_row)  # a bad row stops the call here, not after minutes of set-up on the device
+        _, arm, _ = parse_row(spec_row)  # a bad row stops the call here, not after minutes of set-up on the device
+        if stage and arm not in ("dense",) + CORE_ARMS:
+            raise SystemExit(f"--stage {args.stage}: {spec_row} is a Chorus row, which records or serves a whole "
+                             "run: time it whole (only dense and core rows run in stages)")
+    if stage and stage[0] > 0 and not args.merge:
+        stages.check_stage_latents(Path(args.stage_latent), [s.replace(":", "_") for s in args.rows.split(",") if s],
+                                   args.steps, stage[0])
     if args.merge:
         command = shlex.join(["python", sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
         return merge([Path(p) for p in args.merge.split(",")], Path(args.out), command, args.note, args.invalid)
@@ -865,8 +930,8 @@ def main(argv=None):
     ctx = dict(cuda=cuda, req=make_request(latent_thw), steps=args.steps, cfg=args.cfg, density=args.density,
                bank=bank, shape=shape, blocks=blocks, weights_dir=weights_dir, files=files, model=None,
                model_name=None, load_s={}, recorded=recorded, session=machine_session(), reset_dynamo=args.reset_dynamo,
-               attention="sdpa",
-               run_id=f"{machine_session()}-{uuid.uuid4().hex[:6]}")
+               attention="sdpa", label=None, stage=stage, stage_latent=Path(args.stage_latent),
+               warmup_steps=args.warmup_steps, run_id=f"{machine_session()}-{uuid.uuid4().hex[:6]}")
     doc["details"]["sdpa_choice"] = sdpa_choices(cuda, tokens)
     if any(row_attention(s) == "flash" for s in args.rows.split(",") if s):
         doc["details"]["sdpa_choice_flash_first"] = sdpa_choices(cuda, tokens, FLASH_SDPA_ORDER)
