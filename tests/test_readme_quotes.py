@@ -6,7 +6,7 @@ import re
 from conftest import REPO_ROOT
 
 RESULTS = REPO_ROOT / "tests" / "benchmarks" / "results"
-SESSION = "1bef3161b301"  # one warm H100: every quoted speed row
+SESSION = "1bef3161b301"  # one warm H100: the 640x640 table's rows, both shapes
 # README row label start -> the results row each shape column quotes (None: not measured there)
 QUOTED = {
     "dense, bf16 file, cuDNN SDPA, eager": ("bf16_dense_eager", "bf16_dense_eager"),

@@ -836,13 +836,13 @@ def join_staged_rows(rows: list[dict], notes: list[str]) -> tuple[list[dict], li
     for r in staged:
         groups.setdefault((r["name"], r["steps"], r["cfg"], r["shape"]), []).append(r)
     for (name, steps, *_), parts in groups.items():
-        firsts, _again = stages.first_of_each_stage(parts)
+        firsts, _ = stages.first_of_each_stage(parts)
         joined = stages.join_stages([dict(r, generation_s=r["seconds"]) for r in firsts], steps)
         if isinstance(joined, str):
             notes.append(f"{name} at {steps} steps: not in the table, {joined}")
             continue
-        sessions = sorted({r["session"] for r in firsts}, key=[r["session"] for r in firsts].index)
         seconds = joined.pop("generation_s")
+        sessions = dict.fromkeys(r["session"] for r in firsts)  # in stage order, each once
         whole.append(dict(joined, seconds=seconds, session="+".join(sessions), run="+".join(r["run"] for r in firsts),
                           compile_s=None, stages=[dict(p, seconds=p.pop("generation_s")) for p in joined["stages"]]))
     return whole, staged
@@ -858,8 +858,10 @@ def parse_args(argv):
     p.add_argument("--density", type=float, default=0.15)
     p.add_argument("--blocks", type=int, default=40)
     p.add_argument("--rows", default=DEFAULT_ROWS,
-                   help="WEIGHTS:ARM:eager|compiled[:sage|:flash|:torch], comma-separated, in order (:sage: ComfyUI's "
-                        "--use-sage-attention for the row's dense calls; :flash: torch SDPA's flash kernel first)")
+                   help="WEIGHTS:ARM:eager|compiled[:sage|:flash|:torch|:fa4], comma-separated, in order (:sage: "
+                        "ComfyUI's --use-sage-attention for the row's dense calls; :flash: torch SDPA's flash kernel "
+                        "first; :torch: torch's own SDPA order, ComfyUI's on Linux; :fa4: FlashAttention-4's dense "
+                        "forward in ComfyUI's attention's place)")
     p.add_argument("--weights-dir", default=str(Path(tempfile.gettempdir()) / "us-weights"))
     p.add_argument("--bank", default=str(Path(tempfile.gettempdir()) / "us-bank"),
                    help="the bank folder: a later call on the same machine serves hits from the entries recorded here")

@@ -7,7 +7,8 @@
 #   US_SHAPE=640x640 US_TAG=d1 US_ROWS=... US_COMMIT=$(git rev-parse --short HEAD) \
 #     bash tests/benchmarks/user_stack_one_call.sh          # carry: .carry/us1 .carry/ck1
 # A later call on the same warm machine finds ComfyUI, comfy-kitchen and the weights in /tmp and needs
-# no carry (FlashAttention-4's parts, .carry/faN, one a call: see user_stack_fa4_carry.sh). US_TESTS: GPU test files to run first (CHORUS_TEST_GPU=1). Results and logs go to $OUT.
+# no carry, except FlashAttention-4's parts (.carry/faN, one a call: user_stack_fa4_carry.sh).
+# US_TESTS: GPU test files to run first (CHORUS_TEST_GPU=1). Results and logs go to $OUT.
 source tests/benchmarks/user_stack_env.sh
 us_stage > /dev/null
 us_env || us_base || exit 1
