@@ -9,6 +9,7 @@ tree=${1:?ComfyUI 0.19.3 tree}
 first=${2:-5600000}
 part=${3:-6900000}
 repo=$(git rev-parse --show-toplevel)
+source "$repo/tests/benchmarks/carry_parts.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
@@ -70,11 +71,6 @@ tar -C site -cf - . | xz -9 > "$repo/.carry/us1/site.tar.xz"
 # parts: the first smaller (it travels with us1), then equal ones
 head -c "$first" ck.xz > p.00
 tail -c +"$((first + 1))" ck.xz | split -b "$part" -d -a 2 --numeric-suffixes=1 - p.
-n=0
-for p in p.*; do
-  n=$((n + 1))
-  mkdir -p "$repo/.carry/ck$n"
-  mv "$p" "$repo/.carry/ck$n/ck.part.${p#p.}"
-done
+n=$(carry_parts "$repo" ck)
 echo "$sum $n" > "$repo/.carry/us1/ck.sha256"
 ls -la "$repo"/.carry/us1 "$repo"/.carry/ck*

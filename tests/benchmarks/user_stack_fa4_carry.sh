@@ -14,6 +14,7 @@
 set -euo pipefail
 part=${1:-54000000}
 repo=$(git rev-parse --show-toplevel)
+source "$repo/tests/benchmarks/carry_parts.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
@@ -28,12 +29,7 @@ tar -C cu13 -cf - . | xz -9 -T2 > cu13.tar.xz
 sum=$(sha256sum cu13.tar.xz | cut -d' ' -f1)
 split -b "$part" -d -a 2 cu13.tar.xz p.
 rm -rf "$repo"/.carry/fa*
-n=0
-for p in p.*; do
-  n=$((n + 1))
-  mkdir -p "$repo/.carry/fa$n"
-  mv "$p" "$repo/.carry/fa$n/fa.part.${p#p.}"
-done
+n=$(carry_parts "$repo" fa)
 echo "$sum $n" > "$repo/.carry/fa1/fa.sha256"
 mv dl/*.whl "$repo/.carry/fa$n/"
 du -sh "$repo"/.carry/fa*
