@@ -172,6 +172,8 @@ def test_a_dense_row_longer_than_a_call_runs_in_stages_and_the_merge_joins_them(
 
     chorus = call("x", "--stage", "0:2", "--rows", "bf16:dense:eager,bf16:miss:eager")
     assert chorus.returncode != 0 and "bf16:miss:eager is a Chorus row" in chorus.stderr
+    short = call("x", "--warmup-steps", "1", "--rows", "bf16:hit:compiled")  # its entry serves one step count
+    assert short.returncode != 0 and "--warmup-steps: bf16:hit:compiled needs its own schedule" in short.stderr
     early = call("early", "--stage", "2:4", "--rows", "bf16:dense:eager")
     assert early.returncode != 0 and "run --stage 0:2 of bf16_dense_eager first" in early.stderr
     assert not (tmp_path / "w").exists()  # refused before the checkpoint files were built
@@ -204,7 +206,34 @@ def test_a_dense_row_longer_than_a_call_runs_in_stages_and_the_merge_joins_them(
     assert row["seconds"] == round(parts[0]["seconds"] + parts[1]["seconds"], 3) and len(row["step_ms"]) == 4
     assert [s["stage"] for s in row["stages"]] == [[0, 2], [2, 4]] and row["stage"] is None
     assert row["run"] == f"{parts[0]['run']}+{parts[1]['run']}" and row["vs_dense_same_weights"] is not None
+    assert merge("s2", "s1")["rows"] == [row]  # the files' order does not matter: stages join in step order
     # each stage's first step counts at the median of the other steps, as a cold first generation's does
     firsts, rest = [row["step_ms"][0], row["step_ms"][2]], [row["step_ms"][1], row["step_ms"][3]]
     median = sum(rest) / 2
     assert row["warm_seconds"] == round(row["seconds"] - sum(max(0.0, f - median) for f in firsts) / 1e3, 3)
+
+
+def test_stages_from_two_machines_join_without_ratios_and_one_step_stages_have_no_warm_count():
+    """A row joined from stages that ran on two machine sessions compares with nothing (ratios stay
+    within one machine) and the merge says so; stages of one step each leave no other step to count
+    their first steps at, so the joined row has no warm_seconds (in a process of its own)."""
+    code = """
+import json, sys
+sys.argv = ['x']
+sys.path.insert(0, 'tests/benchmarks')
+import bench_user_stack as b
+base = dict(name='d', steps=2, cfg=5.0, shape='720p', weights='fp8_e4m3fn_fast', arm='dense', role='dense', graphs=0)
+rows = [dict(base, stage=[1, 2], seconds=3.0, step_ms=[3000.0], session='B', run='B-2'),
+        dict(base, stage=[0, 1], seconds=2.0, step_ms=[2000.0], session='A', run='A-1')]
+notes = []
+whole, kept = b.join_staged_rows(rows, notes)
+b.ratios(whole)
+print(json.dumps([whole, len(kept), notes]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [row], kept, notes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (row["seconds"], row["session"], row["run"], row["step_ms"]) == (5.0, "A+B", "A-1+B-2", [2000.0, 3000.0])
+    assert row["warm_seconds"] is None and row["vs_dense_same_weights"] == 1.0 and kept == 2
+    assert notes == ["d at 2 steps: its stages ran on machine sessions A, B, so its row has no ratios to other "
+                     "rows, nor they to it (ratios stay within one machine)"]

@@ -11,7 +11,7 @@ device)::
 
 A dense run longer than a device call (720p at 40 steps, cfg 5: about 870 s) runs in stages,
 ``--stage 0:20`` in one call and ``--stage 20:40`` in the next (dense and core rows; a compiled
-row's warm-up on a short schedule with ``--warmup-steps``), and ``--merge`` joins each row's stages.
+dense row's warm-up on a short schedule with ``--warmup-steps``), and ``--merge`` joins each row's stages.
 
 On the CPU at a tiny width and grid, ``--tiny`` tests the script end to end. A row is
 ``WEIGHTS:ARM:eager|compiled``, with ``:sage`` at the end for ComfyUI's ``--use-sage-attention``
@@ -669,7 +669,10 @@ def warm_seconds(row: dict) -> float | None:
     steps = row.get("step_ms") or []
     if row.get("stages"):  # joined stages: each stage's sampling call has a first step of its own
         firsts = list(itertools.accumulate([0] + [b - a for a, b in (p["stage"] for p in row["stages"])][:-1]))
-        rest = statistics.median([t for i, t in enumerate(steps) if i not in firsts])
+        others = [t for i, t in enumerate(steps) if i not in firsts]
+        if not others:  # one-step stages: no step to count a first one at
+            return None
+        rest = statistics.median(others)
         return round(row["seconds"] - sum(max(0.0, steps[i] - rest) for i in firsts) / 1e3, 3)
     if (row.get("model_load_s") or 0) <= FIRST_AFTER_LOAD_S or len(steps) < 2:
         return None
@@ -811,7 +814,9 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str], inva
         merged["details"]["notes"] += [n for n in d["details"]["notes"] if n not in merged["details"]["notes"]]
         merged["details"]["weights_files"] += d["details"]["weights_files"]
     merged["details"]["notes"] += notes
-    merged["rows"], merged["details"]["stage_rows"] = join_staged_rows(merged["rows"], merged["details"]["notes"])
+    kept_stages = [r for d in docs for r in d["details"].get("stage_rows", [])]  # an input merged before
+    merged["rows"], merged["details"]["stage_rows"] = join_staged_rows(merged["rows"] + kept_stages,
+                                                                       merged["details"]["notes"])
     merged["details"].setdefault("invalid_rows", [])
     for spec in invalid:
         key, reason = spec.split("=", 1)
@@ -837,12 +842,16 @@ def join_staged_rows(rows: list[dict], notes: list[str]) -> tuple[list[dict], li
         groups.setdefault((r["name"], r["steps"], r["cfg"], r["shape"]), []).append(r)
     for (name, steps, *_), parts in groups.items():
         firsts, _ = stages.first_of_each_stage(parts)
+        firsts.sort(key=lambda r: r["stage"][0])
         joined = stages.join_stages([dict(r, generation_s=r["seconds"]) for r in firsts], steps)
         if isinstance(joined, str):
             notes.append(f"{name} at {steps} steps: not in the table, {joined}")
             continue
         seconds = joined.pop("generation_s")
         sessions = dict.fromkeys(r["session"] for r in firsts)  # in stage order, each once
+        if len(sessions) > 1:
+            notes.append(f"{name} at {steps} steps: its stages ran on machine sessions {', '.join(sessions)}, so "
+                         "its row has no ratios to other rows, nor they to it (ratios stay within one machine)")
         whole.append(dict(joined, seconds=seconds, session="+".join(sessions), run="+".join(r["run"] for r in firsts),
                           compile_s=None, stages=[dict(p, seconds=p.pop("generation_s")) for p in joined["stages"]]))
     return whole, staged
@@ -877,7 +886,8 @@ def parse_args(argv):
     p.add_argument("--stage-latent", default=str(Path(tempfile.gettempdir()) / "us-stage-latent"),
                    help="where a stage leaves the latent the next one starts from (carry it to another machine)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="a compiled row's warm-up (its compile) samples a schedule this long instead of the row's")
+                   help="dense rows: a compiled row's warm-up (its compile) samples a schedule this long instead of "
+                        "the row's")
     p.add_argument("--budget-s", type=float, default=520.0, help="start no row after this many seconds")
     p.add_argument("--call-limit-s", type=float, default=None,
                    help="seconds this process may still run (the device call's limit less what ran before it): a "
@@ -897,6 +907,10 @@ def main(argv=None):
     stage = stages.parse_stage(args.stage, [args.steps]) if args.stage else None
     for spec_row in [s for s in args.rows.split(",") if s]:
         _, arm, _ = parse_row(spec_row)  # a bad row stops the call here, not after minutes of set-up on the device
+        if args.warmup_steps and arm != "dense":
+            raise SystemExit(f"--warmup-steps: {spec_row} needs its own schedule to warm up on (a Chorus row's "
+                             "entry serves one step count; core's sparse calls start at 20 % of the schedule): "
+                             "warm it up on its whole run, without --warmup-steps")
         if stage and arm not in ("dense",) + CORE_ARMS:
             raise SystemExit(f"--stage {args.stage}: {spec_row} is a Chorus row, which records or serves a whole "
                              "run: time it whole (only dense and core rows run in stages)")

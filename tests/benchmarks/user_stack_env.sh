@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1
 us_stage() {  # keep this call's parts for the call that assembles them
   mkdir -p "$US_STAGE"
   local f
-  for f in .carry/ck*/ck.part.* .carry/us1/ck.sha256 .carry/fa*/fa.part.* .carry/fa1/fa.sha256 .carry/fa*/*.whl; do
+  for f in .carry/ck*/ck.part.* .carry/us1/ck.sha256 .carry/fa[0-9]*/fa.part.* .carry/fa1/fa.sha256 .carry/fa[0-9]*/*.whl; do
     [ -f "$f" ] && cp "$f" "$US_STAGE/"
   done
   ls "$US_STAGE"

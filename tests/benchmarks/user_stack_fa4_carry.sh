@@ -28,8 +28,8 @@ rm dl/nvidia_cutlass_dsl_libs_cu13-*.whl
 tar -C cu13 -cf - . | xz -9 -T2 > cu13.tar.xz
 sum=$(sha256sum cu13.tar.xz | cut -d' ' -f1)
 split -b "$part" -d -a 2 cu13.tar.xz p.
-rm -rf "$repo"/.carry/fa*
+rm -rf "$repo"/.carry/fa[0-9]*
 n=$(carry_parts "$repo" fa)
 echo "$sum $n" > "$repo/.carry/fa1/fa.sha256"
 mv dl/*.whl "$repo/.carry/fa$n/"
-du -sh "$repo"/.carry/fa*
+du -sh "$repo"/.carry/fa[0-9]*

@@ -16,7 +16,7 @@ us_ready || exit 1
 # FlashAttention-4 (the :fa4 rows) once all its parts are staged (user_stack_fa4_carry.sh); until
 # then a :fa4 row fails with the reason and the others run. With FA4 importable, Chorus's rows use it
 # too where it applies (their backend says so).
-if [ -f /tmp/us-stage/fa.sha256 ]; then us_fa4 || echo "FA4 not ready: its rows will fail"; fi
+if [ -f "$US_STAGE/fa.sha256" ]; then us_fa4 || echo "FA4 not ready: its rows will fail"; fi
 WD=$(us_weights_dir)
 echo "$WD" > /tmp/us-wd
 for t in ${US_TESTS:-}; do
