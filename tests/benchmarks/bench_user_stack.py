@@ -76,7 +76,6 @@ import argparse
 import contextlib
 import datetime
 import gc
-import itertools
 import json
 import math
 import os
@@ -336,6 +335,7 @@ FLASH_SDPA_ORDER = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION",
 TORCH_SDPA_ORDER = None
 SDPA_ORDERS = {"sdpa": SDPA_ORDER, "sage": SDPA_ORDER, "flash": FLASH_SDPA_ORDER, "torch": TORCH_SDPA_ORDER,
                "fa4": SDPA_ORDER}
+OTHER_ORDER_KEYS = {"flash": "sdpa_choice_flash_first", "torch": "sdpa_choice_torch_order"}  # results' keys
 
 
 @contextlib.contextmanager
@@ -668,7 +668,7 @@ def warm_seconds(row: dict) -> float | None:
     step counted at the median of the others. None for any other row."""
     steps = row.get("step_ms") or []
     if row.get("stages"):  # joined stages: each stage's sampling call has a first step of its own
-        firsts = list(itertools.accumulate([0] + [b - a for a, b in (p["stage"] for p in row["stages"])][:-1]))
+        firsts = [p["stage"][0] for p in row["stages"]]  # the stages cover steps 0.. in order
         others = [t for i, t in enumerate(steps) if i not in firsts]
         if not others:  # one-step stages: no step to count a first one at
             return None
@@ -949,10 +949,9 @@ def main(argv=None):
                attention="sdpa", label=None, stage=stage, stage_latent=Path(args.stage_latent),
                warmup_steps=args.warmup_steps, run_id=f"{machine_session()}-{uuid.uuid4().hex[:6]}")
     doc["details"]["sdpa_choice"] = sdpa_choices(cuda, tokens)
-    if any(row_attention(s) == "flash" for s in args.rows.split(",") if s):
-        doc["details"]["sdpa_choice_flash_first"] = sdpa_choices(cuda, tokens, FLASH_SDPA_ORDER)
-    if any(row_attention(s) == "torch" for s in args.rows.split(",") if s):
-        doc["details"]["sdpa_choice_torch_order"] = sdpa_choices(cuda, tokens, TORCH_SDPA_ORDER)
+    for attention, key in OTHER_ORDER_KEYS.items():  # what torch picked under the rows' other orders
+        if any(row_attention(s) == attention for s in args.rows.split(",") if s):
+            doc["details"][key] = sdpa_choices(cuda, tokens, SDPA_ORDERS[attention])
     log(f"torch SDPA picks, cuDNN first: {doc['details']['sdpa_choice']}")
     doc["details"]["bank_entries_at_start"] = len(bank.entries())  # recorded by an earlier call on this machine
     ctx["recorded"].update(json.loads((Path(args.bank) / "user_stack_recorded.json").read_text())
