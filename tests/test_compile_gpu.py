@@ -106,6 +106,6 @@ def test_compiled_wan_model_with_a_hit_equals_eager_without_graph_breaks(wan, ba
     stats = get_run_stats(compiled)
     assert stats.backend.startswith(backend), stats.backend
     assert stats.sparse_calls == 2 * (STEPS - 1) and not stats.warnings
-    expected_dense = "fa4" if fa4.fa4_import_error() is None else "comfyui"
+    expected_dense = "fa4" if fa4.fa4_import_error() is None else "cudnn_sdpa"
     assert stats.dense_backend.startswith(expected_dense), stats.dense_backend
     assert get_run_stats(eager).backend == stats.backend

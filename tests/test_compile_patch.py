@@ -246,6 +246,57 @@ def test_comfyui_dense_attention_and_a_users_own_backend_keep_the_dense_calls(ti
     assert users.count(SEQ_LEN) == LAYERS * STEPS  # every self-attention went to the user's function
 
 
+
+class CountingCudnnSdpa:
+    """Stands in for a GPU where FA4 is absent and torch's cuDNN attention is there: the cuDNN
+    route is taken on the CPU, and its SDPA call (cuDNN first in the order; the CPU runs torch's
+    own kernel under that order) is counted."""
+
+    def __init__(self, monkeypatch):
+        import kernels.dense_attention as dense
+
+        self.calls, self.sdpa = 0, dense.cudnn_first_sdpa
+        monkeypatch.setattr(dense, "dense_unsupported_for", lambda device, dtype, head_dim: "FA4 is absent here")
+        monkeypatch.setattr(dense, "cudnn_unsupported_for", lambda device, dtype, head_dim: None)
+        monkeypatch.setattr(dense, "cudnn_first_sdpa", self)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.sdpa(*args)
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
+def test_without_fa4_dense_calls_run_cudnn_first_sdpa(tiny_wan_patcher, dynamo, monkeypatch, compile_model):
+    """On Linux ComfyUI leaves torch's SDPA order (the flash kernel at Wan's shapes, 1.47x cuDNN's
+    time on an H100): Chorus's dense calls put cuDNN first instead, as ComfyUI does on Windows."""
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(block_maps(5, 0.4), (BLOCK, BLOCK)), 1, (1,))
+    reference = sample(install_sparse_attention(tiny_wan_patcher, provider, dense_attention="comfyui"))
+    cudnn = CountingCudnnSdpa(monkeypatch)
+    patched = install_sparse_attention(tiny_wan_patcher, provider)
+    patched = compiled(patched) if compile_model else patched
+    out = sample(patched)
+
+    torch.testing.assert_close(out, reference, **CLOSE)
+    assert cudnn.calls == LAYERS + (STEPS - 1)  # the warm-up step's 2 layers, then the dense layer 1
+    assert get_run_stats(patched).dense_backend == ("cudnn_sdpa (torch SDPA with cuDNN's attention first, as "
+                                                    "ComfyUI runs it on Windows; FA4: FA4 is absent here)")
+    if compile_model:
+        assert sum(dynamo["graph_break"].values()) == 0
+
+
+def test_a_users_own_backend_keeps_the_dense_calls_from_cudnn_too(tiny_wan_patcher, monkeypatch):
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    cudnn = CountingCudnnSdpa(monkeypatch)
+    below = tiny_wan_patcher.clone()
+    below.model_options["transformer_options"]["optimized_attention_override"] = lambda func, *a, **kw: func(*a, **kw)
+    patched = install_sparse_attention(below, DenseProvider((BLOCK, BLOCK)))
+    sample(patched)
+    assert cudnn.calls == 0
+    assert get_run_stats(patched).dense_backend == "comfyui (the attention override of another node runs the calls left dense)"
+
 def test_dense_attention_must_be_a_known_mode(tiny_wan_patcher):
     from chorus_core.attention.sparse_patch import install_sparse_attention
 

@@ -242,30 +242,31 @@ class SparseRun:
         try:
             return kernel(call.q, call.k, call.v, call.heads, call.skip_reshape, call.skip_output_reshape)
         except Exception as exc:  # speed only: ComfyUI's function gives the same result
-            self._no_fast_dense(f"the dense FlashAttention-4 call failed ({type(exc).__name__}: {exc}); "
+            self._no_fast_dense(f"the fast dense call failed ({type(exc).__name__}: {exc}); "
                                 "dense calls use ComfyUI's attention for the rest of this run")
             return None
 
     def dense_kernel(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[Callable]:
-        """``kernels.dense_attention.dense_attention`` when FA4 can run these calls and the user
-        left ``dense_attention`` on "auto"; None: ComfyUI's own function. Decided once per run."""
+        """``kernels.dense_attention.dense_attention`` (FA4, else cuDNN-first SDPA) when one of them
+        can run these calls and the user left ``dense_attention`` on "auto"; None: ComfyUI's own
+        function. Decided once per run."""
         key = (str(device), dtype, head_dim)
         if key not in self._dense_kernels:
-            kernel, why = None, "dense_attention='comfyui' was chosen"
+            kernel, route, why = None, None, "dense_attention='comfyui' was chosen"
             if self.dense_attention == "auto":
                 dense = import_sibling("kernels.dense_attention")
-                why = dense.dense_unsupported_for(device, dtype, head_dim)
-                kernel = dense.dense_attention if why is None else None
+                route, why = dense.dense_route_for(device, dtype, head_dim)
+                kernel = dense.dense_attention if route is not None else None
             self._dense_kernels[key] = kernel
             if self.stats.dense_backend is None:
-                self.stats.dense_backend = ("fa4 (FlashAttention-4 dense forward)" if kernel is not None
-                                            else f"comfyui (ComfyUI's attention function; {why})")
+                self.stats.dense_backend = dense_backend_name(route, why)
         return self._dense_kernels[key]
 
     def leave_dense_to(self, backend: str) -> None:
         """The user chose the dense attention (``backend``: a Model Attention Backend node below
         Chorus, or the function ComfyUI was started with, e.g. ``--use-sage-attention``): ComfyUI's
-        function runs every call left dense, FlashAttention-4 takes none. Decided once per run."""
+        function runs every call left dense, FlashAttention-4 and cuDNN-first SDPA take none. Decided once
+        per run."""
         self.dense_attention = "comfyui"
         self._dense_kernels.clear()
         self.stats.dense_backend = f"comfyui ({backend} runs the calls left dense)"
@@ -423,6 +424,15 @@ class CallPlan:
 
     def mask_of(self, layer: int):
         return self.masks[layer] if 0 <= layer < len(self.masks) else None
+
+
+def dense_backend_name(route: Optional[str], why: str) -> str:
+    """The report's ``dense_backend``: what ran the calls Chorus left dense, and why that one."""
+    if route == "fa4":
+        return "fa4 (FlashAttention-4 dense forward)"
+    if route == "cudnn_sdpa":
+        return f"cudnn_sdpa (torch SDPA with cuDNN's attention first, as ComfyUI runs it on Windows; FA4: {why})"
+    return f"comfyui (ComfyUI's attention function; {why})"
 
 
 def declared_attention(diffusion_model) -> Optional[tuple]:
