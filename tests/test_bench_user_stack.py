@@ -56,6 +56,17 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
                                "in this bank (run bf16:miss:eager first at this shape and step count)"], later
     assert later["models"] == {}
 
+    # no cfg in what an entry serves (the bank matches none): a cfg-5 hit on the cfg-1 recording,
+    # and the row says which cfg recorded its entry
+    done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path / "cfg5", "--weights-dir",
+                           tmp_path / "w", "--bank", tmp_path / "bank", "--cfg", "5", "--rows", "bf16:hit:eager"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (cfg5,) = json.loads((tmp_path / "cfg5" / "user_stack_tiny.json").read_text())["rows"]
+    assert (cfg5["run_mode"], cfg5["cfg"], cfg5["entry_recorded_cfg"]) == ("hit", 5.0, 1.0)
+    assert "entry_recorded_cfg" not in result["bf16_dense_eager"]
+
 
 def test_a_row_names_only_known_attentions_and_a_bad_one_stops_the_call_at_once(tmp_path):
     """In a process of its own: the benchmark puts the repository first on sys.path, where its

@@ -576,14 +576,22 @@ def fa4_attention(comfyui_function):
 
 
 def recorded_key(ctx, weights: str) -> str:
-    """What an entry recorded by a miss row serves: these weights at this shape and step count."""
+    """What an entry recorded by a miss row serves: these weights at this shape and step count. Not
+    the cfg: the bank matches none (an entry recorded at cfg 1 serves cond and uncond alike), and a
+    720p miss at 40 steps and cfg 5 is longer than a device call, so a cfg-5 hit may be served by a
+    cfg-1 recording made in an earlier call; the hit row's ``entry_recorded_cfg`` says so."""
     return f"{weights}@{ctx['shape']}@{ctx['steps']}steps"
+
+
+def recorded_entry(ctx, weights: str) -> dict | None:
+    """{"entry": id, "cfg": the miss's cfg} recorded for these weights at this shape and step count."""
+    return ctx["recorded"].get(recorded_key(ctx, weights))
 
 
 def run_row(ctx, doc, spec: str, save) -> None:
     weights, arm, is_compiled = parse_row(spec)
     ctx["attention"], ctx["label"] = row_attention(spec), spec.replace(":", "_")
-    if arm in HIT_ARMS and not ctx["recorded"].get(recorded_key(ctx, weights)):
+    if arm in HIT_ARMS and not recorded_entry(ctx, weights):
         # a 4-step entry does not serve a 40-step run, nor a 720p one a 640x640 run: refused before
         # the model's load rather than timed as a miss (2026-12-06 lost two device calls so)
         raise RuntimeError(f"{spec}: no entry recorded for {recorded_key(ctx, weights)} in this bank "
@@ -606,7 +614,7 @@ def run_row(ctx, doc, spec: str, save) -> None:
         if not bank_writer.flush_all(FLUSH_TIMEOUT_S):
             raise RuntimeError(f"the bank writer had not finished after {FLUSH_TIMEOUT_S:.0f} s")
         m["flush_s"] = round(time.perf_counter() - began, 2)
-        ctx["recorded"][recorded_key(ctx, weights)] = m["recorded_entry_id"]
+        ctx["recorded"][recorded_key(ctx, weights)] = dict(entry=m["recorded_entry_id"], cfg=ctx["cfg"])
         if not m["recorded_entry_id"]:
             raise RuntimeError(f"{spec}: the miss recorded nothing ({m['warnings']})")
     row = dict(name=ctx["label"], role=row_role(arm), weights=weights,
@@ -615,6 +623,7 @@ def run_row(ctx, doc, spec: str, save) -> None:
                shape=ctx["shape"], blocks=ctx["blocks"], seconds=m["seconds"], compile_s=compile_s,
                arm=arm, load_s=ctx["load_s"][weights], density=None if arm in ("dense", "core") else ctx["density"],
                session=ctx["session"], run=ctx["run_id"], stage=list(ctx["stage"]) if ctx["stage"] else None,
+               **({"entry_recorded_cfg": recorded_entry(ctx, weights)["cfg"]} if arm in HIT_ARMS else {}),
                **{k: v for k, v in m.items() if k != "seconds"})
     doc["rows"].append(row)
     log(f"{spec}: {m['seconds']:.2f} s, steps {m['step_ms']}, graphs {m['graphs']}, mode {m.get('run_mode')}, "
