@@ -35,6 +35,7 @@ __all__ = ["dense_attention", "dense_attention_reference", "dense_unsupported_re
 
 CUDNN_SDPA_DTYPES = (torch.float16, torch.bfloat16)
 CUDNN_SDPA_MAX_HEAD_DIM = 128  # cuDNN's SDPA on sm_80/sm_90 takes head dims up to 128, in steps of 8
+_SDPA_ORDER_SETTABLE = "set_priority" in inspect.signature(sdpa_kernel).parameters  # torch 2.6+
 
 
 def dense_unsupported_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
@@ -58,7 +59,7 @@ def cudnn_unsupported_for(device: torch.device, dtype: torch.dtype, head_dim: in
         return f"torch's cuDNN attention needs sm_80 or newer, this GPU is sm_{major}{minor}"
     if not torch.backends.cudnn.is_available() or not torch.backends.cuda.cudnn_sdp_enabled():
         return "torch's cuDNN attention is unavailable or switched off in this process"
-    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+    if not _SDPA_ORDER_SETTABLE:
         return "this torch cannot put one SDPA backend first (torch 2.6 or newer can)"
     return None
 
