@@ -205,22 +205,6 @@ class CountingDense:
         return o
 
 
-@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
-def test_dense_calls_take_the_fast_dense_kernel_when_asked(tiny_wan_patcher, dynamo, monkeypatch, compile_model):
-    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
-
-    provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(block_maps(5, 0.4), (BLOCK, BLOCK)), 1, (1,))
-    reference = sample(install_sparse_attention(tiny_wan_patcher, provider, dense_attention="comfyui"))
-    fast = CountingDense(monkeypatch)
-    patched = install_sparse_attention(tiny_wan_patcher, provider)
-    patched = compiled(patched) if compile_model else patched
-    out = sample(patched)
-
-    torch.testing.assert_close(out, reference, **CLOSE)
-    # the warm-up step's 2 layers, then layer 1 (a dense layer) at every later step
-    assert fast.calls == LAYERS + (STEPS - 1)
-    assert get_run_stats(patched).dense_backend == "fa4 (FlashAttention-4 dense forward)"
-    assert (get_run_stats(patched).sparse_calls, get_run_stats(patched).dense_calls) == (STEPS - 1, STEPS + 1)
 
 
 def test_comfyui_dense_attention_and_a_users_own_backend_keep_the_dense_calls(tiny_wan_patcher, monkeypatch):
@@ -265,25 +249,34 @@ class CountingCudnnSdpa:
         return self.sdpa(*args)
 
 
+FAST_DENSE = {  # what takes the dense calls on "auto": FA4, else (no FA4) cuDNN-first SDPA
+    "fa4": (CountingDense, "fa4 (FlashAttention-4 dense forward)"),
+    # On Linux ComfyUI leaves torch's SDPA order (the flash kernel at Wan's shapes, 1.47x cuDNN's
+    # time on an H100): Chorus's dense calls put cuDNN first instead, as ComfyUI does on Windows
+    "cudnn": (CountingCudnnSdpa, "cudnn_sdpa (torch SDPA with cuDNN's attention first, as ComfyUI runs it on "
+                                 "Windows; FA4: FA4 is absent here)"),
+}
+
+
+@pytest.mark.parametrize("route", FAST_DENSE)
 @pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
-def test_without_fa4_dense_calls_run_cudnn_first_sdpa(tiny_wan_patcher, dynamo, monkeypatch, compile_model):
-    """On Linux ComfyUI leaves torch's SDPA order (the flash kernel at Wan's shapes, 1.47x cuDNN's
-    time on an H100): Chorus's dense calls put cuDNN first instead, as ComfyUI does on Windows."""
+def test_dense_calls_take_the_fast_dense_kernel_when_asked(tiny_wan_patcher, dynamo, monkeypatch, compile_model, route):
     from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
     provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(block_maps(5, 0.4), (BLOCK, BLOCK)), 1, (1,))
     reference = sample(install_sparse_attention(tiny_wan_patcher, provider, dense_attention="comfyui"))
-    cudnn = CountingCudnnSdpa(monkeypatch)
+    make_fast, expected_backend = FAST_DENSE[route]
+    fast = make_fast(monkeypatch)
     patched = install_sparse_attention(tiny_wan_patcher, provider)
     patched = compiled(patched) if compile_model else patched
     out = sample(patched)
 
     torch.testing.assert_close(out, reference, **CLOSE)
-    assert cudnn.calls == LAYERS + (STEPS - 1)  # the warm-up step's 2 layers, then the dense layer 1
-    assert get_run_stats(patched).dense_backend == ("cudnn_sdpa (torch SDPA with cuDNN's attention first, as "
-                                                    "ComfyUI runs it on Windows; FA4: FA4 is absent here)")
-    if compile_model:
-        assert sum(dynamo["graph_break"].values()) == 0
+    # the warm-up step's 2 layers, then layer 1 (a dense layer) at every later step
+    assert fast.calls == LAYERS + (STEPS - 1)
+    assert get_run_stats(patched).dense_backend == expected_backend
+    assert dict(dynamo["graph_break"]) == {}
+    assert (get_run_stats(patched).sparse_calls, get_run_stats(patched).dense_calls) == (STEPS - 1, STEPS + 1)
 
 
 def test_a_users_own_backend_keeps_the_dense_calls_from_cudnn_too(tiny_wan_patcher, monkeypatch):
@@ -296,6 +289,7 @@ def test_a_users_own_backend_keeps_the_dense_calls_from_cudnn_too(tiny_wan_patch
     sample(patched)
     assert cudnn.calls == 0
     assert get_run_stats(patched).dense_backend == "comfyui (the attention override of another node runs the calls left dense)"
+
 
 def test_dense_attention_must_be_a_known_mode(tiny_wan_patcher):
     from chorus_core.attention.sparse_patch import install_sparse_attention
