@@ -78,8 +78,8 @@ def reuse_option_inputs() -> list:
         io.Combo.Input("dense_attention", options=["auto", "comfyui"], default="auto", optional=True,
                        tooltip="What the self-attention left dense (warm-up steps, dense layers) runs on. auto: "
                                "FlashAttention-4's dense forward on Hopper/Blackwell datacenter GPUs when flash-attn-4 "
-                               "is installed, else torch SDPA with cuDNN first on NVIDIA GPUs (as ComfyUI does on "
-                               "Windows), else ComfyUI's attention; comfyui: always ComfyUI's attention (and "
+                               "is installed, else torch SDPA with cuDNN first on Hopper (torch 2.6+; as ComfyUI does "
+                               "on Windows), else ComfyUI's attention; comfyui: always ComfyUI's attention (and "
                                "whatever backend you chose there). Speed only: results agree to bf16 rounding."),
         io.Int.Input("hit_warmup_steps", default=0, min=0, max=10000, optional=True,
                      tooltip="First steps of a hit run dense. 0: a hit runs sparse from the first step, since its "

@@ -248,3 +248,24 @@ print(json.dumps([whole, len(kept), notes]))
     assert row["warm_seconds"] is None and row["vs_dense_same_weights"] == 1.0 and kept == 2
     assert notes == ["d at 2 steps: its stages ran on machine sessions A, B, so its row has no ratios to other "
                      "rows, nor they to it (ratios stay within one machine)"]
+
+
+def test_a_miss_that_recorded_nothing_serves_no_hit_and_a_hit_names_only_its_own_entrys_cfg():
+    """A failed recording must not let a later hit row run as a miss (the refusal before the load
+    exists for that); an older bank's bare id still serves; the cfg is named only for the entry
+    this bench recorded (in a process of its own)."""
+    code = """
+import sys
+sys.path.insert(0, 'tests/benchmarks')
+import bench_user_stack as b
+ctx = dict(shape='720p', steps=40, recorded={})
+ctx['recorded'][b.recorded_key(ctx, 'w')] = dict(entry=None, cfg=1.0)
+assert b.recorded_entry(ctx, 'w') is None
+ctx['recorded'][b.recorded_key(ctx, 'w')] = 'abc'
+assert b.recorded_entry(ctx, 'w') == dict(entry='abc', cfg=None)
+ctx['recorded'][b.recorded_key(ctx, 'w')] = dict(entry='abc', cfg=1.0)
+assert b.entry_cfg(ctx, 'w', 'abc') == 1.0 and b.entry_cfg(ctx, 'w', 'other') is None
+print('ok')
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stdout[-2000:] + done.stderr[-2000:]

@@ -78,6 +78,7 @@ def test_compiled_wan_model_with_a_hit_equals_eager_without_graph_breaks(wan, ba
     import kernels.fa4_block_sparse as fa4
     from chorus_core.attention.mask_provider import DenseWarmupProvider, StaticBlockMapProvider
     from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+    from kernels.dense_attention import dense_route_for
 
     probe = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda")
     if backend == "fa4" and fa4.fa4_unsupported_reason(probe, 128, 128) is not None:
@@ -106,6 +107,6 @@ def test_compiled_wan_model_with_a_hit_equals_eager_without_graph_breaks(wan, ba
     stats = get_run_stats(compiled)
     assert stats.backend.startswith(backend), stats.backend
     assert stats.sparse_calls == 2 * (STEPS - 1) and not stats.warnings
-    expected_dense = "fa4" if fa4.fa4_import_error() is None else "cudnn_sdpa"
+    expected_dense = dense_route_for(torch.device("cuda"), torch.bfloat16, 128)[0] or "comfyui"
     assert stats.dense_backend.startswith(expected_dense), stats.dense_backend
     assert get_run_stats(eager).backend == stats.backend

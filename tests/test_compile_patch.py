@@ -288,7 +288,8 @@ def test_a_users_own_backend_keeps_the_dense_calls_from_cudnn_too(tiny_wan_patch
     patched = install_sparse_attention(below, DenseProvider((BLOCK, BLOCK)))
     sample(patched)
     assert cudnn.calls == 0
-    assert get_run_stats(patched).dense_backend == "comfyui (the attention override of another node runs the calls left dense)"
+    assert get_run_stats(patched).dense_backend == ("comfyui (the attention override of another node runs the calls "
+                                                    "left dense)")
 
 
 def test_dense_attention_must_be_a_known_mode(tiny_wan_patcher):
@@ -497,3 +498,28 @@ def test_attention_precision_must_be_a_known_one(tiny_wan_patcher):
         install_sparse_attention(tiny_wan_patcher, DenseProvider(), attention_precision="int4")
     with pytest.raises(ValueError, match=r"attention_precision 'fp16' is not one of bf16, fp8"):
         ReuseOptions(attention_precision="fp16")
+
+
+@pytest.mark.parametrize("flag_set", [True, False], ids=["flag", "no_flag"])
+def test_split_attention_started_with_its_flag_keeps_the_dense_calls(tiny_wan_patcher, monkeypatch, flag_set):
+    """attention_split is ComfyUI's pick where SDPA is missing, but --use-split-cross-attention makes
+    it the user's: then it keeps the dense calls; without the flag the fast route takes them."""
+    import comfy.cli_args
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.wan.model as wan
+
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    monkeypatch.setattr(attention, "optimized_attention", attention.attention_split)
+    monkeypatch.setattr(wan, "optimized_attention", attention.attention_split)
+    monkeypatch.setattr(comfy.cli_args.args, "use_split_cross_attention", flag_set)
+    cudnn = CountingCudnnSdpa(monkeypatch)
+    patched = install_sparse_attention(tiny_wan_patcher, DenseProvider((BLOCK, BLOCK)))
+    sample(patched)
+    if flag_set:
+        assert cudnn.calls == 0
+        assert get_run_stats(patched).dense_backend == ("comfyui (ComfyUI's attention_split "
+                                                        "(--use-split-cross-attention) runs the calls left dense)")
+    else:
+        assert cudnn.calls == LAYERS * STEPS
+        assert get_run_stats(patched).dense_backend.startswith("cudnn_sdpa (")

@@ -8,9 +8,9 @@ How it hooks in (never by copying ``forward_orig``, never by module-level monkey
   block-sparse with the provider's mask; everything else (cross-attention, layers the provider
   leaves dense) goes to the override that was there before, or to what ComfyUI would run without
   Chorus: the function the layer declares (newer ComfyUI's per-layer ``comfy_attention``, which
-  wrap_attn drops before calling an override), else ComfyUI's own function. FlashAttention-4
-  (``dense_attention="auto"``) takes dense calls only from ComfyUI's default functions, never
-  from a backend the user chose (Model Attention Backend, ``--use-sage-attention``, a layer's);
+  wrap_attn drops before calling an override), else ComfyUI's own function. FlashAttention-4 or
+  cuDNN-first SDPA (``dense_attention="auto"``) takes dense calls only from ComfyUI's default
+  functions, never from a backend the user chose (Model Attention Backend, ``--use-sage-attention``, a layer's);
 * a keyed ``DIFFUSION_MODEL`` wrapper counts the video tokens of each model call, so a block
   whose sequence carries extra tokens (a reference latent at the start, extra frames or context
   latents at the end) is recognised; its self-attention runs dense with one warning, since the
@@ -99,7 +99,7 @@ def _make_attention_override(key: str, previous: Optional[Callable]) -> Callable
     """
     run_key, block_key, plan_key = sparse_run_key(key), sparse_block_key(key), sparse_plan_key(key)
     # An override another node installed below ours (Model Attention Backend, another pack) is the
-    # user's choice of dense attention: it keeps the dense calls, FA4 dense does not take them.
+    # user's choice of dense attention: it keeps the dense calls, FA4 or cuDNN-first do not take them.
     fast_dense = not _foreign_override_in(previous)
 
     def sparse_answer(args, kwargs):
@@ -397,7 +397,8 @@ def _sampling_call(guider, args: tuple, kwargs: dict) -> SamplingCall:
 
 
 # ComfyUI's own attention functions, picked by device rather than by the user: FlashAttention-4
-# may take the dense calls from them (dense_attention="auto"). Any other function ComfyUI
+# or cuDNN-first SDPA may take the dense calls from them (dense_attention="auto"), from split and
+# sub-quadratic attention only when no start-up flag chose them. Any other function ComfyUI
 # dispatches to was chosen at start-up and keeps them, as a Model Attention Backend node does.
 _COMFYUI_DEFAULT_ATTENTION = frozenset({"attention_pytorch", "attention_basic", "attention_sub_quad", "attention_split"})
 _STARTUP_ATTENTION = {
@@ -430,9 +431,27 @@ def _chosen_dense_attention(options: dict, key: str) -> Optional[str]:
     except ImportError:
         return None
     name = getattr(getattr(attention, "optimized_attention", None), "__name__", None)
+    flag = _cross_attention_flag(name)
+    if flag is not None:
+        return flag
     if name is None or name in _COMFYUI_DEFAULT_ATTENTION:
         return None
     return _STARTUP_ATTENTION.get(name, f"ComfyUI's attention function {name}")
+
+
+def _cross_attention_flag(name: Optional[str]) -> Optional[str]:
+    """The split and sub-quadratic functions are ComfyUI's picks on devices without SDPA, but the
+    user's own when started with their flag: then they keep the dense calls."""
+    flags = {"attention_split": "use_split_cross_attention", "attention_sub_quad": "use_quad_cross_attention"}
+    if name not in flags:
+        return None
+    try:
+        from comfy.cli_args import args
+    except ImportError:
+        return None
+    if not getattr(args, flags[name], False):
+        return None
+    return f"ComfyUI's {name} (--{flags[name].replace('_', '-')})"
 
 
 def _chain_above_later_backend(options: dict, key: str) -> None:
@@ -468,7 +487,8 @@ def install_sparse_attention(model_patcher, provider, key: str = "chorus", dense
     :param key: namespace of the wrapper, attachment and transformer_options entries; installing
         again with the same key replaces the earlier install instead of stacking on it.
     :param dense_attention: what the self-attention left dense (warm-up steps, dense layers) runs
-        on: "auto" = FlashAttention-4's dense forward where it applies, else ComfyUI's function;
+        on: "auto" = FlashAttention-4's dense forward where it applies, else torch SDPA with cuDNN
+        first on sm_90, else ComfyUI's function;
         "comfyui" = always ComfyUI's function. Speed only: results agree to bf16 rounding.
     :param attention_precision: what the block-sparse calls compute in (``ATTENTION_PRECISIONS``):
         "bf16", or "fp8" (int8 QK^T, e4m3 PV; falls back to bf16, saying why, where FP8 cannot run).

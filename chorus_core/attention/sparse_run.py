@@ -22,8 +22,9 @@ from .mask_provider import MaskSource, PreparedMask, RunSource, SamplingCall
 from .run_stats import LayerStats, RunStats, StepCallback, StepStats
 
 # What the self-attention Chorus leaves dense runs on: "auto" = FlashAttention-4's dense forward
-# where it applies (sm_90/sm_100, flash-attn-4 installed, bf16/fp16, head_dim 128), else
-# ComfyUI's own function; "comfyui" = always ComfyUI's own function.
+# where it applies (sm_90/sm_100, flash-attn-4 installed, bf16/fp16, head_dim 128), else torch
+# SDPA with cuDNN first on sm_90 (kernels.dense_attention.dense_route_for), else ComfyUI's own
+# function; "comfyui" = always ComfyUI's own function.
 DENSE_ATTENTION_MODES = ("auto", "comfyui")
 # What the block-sparse calls compute in: "bf16" = the input's 16-bit type throughout; "fp8" = int8
 # QK^T and e4m3 PV on FP8 tensor cores (kernels/fp8_block_sparse.py), bf16 where FP8 cannot run.

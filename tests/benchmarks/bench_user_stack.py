@@ -584,8 +584,18 @@ def recorded_key(ctx, weights: str) -> str:
 
 
 def recorded_entry(ctx, weights: str) -> dict | None:
-    """{"entry": id, "cfg": the miss's cfg} recorded for these weights at this shape and step count."""
-    return ctx["recorded"].get(recorded_key(ctx, weights))
+    """{"entry": id, "cfg": the miss's cfg} recorded for these weights at this shape and step count,
+    or None (a bank kept from before the cfg was stored holds the id alone: its cfg is unknown)."""
+    got = ctx["recorded"].get(recorded_key(ctx, weights))
+    if isinstance(got, str):
+        got = dict(entry=got, cfg=None)
+    return got if got and got.get("entry") else None
+
+
+def entry_cfg(ctx, weights: str, served_entry: str | None):
+    """The cfg that recorded the entry a hit was served: known only for the entry this bench recorded."""
+    recorded = recorded_entry(ctx, weights)
+    return recorded["cfg"] if recorded and recorded["entry"] == served_entry else None
 
 
 def run_row(ctx, doc, spec: str, save) -> None:
@@ -614,16 +624,16 @@ def run_row(ctx, doc, spec: str, save) -> None:
         if not bank_writer.flush_all(FLUSH_TIMEOUT_S):
             raise RuntimeError(f"the bank writer had not finished after {FLUSH_TIMEOUT_S:.0f} s")
         m["flush_s"] = round(time.perf_counter() - began, 2)
-        ctx["recorded"][recorded_key(ctx, weights)] = dict(entry=m["recorded_entry_id"], cfg=ctx["cfg"])
-        if not m["recorded_entry_id"]:
+        if not m["recorded_entry_id"]:  # before the store: a hit row must not find it
             raise RuntimeError(f"{spec}: the miss recorded nothing ({m['warnings']})")
+        ctx["recorded"][recorded_key(ctx, weights)] = dict(entry=m["recorded_entry_id"], cfg=ctx["cfg"])
     row = dict(name=ctx["label"], role=row_role(arm), weights=weights,
                attention=attention_name(arm, m, ctx["attention"], core_settings(ctx, arm) if arm in CORE_ARMS else None),
                compiled=is_compiled, steps=ctx["steps"], cfg=ctx["cfg"],
                shape=ctx["shape"], blocks=ctx["blocks"], seconds=m["seconds"], compile_s=compile_s,
                arm=arm, load_s=ctx["load_s"][weights], density=None if arm in ("dense", "core") else ctx["density"],
                session=ctx["session"], run=ctx["run_id"], stage=list(ctx["stage"]) if ctx["stage"] else None,
-               **({"entry_recorded_cfg": recorded_entry(ctx, weights)["cfg"]} if arm in HIT_ARMS else {}),
+               **({"entry_recorded_cfg": entry_cfg(ctx, weights, m.get("entry_id"))} if arm in HIT_ARMS else {}),
                **{k: v for k, v in m.items() if k != "seconds"})
     doc["rows"].append(row)
     log(f"{spec}: {m['seconds']:.2f} s, steps {m['step_ms']}, graphs {m['graphs']}, mode {m.get('run_mode')}, "
