@@ -279,6 +279,37 @@ def test_dense_calls_take_the_fast_dense_kernel_when_asked(tiny_wan_patcher, dyn
     assert (get_run_stats(patched).sparse_calls, get_run_stats(patched).dense_calls) == (STEPS - 1, STEPS + 1)
 
 
+class FailingDense(CountingDense):
+    """FA4's dense forward failing at run time (an unsupported driver, out of memory)."""
+
+    def __call__(self, q, k, v, o):
+        self.calls += 1
+        raise RuntimeError("dense kernel launch failed (test)")
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
+def test_a_failing_fast_dense_kernel_leaves_the_dense_calls_to_comfyui_and_keeps_sparse(
+        tiny_wan_patcher, dynamo, monkeypatch, compile_model):
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(block_maps(5, 0.4), (BLOCK, BLOCK)), 1, (1,))
+    reference = sample(install_sparse_attention(tiny_wan_patcher, provider, dense_attention="comfyui"))
+    failing = FailingDense(monkeypatch)
+    patched = install_sparse_attention(tiny_wan_patcher, provider)
+    patched = compiled(patched) if compile_model else patched
+    out = sample(patched)
+
+    torch.testing.assert_close(out, reference, **CLOSE)
+    stats = get_run_stats(patched)
+    reason = ("the fast dense call failed (RuntimeError: dense kernel launch failed (test)); dense calls use "
+              "ComfyUI's attention for the rest of this run")
+    assert stats.warnings == [reason] and stats.dense_backend == f"comfyui ({reason})"
+    assert failing.calls == 1  # tried once, then never again in this run
+    # every mask still ran sparse: the failure cost the fast dense kernel only
+    assert (stats.sparse_calls, stats.dense_calls) == (STEPS - 1, STEPS + 1) and stats.finished
+    assert dict(dynamo["graph_break"]) == {}
+
+
 def test_a_users_own_backend_keeps_the_dense_calls_from_cudnn_too(tiny_wan_patcher, monkeypatch):
     from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 

@@ -35,6 +35,7 @@ The model passed in is never changed. Statistics of the current or last run:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -246,8 +247,10 @@ def _make_apply_model_wrapper(key: str) -> Callable:
 
     ComfyUI's TorchCompileModel compiles the diffusion model only, so this runs eager in every
     mode. Under compile a kernel failure cannot fall back inside the graph: it raises out of
-    the model call, and the call runs again with the rest of the run dense (one warning); so does
-    an error torch.compile raises while it traces the planned call (:func:`planned_path_failed`).
+    the model call, and the call runs again (one warning): with ComfyUI's attention for the dense
+    calls when the fast dense kernel failed (:func:`fast_dense_failed`), else with the rest of the
+    run dense; so does an error torch.compile raises while it traces the planned call
+    (:func:`planned_path_failed`).
     """
     run_key, plan_key, declared_key = sparse_run_key(key), sparse_plan_key(key), sparse_declared_key(key)
 
@@ -266,20 +269,35 @@ def _make_apply_model_wrapper(key: str) -> Callable:
             if run.observing():
                 return _call_uncompiled(executor, x, t, *args, **kwargs)
             return executor(x, t, *args, **kwargs)
-        options[plan_key] = plan
-        try:  # the extra keyword gives this plan its own compiled graph (see graph_keys)
-            out = executor(x, t, *args, **kwargs, **{graph_kwarg(plan, options, declared): True})
-        except Exception as exc:
-            if not planned_path_failed(exc):
-                raise
-            options.pop(plan_key, None)
-            run.fail_planned(None, exc)  # a compiled graph replays plan.answered only when it completes
-            return executor(x, t, *args, **kwargs)
-        options.pop(plan_key, None)
-        run.record_plan(plan)
-        return out
+        return _run_planned(run, plan, (options, plan_key, declared), executor, x, t, *args, **kwargs)
 
     return chorus_plan_model_call
+
+
+def _run_planned(run, plan: CallPlan, where: tuple, executor, x, t, *args, **kwargs):
+    """The model call under ``plan``. Under compile a kernel failure raises out of the graph: when
+    the fast dense kernel failed, the call runs again with ComfyUI's attention for the dense calls
+    and its sparse calls still sparse; any other failure of the planned path runs it again without
+    the plan (the rest of the run dense, or 16-bit after an FP8 failure). ``where``: the call's
+    transformer_options, the key the plan goes under there, the layers' declared attention."""
+    options, plan_key, declared = where
+    options[plan_key] = plan
+    try:  # the extra keyword gives this plan its own compiled graph (see graph_keys)
+        out = executor(x, t, *args, **kwargs, **{graph_kwarg(plan, options, declared): True})
+    except Exception as exc:
+        options.pop(plan_key, None)
+        if not planned_path_failed(exc):
+            raise
+        if plan.dense is not None and fast_dense_failed(exc):
+            run.fast_dense_failed(exc)  # the run's later plans get no fast dense kernel either
+            # a fresh plan: a compiled graph replays plan.answered only when it completes
+            retry = dataclasses.replace(plan, dense=None, answered=[], extra_tokens=[])
+            return _run_planned(run, retry, where, executor, x, t, *args, **kwargs)
+        run.fail_planned(None, exc)
+        return executor(x, t, *args, **kwargs)
+    options.pop(plan_key, None)
+    run.record_plan(plan)
+    return out
 
 
 def _declared_name(declared: tuple) -> str:
@@ -322,6 +340,13 @@ def _uncompiled_modules(executor, *args, **kwargs):
 
 
 _KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+_DENSE_ATTENTION_FILE = _KERNELS_DIR / "dense_attention.py"
+
+
+def fast_dense_failed(exc: BaseException) -> bool:
+    """Whether the fast dense kernel (``kernels/dense_attention.py``: FA4's dense forward or
+    cuDNN-first SDPA) raised ``exc`` or an exception it was raised from."""
+    return any(_raised_in(link, _DENSE_ATTENTION_FILE) for link in _exception_chain(exc))
 
 
 def planned_path_failed(exc: BaseException) -> bool:
@@ -336,26 +361,34 @@ _COMPILER_MODULES = ("torch._dynamo", "torch._inductor")
 
 def raised_by_compiler(exc: BaseException) -> bool:
     """Whether ``exc`` or an exception it was raised from is one of torch.compile's own."""
+    return any(type(link).__module__.startswith(_COMPILER_MODULES) for link in _exception_chain(exc))
+
+
+def _exception_chain(exc: Optional[BaseException]):
+    """``exc`` and the exceptions it was raised from or during, innermost last."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if type(exc).__module__.startswith(_COMPILER_MODULES):
-            return True
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def _raised_in_kernels(exc: BaseException) -> bool:
     """True when the exception came out of Chorus's kernels (FA4, Triton, the reference)."""
-    return any(_is_kernels_file(frame.f_code.co_filename) for frame, _ in traceback.walk_tb(exc.__traceback__))
+    return _raised_in(exc, _KERNELS_DIR)
 
 
-@functools.lru_cache(maxsize=256)
-def _is_kernels_file(co_filename: str) -> bool:
+def _raised_in(exc: BaseException, place: Path) -> bool:
+    """True when a frame of ``exc``'s traceback ran code in ``place`` (a folder or a file)."""
+    return any(_is_in(frame.f_code.co_filename, place) for frame, _ in traceback.walk_tb(exc.__traceback__))
+
+
+@functools.lru_cache(maxsize=512)
+def _is_in(co_filename: str, place: Path) -> bool:
     # co_filename is the path as imported: resolve it too, or a symlinked custom_nodes folder
     # (or a Docker mount) never matches and the compiled fallback is lost
     # (generated code has names like "<string>": not a file, never resolved against the cwd)
-    return not co_filename.startswith("<") and Path(co_filename).resolve().is_relative_to(_KERNELS_DIR)
+    return not co_filename.startswith("<") and Path(co_filename).resolve().is_relative_to(place)
 
 
 def _make_outer_sample_wrapper(holder: SparseAttentionState) -> Callable:

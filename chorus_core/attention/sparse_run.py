@@ -243,8 +243,7 @@ class SparseRun:
         try:
             return kernel(call.q, call.k, call.v, call.heads, call.skip_reshape, call.skip_output_reshape)
         except Exception as exc:  # speed only: ComfyUI's function gives the same result
-            self._no_fast_dense(f"the fast dense call failed ({type(exc).__name__}: {exc}); "
-                                "dense calls use ComfyUI's attention for the rest of this run")
+            self.fast_dense_failed(exc)
             return None
 
     def dense_kernel(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[Callable]:
@@ -271,6 +270,12 @@ class SparseRun:
         self.dense_attention = "comfyui"
         self._dense_kernels.clear()
         self.stats.dense_backend = f"comfyui ({backend} runs the calls left dense)"
+
+    def fast_dense_failed(self, exc: Exception) -> None:
+        """The fast dense kernel raised (eager, or out of a compiled model call): ComfyUI's function
+        runs the dense calls for the rest of the run, sparse calls stay sparse."""
+        self._no_fast_dense(f"the fast dense call failed ({type(exc).__name__}: {exc}); "
+                            "dense calls use ComfyUI's attention for the rest of this run")
 
     def _no_fast_dense(self, reason: str) -> None:
         self.dense_attention = "comfyui"
