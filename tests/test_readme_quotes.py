@@ -46,6 +46,19 @@ STACK = {  # the first table: README row label -> (run id, results row)
 }
 STACK_DEFAULT = "ComfyUI's default on Linux: bf16 file, torch's own SDPA order (its flash kernel), eager"
 STACK_FIRST_HIT = (_H1, "fp8_e4m3fn_fast_hit_fp8_eager")  # the call's first hit: the slower of its two rows
+TODAY_SESSION = "55e35e48f818"  # one warm H100, four calls: the README's first table, FA4 compiled included
+_I1, _I2, _I3, _I4 = (f"{TODAY_SESSION}-{call}" for call in ("511539", "1c137b", "4172c3", "01cda9"))
+_SHIPPED_FP8 = "last step dense (the shipped `dense_last_steps` 1), eager"
+TODAY = {  # README row label -> (run id, results row); a call's later row of a name is its warm one
+    STACK_DEFAULT: (_I3, "bf16_dense_eager_torch"),
+    "dense, fp8, cuDNN SDPA, eager": (_I4, "fp8_e4m3fn_fast_dense_eager"),
+    "dense, fp8, FlashAttention-4, eager": (_I2, "fp8_e4m3fn_fast_dense_eager_fa4"),
+    "dense, fp8, FlashAttention-4, TorchCompileModel (the fastest dense)": (_I2, "fp8_e4m3fn_fast_dense_compiled_fa4"),
+    f"Chorus hit, FP8 attention, {_SHIPPED_FP8}, no FA4": (_I1, "fp8_e4m3fn_fast_hit_last1_fp8_eager"),
+    f"Chorus hit, FP8 attention, {_SHIPPED_FP8}": (_I4, "fp8_e4m3fn_fast_hit_last1_fp8_eager"),
+    "**Chorus hit, FP8 attention**, `dense_last_steps` 0, eager": (_I3, "fp8_e4m3fn_fast_hit_fp8_eager"),
+    "**Chorus hit, FP8 attention**, `dense_last_steps` 0, TorchCompileModel": (_I1, "fp8_e4m3fn_fast_hit_fp8_compiled"),
+}
 LEAD_SESSION = "4b838106e5e2"  # another warm H100, three calls: Chorus's other settings
 _G1, _G2, _G3 = (f"{LEAD_SESSION}-{call}" for call in ("9d86f2", "0e21cf", "25335c"))
 LEAD = {
@@ -77,6 +90,7 @@ def _counted(row: dict) -> float:
 
 
 SHIPPED_MARK = "**As shipped, the hit keeps its last step dense**"
+STACK_MARK = "**Every other attention a user can pick**"
 SETTINGS_MARK = "Chorus's other settings"
 COMBINE_MARK = "**What to combine**"
 OTHERS_MARK = "**At 640x640 too**"
@@ -152,10 +166,10 @@ def _run_rows(session: str) -> dict:
             if r.get("session") == session}
 
 
-def test_the_first_table_quotes_one_machines_rows_against_its_fastest_dense_run_and_comfyuis_default():
+def test_the_other_attentions_table_quotes_one_machines_rows_against_its_fastest_dense_run_and_comfyuis_default():
     """Every dense attention a user can pick, core and the FP8 hits, from one warm machine's calls;
     rows that were their model's first generation are counted warm, as the results file counts them."""
-    cells = _table_cells(STACK, "## Speed", SETTINGS_MARK)
+    cells = _table_cells(STACK, STACK_MARK, SETTINGS_MARK)
     assert set(cells) == set(STACK)
     rows = _run_rows(STACK_SESSION)
     fastest = min(_counted(r) for r in rows.values() if r["role"] == "dense" and r["weights"] != "bf16")
@@ -175,6 +189,40 @@ def test_the_first_table_quotes_one_machines_rows_against_its_fastest_dense_run_
     for measured in ("bf16_dense_eager_torch", "fp8_e4m3fn_fast_dense_eager_fa4"):  # the two counted warm
         row = next(r for r in rows.values() if r["name"] == measured)
         assert row["warm_seconds"] is not None and f"{row['seconds']} s" in text, measured
+
+
+def test_the_first_table_is_one_machines_rows_with_fa4_compiled_its_fastest_dense_run():
+    """Today's stack on one warm machine: the fastest dense run a user can have (FA4 under
+    TorchCompileModel, measured as a row here) and ComfyUI's Linux default, against the FP8 hits;
+    the text's figures are the same rows'."""
+    cells = _table_cells(TODAY, "## Speed", STACK_MARK)
+    assert set(cells) == set(TODAY)
+    rows = _run_rows(TODAY_SESSION)
+    fastest = min(_counted(r) for r in rows.values() if r["role"] == "dense" and r["weights"] != "bf16")
+    assert fastest == _counted(rows[TODAY["dense, fp8, FlashAttention-4, TorchCompileModel (the fastest dense)"]])
+    default_row = rows[TODAY[STACK_DEFAULT]]
+    assert default_row["attention"] == "torch_sdpa_default_order" and default_row["weights"] == "bf16"
+    default = _counted(default_row)
+    for label, key in TODAY.items():
+        row = rows[key]
+        assert (row["steps"], row["cfg"], row["shape"]) == (4, 1.0, "720p"), label
+        assert [float(c.rstrip("x")) for c in cells[label]] == \
+            [_counted(row), round(fastest / _counted(row), 3), round(default / _counted(row), 3)], label
+    text = " ".join(_readme().split())
+    best = rows[TODAY["**Chorus hit, FP8 attention**, `dense_last_steps` 0, TorchCompileModel"]]
+    assert f"{default / best['seconds']:.2f}x ComfyUI's default but {fastest / best['seconds']:.2f}x the fastest" in text
+    assert f"{default_row['seconds']} s as measured" in text
+    first_hit = next(r for r in json.loads((RESULTS / "user_stack_720p.json").read_text())["rows"]
+                     if (r["run"], r["name"]) == TODAY["**Chorus hit, FP8 attention**, `dense_last_steps` 0, eager"])
+    assert first_hit["seconds"] > rows[TODAY["**Chorus hit, FP8 attention**, `dense_last_steps` 0, eager"]]["seconds"]
+    assert f"a process's first FP8 hit also loads its Triton kernels ({first_hit['seconds']} s in the same call)" in text
+    # the dense last step: FA4 where installed, else cuDNN first, also under torch's own order
+    last_steps = [round(rows[key]["step_ms"][-1] / 1000, 2) for key in (
+        TODAY[f"Chorus hit, FP8 attention, {_SHIPPED_FP8}"], TODAY[f"Chorus hit, FP8 attention, {_SHIPPED_FP8}, no FA4"],
+        (_I1, "fp8_e4m3fn_fast_hit_last1_fp8_eager_torch"))]
+    assert "dense last step ran FA4 ({:.2f} s)".format(last_steps[0]) in text
+    assert "torch SDPA with cuDNN first ({:.2f} s), also when ComfyUI itself was left on torch's own order " \
+           "({:.2f} s,".format(*last_steps[1:]) in text
 
 
 def test_the_settings_table_quotes_another_machines_fastest_rows_and_their_ratios():
