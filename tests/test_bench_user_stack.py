@@ -117,15 +117,19 @@ sys.path.insert(0, 'tests/benchmarks')
 import bench_user_stack as b
 base = dict(session='s', shape='640x640', steps=4, cfg=1.0, weights='fp8_e4m3fn_fast', arm='dense', role='dense')
 rows = [dict(base, name='cold', seconds=15.0, model_load_s=2.5, step_ms=[6000.0, 3000.0, 3000.0, 3000.0]),
-        dict(base, name='hit', arm='hit', role='hit', seconds=6.0, model_load_s=0.01, step_ms=[1500.0] * 4)]
+        dict(base, name='hit', arm='hit', role='hit', seconds=6.0, model_load_s=0.01, step_ms=[1500.0] * 4),
+        dict(base, name='miss', arm='miss', role='miss', seconds=12.0, model_load_s=2.0,
+             step_ms=[6000.0, 2000.0, 2000.0, 2000.0])]
 b.ratios(rows)
 print(json.dumps([(r['warm_seconds'], r['vs_dense_same_weights']) for r in rows]))
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    (cold_warm, cold_ratio), (hit_warm, hit_ratio) = json.loads(done.stdout.strip().splitlines()[-1])
+    (cold_warm, cold_ratio), (hit_warm, hit_ratio), (miss_warm, _) = json.loads(done.stdout.strip().splitlines()[-1])
     assert cold_warm == 12.0 and hit_warm is None  # 15 s less the first step's 3 s over the median
     assert hit_ratio == 2.0 and cold_ratio == 0.8  # 12 / 6, not 15 / 6; the cold run itself 12 / 15
+    # a cold miss's first step is its dense one: only the weights' move (2 s) comes off, not 4 s
+    assert miss_warm == 10.0
 
 
 def test_fp8_attention_hits_on_the_fp8_loads_users_run(tmp_path, comfyui_path):

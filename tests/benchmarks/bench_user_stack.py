@@ -63,7 +63,8 @@ match (Chorus rows) to the sampler's return after a CUDA sync; ``load_s``: the U
 loaded the row's model (once per model, not in ``seconds``); ``model_load_s``: ComfyUI moving weights
 to the GPU inside the generation (part of ``seconds``); ``warm_seconds``: for the first generation
 after a load only, ``seconds`` with its first step counted at the median of its other steps (a
-running server has moved the weights and met every kernel before); every ``vs_*`` ratio divides by
+running server has moved the weights and met every kernel before), or less ``model_load_s`` for
+a miss or core at its defaults, whose first step is dense by design; every ``vs_*`` ratio divides by
 a baseline's ``warm_seconds`` where it has one, so no ratio is flattered by a cold baseline.
 
 Writes ``user_stack_<shape>.json`` and ``.md`` into ``--out`` after every row (``user_stack_tiny``
@@ -679,12 +680,16 @@ def ctx_model(ctx, doc, weights: str):
 
 
 FIRST_AFTER_LOAD_S = 0.5  # model_load_s above this: the generation moved the weights to the GPU
+# arms whose first step is dense while the others are sparse: the online miss's dense step, core's
+# dense steps before start_percent (0.2 at its defaults); the median of the others is no warm first step
+FIRST_STEP_DENSE_ARMS = ("miss", "online", "core")
 
 
 def warm_seconds(row: dict) -> float | None:
     """For the first generation after a model load (it moved the weights to the GPU and met every
     kernel for the first time, which a running server has done before): its seconds with the first
-    step counted at the median of the others. None for any other row."""
+    step counted at the median of the others, or, where the first step is dense by design
+    (``FIRST_STEP_DENSE_ARMS``), less the weights' move only. None for any other row."""
     steps = row.get("step_ms") or []
     if row.get("stages"):  # joined stages: each stage's sampling call has a first step of its own
         firsts = [p["stage"][0] for p in row["stages"]]  # the stages cover steps 0.. in order
@@ -695,6 +700,8 @@ def warm_seconds(row: dict) -> float | None:
         return round(row["seconds"] - sum(max(0.0, steps[i] - rest) for i in firsts) / 1e3, 3)
     if (row.get("model_load_s") or 0) <= FIRST_AFTER_LOAD_S or len(steps) < 2:
         return None
+    if row.get("arm") in FIRST_STEP_DENSE_ARMS:  # that step is longer by design: only the weights' move comes off
+        return round(row["seconds"] - row["model_load_s"], 3)
     excess = steps[0] - statistics.median(steps[1:])
     return round(row["seconds"] - max(0.0, excess) / 1e3, 3)
 
