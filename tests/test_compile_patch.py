@@ -310,6 +310,29 @@ def test_a_failing_fast_dense_kernel_leaves_the_dense_calls_to_comfyui_and_keeps
     assert dict(dynamo["graph_break"]) == {}
 
 
+def test_a_sparse_kernel_failure_with_the_fast_dense_kernel_on_still_makes_the_run_dense(
+        tiny_wan_patcher, dynamo, monkeypatch):
+    """Only the fast dense kernel's own failure keeps sparse on: the sparse kernel's is told apart."""
+    import kernels.block_sparse as block_sparse
+
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel launch failed (test)")
+
+    provider = DenseWarmupProvider(StaticBlockMapProvider.for_all_steps(block_maps(5, 0.4), (BLOCK, BLOCK)), 1, (1,))
+    fast = CountingDense(monkeypatch)
+    monkeypatch.setattr(block_sparse, "run_backend", broken)
+    patched = compiled(install_sparse_attention(tiny_wan_patcher, provider))
+    sample(patched)
+
+    stats = get_run_stats(patched)
+    assert stats.warnings == ["block-sparse attention failed in a compiled model call (RuntimeError: kernel launch "
+                              "failed (test)); the rest of this run is dense"]
+    assert stats.sparse_calls == 0 and stats.finished
+    assert fast.calls == LAYERS  # the dense warm-up step ran on it, before the first sparse call failed
+
+
 def test_a_users_own_backend_keeps_the_dense_calls_from_cudnn_too(tiny_wan_patcher, monkeypatch):
     from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 

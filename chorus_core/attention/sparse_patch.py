@@ -282,6 +282,7 @@ def _run_planned(run, plan: CallPlan, where: tuple, executor, x, t, *args, **kwa
     transformer_options, the key the plan goes under there, the layers' declared attention."""
     options, plan_key, declared = where
     options[plan_key] = plan
+    retry = None
     try:  # the extra keyword gives this plan its own compiled graph (see graph_keys)
         out = executor(x, t, *args, **kwargs, **{graph_kwarg(plan, options, declared): True})
     except Exception as exc:
@@ -292,12 +293,17 @@ def _run_planned(run, plan: CallPlan, where: tuple, executor, x, t, *args, **kwa
             run.fast_dense_failed(exc)  # the run's later plans get no fast dense kernel either
             # a fresh plan: a compiled graph replays plan.answered only when it completes
             retry = dataclasses.replace(plan, dense=None, answered=[], extra_tokens=[])
-            return _run_planned(run, retry, where, executor, x, t, *args, **kwargs)
-        run.fail_planned(None, exc)
-        return executor(x, t, *args, **kwargs)
-    options.pop(plan_key, None)
-    run.record_plan(plan)
-    return out
+        else:
+            run.fail_planned(None, exc)
+    else:
+        options.pop(plan_key, None)
+        run.record_plan(plan)
+        return out
+    # called again outside the handler: the failed call's traceback (and the GPU buffers its
+    # frames hold) is freed first, and the new call's errors are not chained to the old one
+    if retry is not None:
+        return _run_planned(run, retry, where, executor, x, t, *args, **kwargs)
+    return executor(x, t, *args, **kwargs)
 
 
 def _declared_name(declared: tuple) -> str:
