@@ -168,21 +168,29 @@ def _run_rows(session: str) -> dict:
             if r.get("session") == session}
 
 
-def test_the_other_attentions_table_quotes_one_machines_rows_against_its_fastest_dense_run_and_comfyuis_default():
-    """Every dense attention a user can pick, core and the FP8 hits, from one warm machine's calls;
-    rows that were their model's first generation are counted warm, as the results file counts them."""
-    cells = _table_cells(STACK, STACK_MARK, SETTINGS_MARK)
-    assert set(cells) == set(STACK)
-    rows = _run_rows(STACK_SESSION)
+def _check_stack_table(table: dict, rows: dict, cells: dict, fastest_label: str) -> tuple[float, float]:
+    """A first-kind table: each row's seconds (counted warm), its ratio to the session's fastest dense
+    fp8 run (the row ``fastest_label``) and to ComfyUI's Linux default; returns (fastest, default)."""
+    assert set(cells) == set(table)
     fastest = min(_counted(r) for r in rows.values() if r["role"] == "dense" and r["weights"] != "bf16")
-    assert fastest == _counted(rows[STACK["dense, fp8, FlashAttention-4, eager (the fastest dense)"]])
-    default = _counted(rows[STACK[STACK_DEFAULT]])
-    assert rows[STACK[STACK_DEFAULT]]["attention"] == "torch_sdpa_default_order"
-    for label, key in STACK.items():
+    assert fastest == _counted(rows[table[fastest_label]])
+    default_row = rows[table[STACK_DEFAULT]]
+    assert default_row["attention"] == "torch_sdpa_default_order" and default_row["weights"] == "bf16"
+    default = _counted(default_row)
+    for label, key in table.items():
         row = rows[key]
         assert (row["steps"], row["cfg"], row["shape"]) == (4, 1.0, "720p"), label
         assert [float(c.rstrip("x")) for c in cells[label]] == \
             [_counted(row), round(fastest / _counted(row), 3), round(default / _counted(row), 3)], label
+    return fastest, default
+
+
+def test_the_other_attentions_table_quotes_one_machines_rows_against_its_fastest_dense_run_and_comfyuis_default():
+    """Every dense attention a user can pick, core and the FP8 hits, from one warm machine's calls;
+    rows that were their model's first generation are counted warm, as the results file counts them."""
+    rows = _run_rows(STACK_SESSION)
+    _check_stack_table(STACK, rows, _table_cells(STACK, STACK_MARK, SETTINGS_MARK),
+                       "dense, fp8, FlashAttention-4, eager (the fastest dense)")
     text = " ".join(_readme().split())
     in_call = [r for r in json.loads((RESULTS / "user_stack_720p.json").read_text())["rows"]
                if (r["run"], r["name"]) == STACK_FIRST_HIT]  # the table quotes the second, warm one
@@ -197,19 +205,10 @@ def test_the_first_table_is_one_machines_rows_with_fa4_compiled_its_fastest_dens
     """Today's stack on one warm machine: the fastest dense run a user can have (FA4 under
     TorchCompileModel, measured as a row here) and ComfyUI's Linux default, against the FP8 hits;
     the text's figures are the same rows'."""
-    cells = _table_cells(TODAY, "## Speed", STACK_MARK)
-    assert set(cells) == set(TODAY)
     rows = _run_rows(TODAY_SESSION)
-    fastest = min(_counted(r) for r in rows.values() if r["role"] == "dense" and r["weights"] != "bf16")
-    assert fastest == _counted(rows[TODAY["dense, fp8, FlashAttention-4, TorchCompileModel (the fastest dense)"]])
+    fastest, default = _check_stack_table(TODAY, rows, _table_cells(TODAY, "## Speed", STACK_MARK),
+                                          "dense, fp8, FlashAttention-4, TorchCompileModel (the fastest dense)")
     default_row = rows[TODAY[STACK_DEFAULT]]
-    assert default_row["attention"] == "torch_sdpa_default_order" and default_row["weights"] == "bf16"
-    default = _counted(default_row)
-    for label, key in TODAY.items():
-        row = rows[key]
-        assert (row["steps"], row["cfg"], row["shape"]) == (4, 1.0, "720p"), label
-        assert [float(c.rstrip("x")) for c in cells[label]] == \
-            [_counted(row), round(fastest / _counted(row), 3), round(default / _counted(row), 3)], label
     text = " ".join(_readme().split())
     best = rows[TODAY["**Chorus hit, FP8 attention**, `dense_last_steps` 0, TorchCompileModel"]]
     assert f"{default / best['seconds']:.2f}x ComfyUI's default but {fastest / best['seconds']:.2f}x the fastest" in text

@@ -436,10 +436,17 @@ def _sampling_call(guider, args: tuple, kwargs: dict) -> SamplingCall:
 
 
 # ComfyUI's own attention functions, picked by device rather than by the user: FlashAttention-4
-# or cuDNN-first SDPA may take the dense calls from them (dense_attention="auto"), from split and
-# sub-quadratic attention only when no start-up flag chose them. Any other function ComfyUI
-# dispatches to was chosen at start-up and keeps them, as a Model Attention Backend node does.
-_COMFYUI_DEFAULT_ATTENTION = frozenset({"attention_pytorch", "attention_basic", "attention_sub_quad", "attention_split"})
+# or cuDNN-first SDPA may take the dense calls from them (dense_attention="auto"). Each maps to the
+# start-up flag (an attribute of comfy.cli_args.args) that makes it the user's choice instead:
+# split and sub-quadratic attention are ComfyUI's picks on devices without SDPA, but the user's own
+# when started with their flag. Any other function ComfyUI dispatches to was chosen at start-up
+# and keeps the dense calls, as a Model Attention Backend node does.
+_COMFYUI_DEFAULT_ATTENTION = {
+    "attention_pytorch": None,
+    "attention_basic": None,
+    "attention_sub_quad": "use_quad_cross_attention",
+    "attention_split": "use_split_cross_attention",
+}
 _STARTUP_ATTENTION = {
     "attention_sage": "SageAttention (--use-sage-attention)",
     "attention3_sage": "SageAttention 3",
@@ -470,27 +477,21 @@ def _chosen_dense_attention(options: dict, key: str) -> Optional[str]:
     except ImportError:
         return None
     name = getattr(getattr(attention, "optimized_attention", None), "__name__", None)
-    flag = _cross_attention_flag(name)
-    if flag is not None:
-        return flag
-    if name is None or name in _COMFYUI_DEFAULT_ATTENTION:
+    if name is None:
         return None
-    return _STARTUP_ATTENTION.get(name, f"ComfyUI's attention function {name}")
+    if name not in _COMFYUI_DEFAULT_ATTENTION:
+        return _STARTUP_ATTENTION.get(name, f"ComfyUI's attention function {name}")
+    flag = _COMFYUI_DEFAULT_ATTENTION[name]
+    return f"ComfyUI's {name} (--{flag.replace('_', '-')})" if flag and _started_with(flag) else None
 
 
-def _cross_attention_flag(name: Optional[str]) -> Optional[str]:
-    """The split and sub-quadratic functions are ComfyUI's picks on devices without SDPA, but the
-    user's own when started with their flag: then they keep the dense calls."""
-    flags = {"attention_split": "use_split_cross_attention", "attention_sub_quad": "use_quad_cross_attention"}
-    if name not in flags:
-        return None
+def _started_with(flag: str) -> bool:
+    """Whether ComfyUI was started with this flag (an attribute of its parsed arguments)."""
     try:
         from comfy.cli_args import args
     except ImportError:
-        return None
-    if not getattr(args, flags[name], False):
-        return None
-    return f"ComfyUI's {name} (--{flags[name].replace('_', '-')})"
+        return False
+    return bool(getattr(args, flag, False))
 
 
 def _chain_above_later_backend(options: dict, key: str) -> None:
