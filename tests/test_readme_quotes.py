@@ -2,6 +2,7 @@
 
 import json
 import re
+import statistics
 
 from conftest import REPO_ROOT
 
@@ -73,6 +74,13 @@ LEAD = {
 FORTY_SESSION = "d0998e714460"  # a third warm H100: 40 steps, cfg 5 at 640x640
 FORTY = dict(SHIPPED, **{"Chorus miss that records, eager": "fp8_e4m3fn_fast_miss_eager"})
 del FORTY["Chorus hit as shipped, TorchCompileModel"]
+FA4_FORTY_SESSION = "5cd9108ad701"  # a fourth warm H100: 40 steps, cfg 5 at 640x640 against FA4
+FA4_FORTY = {
+    "dense, FlashAttention-4, eager (the fastest dense)": "fp8_e4m3fn_fast_dense_eager_fa4",
+    "dense, cuDNN SDPA, eager": "fp8_e4m3fn_fast_dense_eager",
+    "**Chorus hit, FP8 attention**, `dense_last_steps` 0, eager": "fp8_e4m3fn_fast_hit_fp8_eager",
+    "Chorus miss that records, eager": "fp8_e4m3fn_fast_miss_eager",
+}
 
 
 def _readme() -> str:
@@ -96,6 +104,7 @@ SETTINGS_DOC, SETTINGS_END = "docs/benchmarks.md", "**The shipped default, measu
 COMBINE_MARK = "**What to combine**"
 OTHERS_MARK = "**At 640x640 too**"
 FORTY_MARK = "**At 40 steps, cfg 5**"
+FA4_FORTY_MARK = "**Against FlashAttention-4 at 40 steps**"
 BF16_MARK = "**Wan 2.1 with bf16 weights**"
 
 
@@ -152,7 +161,7 @@ def test_the_as_shipped_table_quotes_its_machines_rows_and_their_ratios():
 
 def test_the_40_step_table_quotes_its_machines_rows_at_40_steps_cfg_5():
     """Seconds as measured (cold rows counted cold), the ratios the results file computed."""
-    cells = _table_cells(FORTY, FORTY_MARK, BF16_MARK)
+    cells = _table_cells(FORTY, FORTY_MARK, FA4_FORTY_MARK)
     assert set(cells) == set(FORTY)
     rows = _session_rows("user_stack_640.json", FORTY_SESSION, steps=40)
     for label, name in FORTY.items():
@@ -161,6 +170,27 @@ def test_the_40_step_table_quotes_its_machines_rows_at_40_steps_cfg_5():
         assert [float(c.rstrip("x")) for c in cells[label]] == \
             [row["seconds"], row["vs_dense_same_weights"], row["vs_core_same_weights"]], label
 
+
+
+def test_the_40_step_fa4_table_quotes_its_machines_rows_and_the_ratio_to_its_fastest_dense_run():
+    """Seconds as measured, each row's ratio to the session's fastest dense run (FA4's), which the
+    results file computed; the text's warm and step-for-step figures come from the hit's steps."""
+    cells = _table_cells(FA4_FORTY, FA4_FORTY_MARK, BF16_MARK)
+    assert set(cells) == set(FA4_FORTY)
+    rows = _session_rows("user_stack_640.json", FA4_FORTY_SESSION, steps=40)
+    fastest = min(_counted(r) for r in rows.values() if r["role"] == "dense")
+    assert fastest == rows["fp8_e4m3fn_fast_dense_eager_fa4"]["seconds"]
+    for label, name in FA4_FORTY.items():
+        row = rows[name]
+        assert row["cfg"] == 5.0
+        seconds, ratio = (float(c.rstrip("x")) for c in cells[label])
+        assert (seconds, ratio) == (row["seconds"], row["vs_fastest_dense_fp8"]), label
+    hit, fa4 = rows["fp8_e4m3fn_fast_hit_fp8_eager"], rows["fp8_e4m3fn_fast_dense_eager_fa4"]
+    text = " ".join(_readme().split())  # the README's line breaks are not part of a quote
+    assert f"about {hit['warm_seconds']:.1f} s, {fastest / hit['warm_seconds']:.3f}x" in text
+    hit_step, fa4_step = statistics.median(hit["step_ms"][1:]) / 1e3, statistics.median(fa4["step_ms"][1:]) / 1e3
+    assert f"the hit is {fa4_step / hit_step:.2f}x FA4 ({hit_step:.2f} s against {fa4_step:.2f} s)" in text
+    assert f"({hit['step_ms'][0] / 1e3:.2f} s against {hit_step:.2f} s" in text
 
 def _run_rows(session: str) -> dict:
     """A session's 720p rows by (run id, name): a call's later row of a name is its warm one."""
