@@ -21,6 +21,8 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
                           text=True, timeout=600, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = {r["name"]: r for r in json.loads((tmp_path / "user_stack_tiny.json").read_text())["rows"]}
+    # only the file these rows load was written (a 14B file costs the device call a minute)
+    assert [p.name for p in (tmp_path / "w").iterdir()] == ["wan_tiny_bf16.safetensors"]
     assert result["bf16_dense_eager"]["attention"] == "cudnn_sdpa"
     assert result["bf16_dense_eager_sage"]["attention"] == "sageattention_1.0.6"
     assert result["bf16_dense_eager_sage"]["role"] == "dense"  # a dense baseline like the others
