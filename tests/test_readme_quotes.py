@@ -171,7 +171,6 @@ def test_the_40_step_table_quotes_its_machines_rows_at_40_steps_cfg_5():
             [row["seconds"], row["vs_dense_same_weights"], row["vs_core_same_weights"]], label
 
 
-
 def test_the_40_step_fa4_table_quotes_its_machines_rows_and_the_ratio_to_its_fastest_dense_run():
     """Seconds as measured, each row's ratio to the session's fastest dense run (FA4's), which the
     results file computed; the text's warm and step-for-step figures come from the hit's steps."""
@@ -191,6 +190,7 @@ def test_the_40_step_fa4_table_quotes_its_machines_rows_and_the_ratio_to_its_fas
     hit_step, fa4_step = statistics.median(hit["step_ms"][1:]) / 1e3, statistics.median(fa4["step_ms"][1:]) / 1e3
     assert f"the hit is {fa4_step / hit_step:.2f}x FA4 ({hit_step:.2f} s against {fa4_step:.2f} s)" in text
     assert f"({hit['step_ms'][0] / 1e3:.2f} s against {hit_step:.2f} s" in text
+
 
 def _run_rows(session: str) -> dict:
     """A session's 720p rows by (run id, name): a call's later row of a name is its warm one."""
