@@ -30,8 +30,6 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
 
 
-
-
 @pytest.fixture
 def source(tmp_path):
     """A folder bank holding one entry (seed 0), exported: (rows, {member name: bytes})."""

@@ -205,8 +205,6 @@ class CountingDense:
         return o
 
 
-
-
 def test_comfyui_dense_attention_and_a_users_own_backend_keep_the_dense_calls(tiny_wan_patcher, monkeypatch):
     from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
@@ -228,7 +226,6 @@ def test_comfyui_dense_attention_and_a_users_own_backend_keep_the_dense_calls(ti
     sample(install_sparse_attention(below, DenseProvider((BLOCK, BLOCK))))
     assert fast.calls == 0
     assert users.count(SEQ_LEN) == LAYERS * STEPS  # every self-attention went to the user's function
-
 
 
 class CountingCudnnSdpa:
