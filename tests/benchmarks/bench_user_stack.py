@@ -242,8 +242,8 @@ def write_checkpoint(path: Path, spec, fmt: str, seed: int, device: str, dim: in
 
 
 def files_for_rows(files: dict, rows: str) -> dict:
-    """The checkpoint files the rows load, by format: a 14B file takes 35 to 70 s to write on the
-    device, time a call needs for its rows (``fp8_e4m3fn_fast`` loads the bf16 file)."""
+    """The checkpoint files the rows load, by format (``fp8_e4m3fn_fast`` loads the bf16 file): a
+    14B file takes 35 to 70 s to write on the device, time a call is better spending on its rows."""
     needed = {WEIGHTS[parse_row(spec)[0]][0] for spec in rows.split(",") if spec}
     return {fmt: name for fmt, name in files.items() if fmt in needed}
 
@@ -963,11 +963,11 @@ def main(argv=None):
         dim, ffn, blocks, shape, files = 5120, 13824, args.blocks, args.shape, FILES
     weights_dir = Path(args.weights_dir)
     spec = wan_i2v_spec(dim, ffn, blocks)
-    if not args.build_only:
-        files = files_for_rows(files, args.rows)
-    made = ensure_weights(weights_dir, files, spec, args.seed, device, dim)
     if args.build_only:
+        ensure_weights(weights_dir, files, spec, args.seed, device, dim)
         return
+    files = files_for_rows(files, args.rows)
+    made = ensure_weights(weights_dir, files, spec, args.seed, device, dim)
     setup_comfy(cuda)
     latent_thw = SHAPES[shape]
     tokens = latent_thw[0] * math.ceil(latent_thw[1] / 2) * math.ceil(latent_thw[2] / 2)
