@@ -90,12 +90,14 @@ us_fa4() {  # FlashAttention-4 for the :fa4 rows, once its parts are staged (use
   python3 -c "import flash_attn.cute.interface as f; print('FA4', f.__file__)" || { echo "us_fa4: FA4 does not import"; return 1; }
 }
 
-us_weights_dir() {  # the checkpoint files need about 50 GB: where an earlier call wrote them, else
-  # /tmp when its disk has room, else /dev/shm (2026-12-06: the files an earlier call left in /tmp
-  # took the room, the next call picked /dev/shm and wrote them again, 85 s)
+us_weights_dir() {  # the checkpoint files need about 50 GB: where an earlier call wrote any of
+  # them (the bench writes only the files its rows load, and adds the others beside them), else /tmp
+  # when its disk has room, else /dev/shm. 2026-12-06: the files an earlier call left in /tmp took
+  # the room, the next call picked /dev/shm and wrote them again (85 s); 2026-12-07: a call that had
+  # written the bf16 file alone to /tmp was not found by a test for both files (48 s)
   local free d
-  for d in /tmp/us-weights /dev/shm/us-weights; do
-    if [ "$(ls "$d"/*.safetensors 2> /dev/null | wc -l)" -ge 2 ]; then echo "$d"; return; fi
+  for d in ${US_WEIGHTS_DIRS:-/tmp/us-weights /dev/shm/us-weights}; do
+    if ls "$d"/*.safetensors > /dev/null 2>&1; then echo "$d"; return; fi
   done
   free=$(df -B1G --output=avail /tmp | tail -1 | tr -d ' ')
   if [ "${free:-0}" -ge 56 ]; then echo /tmp/us-weights; else echo /dev/shm/us-weights; fi
