@@ -81,6 +81,12 @@ FA4_FORTY = {
     "**Chorus hit, FP8 attention**, `dense_last_steps` 0, eager": "fp8_e4m3fn_fast_hit_fp8_eager",
     "Chorus miss that records, eager": "fp8_e4m3fn_fast_miss_eager",
 }
+FA4_720_FORTY_SESSION = "74217e2058fc"  # a fifth warm H100: 40 steps, cfg 1 at 720p against FA4
+FA4_720_FORTY = {
+    "dense, FlashAttention-4, eager (the fastest dense), counted warm": "fp8_e4m3fn_fast_dense_eager_fa4",
+    "**Chorus hit, FP8 attention**, `dense_last_steps` 0, eager": "fp8_e4m3fn_fast_hit_fp8_eager",
+    "Chorus miss that records, eager": "fp8_e4m3fn_fast_miss_eager",
+}
 
 
 def _readme() -> str:
@@ -105,6 +111,7 @@ COMBINE_MARK = "**What to combine**"
 OTHERS_MARK = "**At 640x640 too**"
 FORTY_MARK = "**At 40 steps, cfg 5**"
 FA4_FORTY_MARK = "**Against FlashAttention-4 at 40 steps**"
+FA4_720_FORTY_MARK = "**At 720p, 40 steps, cfg 1**"
 BF16_MARK = "**Wan 2.1 with bf16 weights**"
 
 
@@ -174,7 +181,7 @@ def test_the_40_step_table_quotes_its_machines_rows_at_40_steps_cfg_5():
 def test_the_40_step_fa4_table_quotes_its_machines_rows_and_the_ratio_to_its_fastest_dense_run():
     """Seconds as measured, each row's ratio to the session's fastest dense run (FA4's), which the
     results file computed; the text's warm and step-for-step figures come from the hit's steps."""
-    cells = _table_cells(FA4_FORTY, FA4_FORTY_MARK, BF16_MARK)
+    cells = _table_cells(FA4_FORTY, FA4_FORTY_MARK, FA4_720_FORTY_MARK)
     assert set(cells) == set(FA4_FORTY)
     rows = _session_rows("user_stack_640.json", FA4_FORTY_SESSION, steps=40)
     fastest = min(_counted(r) for r in rows.values() if r["role"] == "dense")
@@ -190,6 +197,32 @@ def test_the_40_step_fa4_table_quotes_its_machines_rows_and_the_ratio_to_its_fas
     hit_step, fa4_step = statistics.median(hit["step_ms"][1:]) / 1e3, statistics.median(fa4["step_ms"][1:]) / 1e3
     assert f"the hit is {fa4_step / hit_step:.2f}x FA4 ({hit_step:.2f} s against {fa4_step:.2f} s)" in text
     assert f"({hit['step_ms'][0] / 1e3:.2f} s against {hit_step:.2f} s" in text
+
+
+def test_the_720p_40_step_table_quotes_its_machines_rows_against_fa4_counted_warm():
+    """FA4's row at its warm count (its first step compiled FA4's kernel), the others as measured,
+    each with the ratio the results file computed; the text's figures come from the rows' steps."""
+    cells = _table_cells(FA4_720_FORTY, FA4_720_FORTY_MARK, BF16_MARK)
+    assert set(cells) == set(FA4_720_FORTY)
+    rows = _session_rows("user_stack_720p.json", FA4_720_FORTY_SESSION, steps=40)
+    fa4, hit = rows["fp8_e4m3fn_fast_dense_eager_fa4"], rows["fp8_e4m3fn_fast_hit_fp8_eager"]
+    assert min(_counted(r) for r in rows.values() if r["role"] == "dense") == fa4["warm_seconds"]
+    for label, name in FA4_720_FORTY.items():
+        row = rows[name]
+        assert (row["cfg"], row["shape"]) == (1.0, "720p")
+        seconds, ratio = (float(c.rstrip("x")) for c in cells[label])
+        expected = (fa4["warm_seconds"], 1.0) if row is fa4 else (row["seconds"], row["vs_fastest_dense_fp8"])
+        assert (seconds, ratio) == expected, label
+    text = " ".join(_readme().split())
+    hit_step, fa4_step = statistics.median(hit["step_ms"][1:]) / 1e3, statistics.median(fa4["step_ms"][1:]) / 1e3
+    assert f"(its first step, {fa4['step_ms'][0] / 1e3:.2f} s, compiled FA4's kernel)" in text
+    assert f"({hit['step_ms'][0] / 1e3:.2f} s against {hit_step:.2f} s for the others)" in text
+    assert f"about {hit['warm_seconds']:.1f} s, {fa4['warm_seconds'] / hit['warm_seconds']:.3f}x" in text
+    assert f"the hit is {fa4_step / hit_step:.2f}x FA4 ({hit_step:.2f} s against {fa4_step:.2f} s)" in text
+    miss = rows["fp8_e4m3fn_fast_miss_eager"]
+    assert f"is {miss['vs_fastest_dense_fp8']:.3f}x FA4" in text
+    assert f"online sparse steps ({statistics.median(miss['step_ms'][1:]) / 1e3:.2f} s)" in text
+    assert f"At 720p, 40 steps, cfg 1 it is {hit['vs_fastest_dense_fp8']:.3f}x FA4" in text
 
 
 def _run_rows(session: str) -> dict:
