@@ -221,6 +221,7 @@ def test_the_720p_40_step_table_quotes_its_machines_rows_against_fa4_counted_war
     assert f"the hit is {fa4_step / hit_step:.2f}x FA4 ({hit_step:.2f} s against {fa4_step:.2f} s)" in text
     miss = rows["fp8_e4m3fn_fast_miss_eager"]
     assert f"is {miss['vs_fastest_dense_fp8']:.3f}x FA4" in text
+    assert f"a miss is faster than dense: {miss['vs_fastest_dense_fp8']:.3f}x FA4 at 720p, cfg 1" in text  # the limits
     assert f"online sparse steps ({statistics.median(miss['step_ms'][1:]) / 1e3:.2f} s)" in text
     assert f"At 720p, 40 steps, cfg 1 it is {hit['vs_fastest_dense_fp8']:.3f}x FA4" in text
 
