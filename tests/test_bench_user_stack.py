@@ -256,6 +256,33 @@ print(json.dumps([whole, len(kept), notes]))
                      "rows, nor they to it (ratios stay within one machine)"]
 
 
+def test_a_merged_files_header_names_every_schedule_its_rows_ran_and_each_row_its_own(tmp_path):
+    """A merged file holds 4-step, cfg 1 and 40-step rows: its header names both schedules, and
+    each row of the table says its steps and cfg (in a process of its own)."""
+    code = f"""
+import sys
+from pathlib import Path
+sys.path.insert(0, 'tests/benchmarks')
+import bench_user_stack as b
+base = dict(shape='720p', weights='w', arm='dense', role='dense', attention='cudnn_sdpa', graphs=0, session='A',
+            stage=None, step_ms=[1.0])
+rows = [dict(base, name='d40', steps=40, cfg=1.0, seconds=40.0, run='A-2'),
+        dict(base, name='d4', steps=4, cfg=1.0, seconds=4.0, run='A-1')]
+details = dict(steps=4, cfg=1.0, torch='t', comfyui='c', comfy_kitchen='k', shape='720p', tokens=1, blocks=2,
+               density=0.15, models={{}}, notes=[], errors=[])
+doc = dict(machine='m', date='d', command='x', git_commit='g', method='', details=details, rows=rows)
+b.write_results(Path({str(tmp_path)!r}), 'user_stack_720p', doc)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = (tmp_path / "user_stack_720p.md").read_text().splitlines()
+    assert any(line.endswith("2 blocks, 4 steps, cfg 1.0; 40 steps, cfg 1.0, density 0.15") for line in lines)
+    header = next(line for line in lines if line.startswith("| name |")).strip("|").split("|")
+    cells = {line.split("|")[1].strip(): line.strip("|").split("|") for line in lines if line.startswith("| d")}
+    at = [c.strip() for c in header].index("steps")
+    assert [cells["d4"][at].strip(), cells["d40"][at].strip(), cells["d40"][at + 1].strip()] == ["4", "40", "1.0"]
+
+
 def test_a_miss_that_recorded_nothing_serves_no_hit_and_a_hit_names_only_its_own_entrys_cfg():
     """A failed recording must not let a later hit row run as a miss (the refusal before the load
     exists for that); an older bank's bare id still serves; the cfg is named only for the entry

@@ -745,7 +745,8 @@ def ratios(rows: list[dict]) -> None:
             r[key] = round(base / r["seconds"], 3) if base else None
 
 
-COLUMNS = ["name", "role", "weights", "compute_dtype", "attention", "compiled", "stage", "seconds", "warm_seconds", "compile_s",
+COLUMNS = ["name", "role", "weights", "compute_dtype", "attention", "compiled", "steps", "cfg", "stage", "seconds",
+           "warm_seconds", "compile_s",
            "step_ms", "load_s",
            "model_load_s", "measured_density", "routed_share", "graphs", "peak_gib", "flush_s", "vs_dense_same_weights",
            "vs_fastest_dense_fp8", "vs_dense_bf16", "vs_core_same_weights", "run"]
@@ -768,6 +769,14 @@ def label_rows(doc: dict) -> None:
         r["attention"] = r["attention"].replace("chorus_block_sparse_bf16", f"chorus_block_sparse_{short}")
 
 
+def schedules(doc: dict) -> str:
+    """The step counts and cfgs the rows ran, each once: a merged file holds 4-step and 40-step rows,
+    and the first call's settings alone would mislabel the others."""
+    d = doc["details"]
+    ran = sorted({(r["steps"], r["cfg"]) for r in doc["rows"]}) or [(d["steps"], d["cfg"])]
+    return "; ".join(f"{steps} steps, cfg {cfg}" for steps, cfg in ran)
+
+
 def write_results(out_dir: Path, name: str, doc: dict) -> None:
     label_rows(doc)
     ratios(doc["rows"])
@@ -779,7 +788,7 @@ def write_results(out_dir: Path, name: str, doc: dict) -> None:
              f"- git commit: {doc['git_commit']}",
              *[f"- run {r['run']}: {r['date']}, {r['machine']}, `{r['command']}`" for r in d.get("runs", [])],
              f"- torch {d['torch']}, ComfyUI {d['comfyui']}, comfy-kitchen {d['comfy_kitchen']}; shape {d['shape']} "
-             f"({d['tokens']} tokens), {d['blocks']} blocks, {d['steps']} steps, cfg {d['cfg']}, density {d['density']}",
+             f"({d['tokens']} tokens), {d['blocks']} blocks, {schedules(doc)}, density {d['density']}",
              "", doc["method"], "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in doc["rows"]:
         lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in COLUMNS) + " |")
