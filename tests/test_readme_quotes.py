@@ -98,6 +98,20 @@ def _session_rows(name: str, session: str = SESSION, steps: int = 4) -> dict:
             if r.get("session") == session and r["steps"] == steps}
 
 
+def _step_s(row: dict) -> float:
+    """A row's usual step in seconds: the median of its steps after the first."""
+    return statistics.median(row["step_ms"][1:]) / 1e3
+
+
+def _check_hit_against_fa4_text(text: str, hit: dict, fa4: dict, fastest: float) -> None:
+    """The sentences both 40-step FA4 paragraphs quote: the hit counted warm, step for step, and its
+    cold first step against the others."""
+    assert f"about {hit['warm_seconds']:.1f} s, {fastest / hit['warm_seconds']:.3f}x" in text
+    hit_step, fa4_step = _step_s(hit), _step_s(fa4)
+    assert f"the hit is {fa4_step / hit_step:.2f}x FA4 ({hit_step:.2f} s against {fa4_step:.2f} s)" in text
+    assert f"({hit['step_ms'][0] / 1e3:.2f} s against {hit_step:.2f} s" in text
+
+
 def _counted(row: dict) -> float:
     """What the README quotes for a row: a cold first generation after a load counted warm."""
     return row.get("warm_seconds") or row["seconds"]
@@ -193,10 +207,7 @@ def test_the_40_step_fa4_table_quotes_its_machines_rows_and_the_ratio_to_its_fas
         assert (seconds, ratio) == (row["seconds"], row["vs_fastest_dense_fp8"]), label
     hit, fa4 = rows["fp8_e4m3fn_fast_hit_fp8_eager"], rows["fp8_e4m3fn_fast_dense_eager_fa4"]
     text = " ".join(_readme().split())  # the README's line breaks are not part of a quote
-    assert f"about {hit['warm_seconds']:.1f} s, {fastest / hit['warm_seconds']:.3f}x" in text
-    hit_step, fa4_step = statistics.median(hit["step_ms"][1:]) / 1e3, statistics.median(fa4["step_ms"][1:]) / 1e3
-    assert f"the hit is {fa4_step / hit_step:.2f}x FA4 ({hit_step:.2f} s against {fa4_step:.2f} s)" in text
-    assert f"({hit['step_ms'][0] / 1e3:.2f} s against {hit_step:.2f} s" in text
+    _check_hit_against_fa4_text(text, hit, fa4, fastest)
 
 
 def test_the_720p_40_step_table_quotes_its_machines_rows_against_fa4_counted_warm():
@@ -214,15 +225,13 @@ def test_the_720p_40_step_table_quotes_its_machines_rows_against_fa4_counted_war
         expected = (fa4["warm_seconds"], 1.0) if row is fa4 else (row["seconds"], row["vs_fastest_dense_fp8"])
         assert (seconds, ratio) == expected, label
     text = " ".join(_readme().split())
-    hit_step, fa4_step = statistics.median(hit["step_ms"][1:]) / 1e3, statistics.median(fa4["step_ms"][1:]) / 1e3
+    _check_hit_against_fa4_text(text, hit, fa4, fa4["warm_seconds"])
     assert f"(its first step, {fa4['step_ms'][0] / 1e3:.2f} s, compiled FA4's kernel)" in text
-    assert f"({hit['step_ms'][0] / 1e3:.2f} s against {hit_step:.2f} s for the others)" in text
-    assert f"about {hit['warm_seconds']:.1f} s, {fa4['warm_seconds'] / hit['warm_seconds']:.3f}x" in text
-    assert f"the hit is {fa4_step / hit_step:.2f}x FA4 ({hit_step:.2f} s against {fa4_step:.2f} s)" in text
+    assert f"({hit['step_ms'][0] / 1e3:.2f} s against {_step_s(hit):.2f} s for the others)" in text
     miss = rows["fp8_e4m3fn_fast_miss_eager"]
     assert f"is {miss['vs_fastest_dense_fp8']:.3f}x FA4" in text
     assert f"a miss is faster than dense: {miss['vs_fastest_dense_fp8']:.3f}x FA4 at 720p, cfg 1" in text  # the limits
-    assert f"online sparse steps ({statistics.median(miss['step_ms'][1:]) / 1e3:.2f} s)" in text
+    assert f"online sparse steps ({_step_s(miss):.2f} s)" in text
     assert f"At 720p, 40 steps, cfg 1 it is {hit['vs_fastest_dense_fp8']:.3f}x FA4" in text
 
 
