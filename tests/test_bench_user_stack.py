@@ -277,10 +277,9 @@ b.write_results(Path({str(tmp_path)!r}), 'user_stack_720p', doc)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = (tmp_path / "user_stack_720p.md").read_text().splitlines()
     assert any(line.endswith("2 blocks, 4 steps, cfg 1.0; 40 steps, cfg 1.0, density 0.15") for line in lines)
-    header = next(line for line in lines if line.startswith("| name |")).strip("|").split("|")
-    cells = {line.split("|")[1].strip(): line.strip("|").split("|") for line in lines if line.startswith("| d")}
-    at = [c.strip() for c in header].index("steps")
-    assert [cells["d4"][at].strip(), cells["d40"][at].strip(), cells["d40"][at + 1].strip()] == ["4", "40", "1.0"]
+    header, *table = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+    rows = {cells[0]: dict(zip(header, cells)) for cells in table}
+    assert [rows["d4"]["steps"], rows["d40"]["steps"], rows["d40"]["cfg"]] == ["4", "40", "1.0"]
 
 
 def test_a_miss_that_recorded_nothing_serves_no_hit_and_a_hit_names_only_its_own_entrys_cfg():
