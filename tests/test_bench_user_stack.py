@@ -47,16 +47,15 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
     assert fp8["backend"].startswith("reference_fp8") and fp8["attention"].startswith("chorus_block_sparse_fp8")
     assert fp8["report_timings"]  # the run report's timings travel with the row (the first step's profile)
 
-    # a later call at another step count finds no entry of its own in the kept bank: the hit row is
-    # refused before any model loads, with what to run first (the 4-step entry would not serve it)
+    # a later call at another step count finds no entry of its own in the kept bank: the call stops
+    # before anything is set up, with what to run first (the 4-step entry would not serve it)
     done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path / "later", "--weights-dir",
                            tmp_path / "w", "--bank", tmp_path / "bank", "--steps", "8", "--rows", "bf16:hit:eager"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
-    later = json.loads((tmp_path / "later" / "user_stack_tiny.json").read_text())["details"]
-    assert later["errors"] == ["bf16:hit:eager: RuntimeError: bf16:hit:eager: no entry recorded for bf16@tiny@8steps "
-                               "in this bank (run bf16:miss:eager first at this shape and step count)"], later
-    assert later["models"] == {}
+    assert done.returncode != 0 and "bf16:hit:eager: no entry recorded for tiny at 8 steps" in done.stderr, \
+        done.stderr[-2000:]
+    assert not (tmp_path / "later").exists()
 
     # no cfg in what an entry serves (the bank matches none): a cfg-5 hit on the cfg-1 recording,
     # and the row says which cfg recorded its entry
@@ -297,6 +296,39 @@ ctx['recorded'][b.recorded_key(ctx, 'w')] = 'abc'
 assert b.recorded_entry(ctx, 'w') == dict(entry='abc', cfg=None)
 ctx['recorded'][b.recorded_key(ctx, 'w')] = dict(entry='abc', cfg=1.0)
 assert b.entry_cfg(ctx, 'w', 'abc') == 1.0 and b.entry_cfg(ctx, 'w', 'other') is None
+print('ok')
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_a_hit_no_entry_serves_stops_the_call_before_any_weights_are_written(tmp_path):
+    """A hit row needs an entry for its weights at the call's shape and step count: recorded by an
+    earlier call (the bank's store) or by a miss row of the same weights before it in this call.
+    Without one the call stops at once, before weights are written (in a process of its own)."""
+    def call(rows: str, steps: int = 4) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path / "out", "--weights-dir",
+                               tmp_path / "never", "--bank", tmp_path / "bank", "--steps", str(steps), "--rows", rows],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+    for rows in ("bf16:hit_fp8:eager", "bf16:hit:eager,bf16:miss:eager", "fp8_e4m3fn_fast:miss:eager,bf16:hit:eager"):
+        done = call(rows)
+        assert done.returncode != 0 and "no entry recorded for tiny at 4 steps" in done.stderr, done.stderr[-2000:]
+        assert "run WEIGHTS:miss:eager first" in done.stderr
+        assert not (tmp_path / "never").exists()  # refused before any weights were written
+    (tmp_path / "bank").mkdir()
+    (tmp_path / "bank" / "user_stack_recorded.json").write_text(json.dumps({"bf16@tiny@4steps": {"entry": "e1", "cfg": 1.0}}))
+    done = call("bf16:hit:eager", steps=8)  # an entry for 4 steps serves no 8-step run
+    assert done.returncode != 0 and "no entry recorded for tiny at 8 steps" in done.stderr, done.stderr[-2000:]
+    code = """
+import sys
+sys.path.insert(0, 'tests/benchmarks')
+import bench_user_stack as b
+store = {'bf16@tiny@4steps': {'entry': 'e1', 'cfg': 1.0}, 'fp8_e4m3fn_fast@tiny@4steps': {'entry': None, 'cfg': 1.0}}
+assert b.hits_no_entry_serves(['bf16:hit:eager', 'bf16:hit_last1_fp8:compiled'], store, 'tiny', 4) == []
+assert b.hits_no_entry_serves(['bf16:miss:eager', 'bf16:hit:eager'], {}, 'tiny', 4) == []
+assert b.hits_no_entry_serves(['fp8_e4m3fn_fast:hit:eager', 'bf16:dense:eager'], store, 'tiny', 4) == ['fp8_e4m3fn_fast:hit:eager']
+assert b.hits_no_entry_serves(['bf16:hit:eager'], {'bf16@tiny@4steps': 'e0'}, 'tiny', 4) == []
 print('ok')
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)

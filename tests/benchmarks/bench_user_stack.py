@@ -589,7 +589,36 @@ def recorded_key(ctx, weights: str) -> str:
     the cfg: the bank matches none (an entry recorded at cfg 1 serves cond and uncond alike), and a
     720p miss at 40 steps and cfg 5 is longer than a device call, so a cfg-5 hit may be served by a
     cfg-1 recording made in an earlier call; the hit row's ``entry_recorded_cfg`` says so."""
-    return f"{weights}@{ctx['shape']}@{ctx['steps']}steps"
+    return entry_key(weights, ctx["shape"], ctx["steps"])
+
+
+def entry_key(weights: str, shape: str, steps: int) -> str:
+    return f"{weights}@{shape}@{steps}steps"
+
+
+def recorded_store(bank_dir: str) -> Path:
+    """Where the entries this bench recorded are kept between calls (beside the bank they are in)."""
+    return Path(bank_dir) / "user_stack_recorded.json"
+
+
+def read_recorded(bank_dir: str) -> dict:
+    store = recorded_store(bank_dir)
+    return json.loads(store.read_text()) if store.exists() else {}
+
+
+def hits_no_entry_serves(rows: list[str], recorded: dict, shape: str, steps: int) -> list[str]:
+    """The hit rows of a call that nothing will serve: no entry recorded in an earlier call for their
+    weights at this shape and step count, and no miss row of those weights before them in this call.
+    Checked before anything is built: on the device, weights are written and loaded first (a 720p
+    call asked for a hit before its miss on 2026-12-07 and spent 84 s to learn it)."""
+    unserved, will_record, earlier = [], set(), dict(recorded=recorded, shape=shape, steps=steps)
+    for spec in rows:
+        weights, arm, _ = parse_row(spec)
+        if arm == "miss":
+            will_record.add(weights)
+        elif arm in HIT_ARMS and weights not in will_record and not recorded_entry(earlier, weights):
+            unserved.append(spec)
+    return unserved
 
 
 def recorded_entry(ctx, weights: str) -> dict | None:
@@ -946,6 +975,16 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def refuse_unserved_hits(args) -> None:
+    shape = "tiny" if args.tiny else args.shape
+    unserved = hits_no_entry_serves([s for s in args.rows.split(",") if s], read_recorded(args.bank), shape, args.steps)
+    if unserved:
+        raise SystemExit(f"{', '.join(unserved)}: no entry recorded for {shape} at {args.steps} steps in "
+                         f"{recorded_store(args.bank)} "
+                         "and no miss row of those weights before them: run WEIGHTS:miss:eager first at this "
+                         "shape and step count (any cfg), in this call or an earlier one on this machine")
+
+
 def main(argv=None):
     args = parse_args(argv)
     stage = stages.parse_stage(args.stage, [args.steps]) if args.stage else None
@@ -958,6 +997,8 @@ def main(argv=None):
         if stage and arm not in ("dense",) + CORE_ARMS:
             raise SystemExit(f"--stage {args.stage}: {spec_row} is a Chorus row, which records or serves a whole "
                              "run: time it whole (only dense and core rows run in stages)")
+    if not args.merge:
+        refuse_unserved_hits(args)
     if stage and stage[0] > 0 and not args.merge:
         stages.check_stage_latents(Path(args.stage_latent), [s.replace(":", "_") for s in args.rows.split(",") if s],
                                    args.steps, stage[0])
@@ -1000,8 +1041,7 @@ def main(argv=None):
             doc["details"][key] = sdpa_choices(cuda, tokens, SDPA_ORDERS[attention])
     log(f"torch SDPA picks, cuDNN first: {doc['details']['sdpa_choice']}")
     doc["details"]["bank_entries_at_start"] = len(bank.entries())  # recorded by an earlier call on this machine
-    ctx["recorded"].update(json.loads((Path(args.bank) / "user_stack_recorded.json").read_text())
-                           if (Path(args.bank) / "user_stack_recorded.json").exists() else {})
+    ctx["recorded"].update(read_recorded(args.bank))
     save = lambda: write_results(out_dir, name, doc)  # noqa: E731
     try:
         for spec_row in [s for s in args.rows.split(",") if s]:
@@ -1020,7 +1060,7 @@ def main(argv=None):
                 doc["details"]["errors"].append(f"{spec_row}: {type(exc).__name__}: {exc}")
                 log(f"FAILED {spec_row}: {traceback.format_exc()}")
                 save()
-            (Path(args.bank) / "user_stack_recorded.json").write_text(json.dumps(ctx["recorded"]))
+            recorded_store(args.bank).write_text(json.dumps(ctx["recorded"]))
     finally:
         bank.close()
     save()
