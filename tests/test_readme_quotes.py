@@ -217,20 +217,29 @@ def test_the_40_step_fa4_table_quotes_its_machines_rows_and_the_ratio_to_its_fas
     _check_hit_against_fa4_text(text, hit, fa4, fastest)
 
 
-def test_the_720p_40_step_table_quotes_its_machines_rows_against_fa4_counted_warm():
-    """FA4's row at its warm count (its first step compiled FA4's kernel), the others as measured,
-    each with the ratio the results file computed; the text's figures come from the rows' steps."""
-    cells = _table_cells(FA4_720_FORTY, FA4_720_FORTY_MARK, FA4_720_CFG5_MARK)
-    assert set(cells) == set(FA4_720_FORTY)
-    rows = _session_rows("user_stack_720p.json", FA4_720_FORTY_SESSION, steps=40)
-    fa4, hit = rows["fp8_e4m3fn_fast_dense_eager_fa4"], rows["fp8_e4m3fn_fast_hit_fp8_eager"]
-    assert min(_counted(r) for r in rows.values() if r["role"] == "dense") == fa4["warm_seconds"]
-    for label, name in FA4_720_FORTY.items():
+def _check_720p_fa4_table(labels: dict, start: str, end: str, session: str, cfg: float) -> dict:
+    """A 720p 40-step table against FA4: FA4's row at its warm count (its first step, or each
+    stage's, compiled FA4's kernel) and the fastest dense run of its cfg, the others as measured,
+    each with the ratio the results file computed. Returns the session's 40-step rows by name."""
+    cells = _table_cells(labels, start, end)
+    assert set(cells) == set(labels)
+    rows = _session_rows("user_stack_720p.json", session, steps=40)
+    fa4 = rows["fp8_e4m3fn_fast_dense_eager_fa4"]
+    assert min(_counted(r) for r in rows.values() if r["role"] == "dense" and r["cfg"] == cfg) == fa4["warm_seconds"]
+    for label, name in labels.items():
         row = rows[name]
-        assert (row["cfg"], row["shape"]) == (1.0, "720p")
+        assert (row["cfg"], row["shape"]) == (cfg, "720p")
         seconds, ratio = (float(c.rstrip("x")) for c in cells[label])
         expected = (fa4["warm_seconds"], 1.0) if row is fa4 else (row["seconds"], row["vs_fastest_dense_fp8"])
         assert (seconds, ratio) == expected, label
+    return rows
+
+
+def test_the_720p_40_step_table_quotes_its_machines_rows_against_fa4_counted_warm():
+    """FA4's row at its warm count (its first step compiled FA4's kernel), the others as measured,
+    each with the ratio the results file computed; the text's figures come from the rows' steps."""
+    rows = _check_720p_fa4_table(FA4_720_FORTY, FA4_720_FORTY_MARK, FA4_720_CFG5_MARK, FA4_720_FORTY_SESSION, 1.0)
+    fa4, hit = rows["fp8_e4m3fn_fast_dense_eager_fa4"], rows["fp8_e4m3fn_fast_hit_fp8_eager"]
     text = " ".join(_readme().split())
     _check_hit_against_fa4_text(text, hit, fa4, fa4["warm_seconds"])
     assert f"(its first step, {fa4['step_ms'][0] / 1e3:.2f} s, compiled FA4's kernel)" in text
@@ -246,18 +255,9 @@ def test_the_720p_cfg_5_table_quotes_fa4s_joined_stages_counted_warm_and_the_hit
     """FA4's dense run joined from its two staged calls, at its warm count (each stage's first step
     compiled FA4's kernel); the hit as measured with the ratio the results file computed; the text's
     figures come from the rows' steps, and the miss that recorded the entry ran at cfg 1."""
-    cells = _table_cells(FA4_720_CFG5, FA4_720_CFG5_MARK, BF16_MARK)
-    assert set(cells) == set(FA4_720_CFG5)
-    rows = _session_rows("user_stack_720p.json", FA4_720_CFG5_SESSION, steps=40)
+    rows = _check_720p_fa4_table(FA4_720_CFG5, FA4_720_CFG5_MARK, BF16_MARK, FA4_720_CFG5_SESSION, 5.0)
     fa4, hit = rows["fp8_e4m3fn_fast_dense_eager_fa4"], rows["fp8_e4m3fn_fast_hit_fp8_eager"]
     assert [p["stage"] for p in fa4["stages"]] == [[0, 20], [20, 40]]
-    assert min(_counted(r) for r in rows.values() if r["role"] == "dense" and r["cfg"] == 5.0) == fa4["warm_seconds"]
-    for label, name in FA4_720_CFG5.items():
-        row = rows[name]
-        assert (row["cfg"], row["shape"]) == (5.0, "720p")
-        seconds, ratio = (float(c.rstrip("x")) for c in cells[label])
-        expected = (fa4["warm_seconds"], 1.0) if row is fa4 else (row["seconds"], row["vs_fastest_dense_fp8"])
-        assert (seconds, ratio) == expected, label
     text = " ".join(_readme().split())
     _check_hit_against_fa4_text(text, hit, fa4, fa4["warm_seconds"])
     assert f"counted warm it took {fa4['warm_seconds']:.3f} s ({fa4['seconds']:.3f} s as measured)" in text
