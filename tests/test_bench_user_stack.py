@@ -188,8 +188,8 @@ def test_a_dense_row_longer_than_a_call_runs_in_stages_and_the_merge_joins_them(
 
     chorus = call("x", "--stage", "0:2", "--rows", "bf16:dense:eager,bf16:miss:eager")
     assert chorus.returncode != 0 and "bf16:miss:eager is a Chorus row" in chorus.stderr
-    short = call("x", "--warmup-steps", "1", "--rows", "bf16:hit:compiled")  # its entry serves one step count
-    assert short.returncode != 0 and "--warmup-steps: bf16:hit:compiled needs its own schedule" in short.stderr
+    short = call("x", "--warmup-steps", "1", "--rows", "bf16:hit_last1:compiled")  # its last step: a graph of its own
+    assert short.returncode != 0 and "--warmup-steps: bf16:hit_last1:compiled needs its whole schedule" in short.stderr
     early = call("early", "--stage", "2:4", "--rows", "bf16:dense:eager")
     assert early.returncode != 0 and "run --stage 0:2 of bf16_dense_eager first" in early.stderr
     assert not (tmp_path / "w").exists()  # refused before the checkpoint files were built
@@ -333,3 +333,22 @@ print('ok')
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_a_compiled_hits_warm_up_runs_its_own_schedule_stopped_early_and_the_timed_run_is_whole(tmp_path, comfyui_path):
+    """--warmup-steps on a compiled hit: the warm-up samples the hit's own 4-step schedule (the
+    entry serves that step count) and is stopped after 2 steps, its graphs compiled; the timed run
+    that follows is the whole hit, which compiled nothing more (in a process of its own)."""
+    done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
+                           "--bank", tmp_path / "bank", "--steps", "4", "--warmup-steps", "2",
+                           "--rows", "bf16:miss:eager,bf16:hit:compiled"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    warm_up = re.search(r"bf16:hit:compiled: warm-up \(compile\) [0-9.]+ s, steps \[([0-9., ]+)\], graphs ([0-9]+)",
+                        done.stdout + done.stderr)
+    assert warm_up and len(warm_up.group(1).split(",")) == 2 and int(warm_up.group(2)) > 0, done.stderr[-3000:]
+    doc = json.loads((tmp_path / "user_stack_tiny.json").read_text())
+    hit = {r["name"]: r for r in doc["rows"]}["bf16_hit_compiled"]
+    assert (hit["run_mode"], hit["warmup_stopped_after"], len(hit["step_ms"])) == ("hit", 2, 4)
+    assert hit["compile_s"] > 0 and hit["graphs"] == 0, hit
+    assert not [n for n in doc["details"]["notes"] if "still compiled" in n]

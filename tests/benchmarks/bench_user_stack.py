@@ -12,6 +12,10 @@ device)::
 A dense run longer than a device call (720p at 40 steps, cfg 5: about 870 s) runs in stages,
 ``--stage 0:20`` in one call and ``--stage 20:40`` in the next (dense and core rows; a compiled
 dense row's warm-up on a short schedule with ``--warmup-steps``), and ``--merge`` joins each row's stages.
+A compiled Chorus row whose steps after the first few run the same graphs (``STOPPED_WARMUP_ARMS``)
+warms up on its own schedule stopped after ``--warmup-steps`` steps, so that a 720p 40-step compiled
+hit (a whole warm-up and the timed run: longer than a call) fits one call; the timed run's ``graphs``
+says whether it still compiled.
 
 On the CPU at a tiny width and grid, ``--tiny`` tests the script end to end. A row is
 ``WEIGHTS:ARM:eager|compiled``, with ``:sage`` at the end for ComfyUI's ``--use-sage-attention``
@@ -412,8 +416,10 @@ def generate(ctx, model, arm: str, is_compiled: bool, warm_up: bool = False) -> 
     cuda = ctx["cuda"]
     positive, negative, latent, _ = ctx["req"]
     noise = comfy.sample.prepare_noise(latent, 0)
-    steps, stage, staged = ctx["steps"], ctx["stage"], {}
-    if warm_up and ctx["warmup_steps"]:
+    steps, stage, staged, stop_after = ctx["steps"], ctx["stage"], {}, None
+    if warm_up and ctx["warmup_steps"] and arm in STOPPED_WARMUP_ARMS:
+        stop_after, stage = ctx["warmup_steps"], None  # the row's own schedule (its entry's), cut short
+    elif warm_up and ctx["warmup_steps"]:
         steps, stage = ctx["warmup_steps"], None
     if stage is not None:
         latent, noise, staged = stages.staged_sampling(stage, steps, ctx["stage_latent"], ctx["label"], latent, noise)
@@ -422,6 +428,8 @@ def generate(ctx, model, arm: str, is_compiled: bool, warm_up: bool = False) -> 
     def callback(step, x0, x, total):
         e2e.sync(cuda)
         stamps.append(time.perf_counter())
+        if stop_after is not None and len(stamps) >= stop_after:
+            raise WarmUpDone  # ComfyUI's sampling ends as on a user's cancel; Chorus's run records nothing
 
     gc.collect()
     if cuda:
@@ -439,14 +447,19 @@ def generate(ctx, model, arm: str, is_compiled: bool, warm_up: bool = False) -> 
             sampled, patch = chorus_patched(ctx, model, arm)
         if is_compiled:
             sampled = compiled(sampled)
-        out = comfy.sample.sample(sampled, noise, steps, ctx["cfg"], SAMPLER, SCHEDULER, positive, negative,
-                                  latent, callback=callback, disable_pbar=True, seed=0, **staged)
+        try:
+            out = comfy.sample.sample(sampled, noise, steps, ctx["cfg"], SAMPLER, SCHEDULER, positive, negative,
+                                      latent, callback=callback, disable_pbar=True, seed=0, **staged)
+        except WarmUpDone:
+            out = None
     e2e.sync(cuda)
     end = time.perf_counter()
+    if out is None:  # a stopped warm-up: its compile time and steps, no output and no run report
+        return dict(seconds=round(end - start, 3), step_ms=step_durations_ms(start, stamps),
+                    graphs=graphs_compiled() - graphs_before, stopped_after=stop_after)
     if stage is not None:
         stages.keep_stage_output(stage, steps, ctx["stage_latent"], ctx["label"], out)
-    step_ms = [round((b - a) * 1e3, 1) for a, b in zip([start] + stamps[:-1], stamps)]
-    m = dict(seconds=round(end - start, 3), step_ms=step_ms, graphs=graphs_compiled() - graphs_before,
+    m = dict(seconds=round(end - start, 3), step_ms=step_durations_ms(start, stamps), graphs=graphs_compiled() - graphs_before,
              model_load_s=round(sum(loads), 3), finite=bool(torch.isfinite(out).all()))
     if cuda:
         m["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -461,6 +474,14 @@ def generate(ctx, model, arm: str, is_compiled: bool, warm_up: bool = False) -> 
                  backend=rep["backend"], dense_backend=rep["dense_backend"], warnings=rep["warnings"],
                  report_timings=rep["timings"])  # match, prefetch load/decode/wait: what a first step holds
     return m
+
+
+class WarmUpDone(Exception):
+    """Raised from the sampling callback to stop a compiled Chorus row's warm-up after its graphs compiled."""
+
+
+def step_durations_ms(start: float, stamps: list[float]) -> list[float]:
+    return [round((b - a) * 1e3, 1) for a, b in zip([start] + stamps[:-1], stamps)]
 
 
 def core_settings(ctx, arm: str) -> core.CoreSettings:
@@ -502,6 +523,9 @@ DENSE_ATTENTION_NAMES = {"sdpa": "cudnn_sdpa", "sage": "sageattention_1.0.6", "f
                          "torch": "torch_sdpa_default_order", "fa4": "fa4_dense"}
 CORE_ARMS = ("core", "core_topk")
 HIT_ARMS = ("hit", "hit_last1", "hit_fp8", "hit_last1_fp8")  # last1: the last step dense; fp8: FP8 attention
+# Chorus arms whose steps after the first few all run the graphs those compiled (every step sparse, or
+# one dense first step then sparse ones): a compiled warm-up may stop early (--warmup-steps)
+STOPPED_WARMUP_ARMS = ("hit", "hit_fp8", "online")
 ARMS = ("dense", "miss", "online") + HIT_ARMS + CORE_ARMS
 
 
@@ -645,16 +669,22 @@ def run_row(ctx, doc, spec: str, save) -> None:
         raise RuntimeError(f"{spec}: no entry recorded for {recorded_key(ctx, weights)} in this bank "
                            f"(run {weights}:miss:eager first at this shape and step count)")
     model = ctx_model(ctx, doc, weights)
-    compile_s = None
+    compile_s, warm = None, {}
     if is_compiled and ctx["reset_dynamo"]:
         torch._dynamo.reset()  # each compiled row compiles afresh, as in a newly started server
     if is_compiled:
         warm = generate(ctx, model, arm, True, warm_up=True)
-        check_path(arm, warm, ctx["cuda"])
+        if not warm.get("stopped_after"):  # a stopped warm-up has no run report; the timed run is checked
+            check_path(arm, warm, ctx["cuda"])
         compile_s = warm["seconds"]
         log(f"{spec}: warm-up (compile) {compile_s:.1f} s, steps {warm['step_ms']}, graphs {warm['graphs']}")
     m = generate(ctx, model, arm, is_compiled)
     check_path(arm, m, ctx["cuda"])
+    if is_compiled and warm.get("stopped_after"):
+        m["warmup_stopped_after"] = warm["stopped_after"]
+        if m["graphs"]:  # the stopped warm-up missed a graph: this row's seconds hold a compile
+            doc["details"]["notes"].append(f"{spec}: its warm-up stopped after {warm['stopped_after']} steps and the "
+                                           f"timed run still compiled {m['graphs']} graph(s): its seconds hold them")
     if arm == "miss":
         from chorus_core.reuse import bank_writer
 
@@ -690,11 +720,13 @@ def row_estimate_s(ctx, doc, spec: str) -> float:
     seen = [r["seconds"] for r in doc["rows"] if r["weights"] == weights and r["arm"] == arm] or \
         [r["seconds"] for r in doc["rows"]] or [40.0]
     load = 0.0 if ctx["model_name"] == weights else 60.0
-    compile_s = 0.0
+    compile_s, warm_up = 0.0, 0.0
     if is_compiled:
         earlier = [r["compile_s"] for r in doc["rows"] if r.get("compile_s")]
         compile_s = 1.2 * max(earlier) if earlier else 240.0
-    return load + compile_s + (2 if is_compiled else 1) * 1.3 * max(seen) + (20.0 if arm == "miss" else 0.0)
+        stopped = ctx["warmup_steps"] and arm in STOPPED_WARMUP_ARMS
+        warm_up = min(1.0, ctx["warmup_steps"] / ctx["steps"]) if stopped else 1.0
+    return load + compile_s + (1 + warm_up) * 1.3 * max(seen) + (20.0 if arm == "miss" else 0.0)
 
 
 def ctx_model(ctx, doc, weights: str):
@@ -959,8 +991,9 @@ def parse_args(argv):
     p.add_argument("--stage-latent", default=str(Path(tempfile.gettempdir()) / "us-stage-latent"),
                    help="where a stage leaves the latent the next one starts from (carry it to another machine)")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="dense rows: a compiled row's warm-up (its compile) samples a schedule this long instead of "
-                        "the row's")
+                   help="compiled rows: a dense row's warm-up (its compile) samples a schedule this long instead of "
+                        "the row's; a Chorus row of STOPPED_WARMUP_ARMS warms up on its own schedule, stopped "
+                        "after this many steps")
     p.add_argument("--budget-s", type=float, default=520.0, help="start no row after this many seconds")
     p.add_argument("--call-limit-s", type=float, default=None,
                    help="seconds this process may still run (the device call's limit less what ran before it): a "
@@ -989,10 +1022,10 @@ def main(argv=None):
     args = parse_args(argv)
     stage = stages.parse_stage(args.stage, [args.steps]) if args.stage else None
     for spec_row in [s for s in args.rows.split(",") if s]:
-        _, arm, _ = parse_row(spec_row)  # a bad row stops the call here, not after minutes of set-up on the device
-        if args.warmup_steps and arm != "dense":
-            raise SystemExit(f"--warmup-steps: {spec_row} needs its own schedule to warm up on (a Chorus row's "
-                             "entry serves one step count; core's sparse calls start at 20 % of the schedule): "
+        _, arm, is_compiled = parse_row(spec_row)  # a bad row stops the call here, not after minutes of set-up
+        if args.warmup_steps and is_compiled and arm not in ("dense",) + STOPPED_WARMUP_ARMS:  # eager: no warm-up
+            raise SystemExit(f"--warmup-steps: {spec_row} needs its whole schedule to warm up on (a last dense "
+                             "step is a graph of its own; core's sparse calls start at 20 % of the schedule): "
                              "warm it up on its whole run, without --warmup-steps")
         if stage and arm not in ("dense",) + CORE_ARMS:
             raise SystemExit(f"--stage {args.stage}: {spec_row} is a Chorus row, which records or serves a whole "
