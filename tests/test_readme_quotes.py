@@ -99,6 +99,12 @@ def _readme() -> str:
     return (REPO_ROOT / "README.md").read_text()
 
 
+def _forty_doc_text() -> str:
+    """The 40-step section's text with its line breaks taken out (they are not part of a quote)."""
+    text = (REPO_ROOT / FORTY_DOC).read_text()
+    return " ".join(text[text.index(FORTY_MARK):text.index(FORTY_DOC_END)].split())
+
+
 def _session_rows(name: str, session: str = SESSION, steps: int = 4) -> dict:
     return {r["name"]: r for r in json.loads((RESULTS / name).read_text())["rows"]
             if r.get("session") == session and r["steps"] == steps}
@@ -134,6 +140,8 @@ FA4_FORTY_MARK = "**Against FlashAttention-4 at 40 steps**"
 FA4_720_FORTY_MARK = "**At 720p, 40 steps, cfg 1**"
 FA4_720_CFG5_MARK = "**At 720p, 40 steps, cfg 5**"
 BF16_MARK = "**Wan 2.1 with bf16 weights**"
+SUMMARY40_MARK = "**At 40 steps** ("  # the README's 40-step summary; the tables it sums up are in FORTY_DOC
+FORTY_DOC, FORTY_DOC_END = "docs/benchmarks.md", "## The fast path"
 
 
 def _table_cells(labels, start: str, end: str, whole_labels: bool = True, doc: str = "README.md") -> dict:
@@ -169,7 +177,7 @@ def test_the_speed_table_quotes_one_machines_rows_and_their_ratios():
 def test_the_as_shipped_table_quotes_its_machines_rows_and_their_ratios():
     """Seconds, then the ratio to the dense row and to core's row of the same session and shape;
     a row not measured at a shape is "-" there."""
-    cells = _table_cells(SHIPPED, SHIPPED_MARK, FORTY_MARK)
+    cells = _table_cells(SHIPPED, SHIPPED_MARK, SUMMARY40_MARK)
     assert set(cells) == set(SHIPPED)
     for column, shape in enumerate(SHAPES):
         rows = _session_rows(shape, SHIPPED_SESSION)
@@ -189,7 +197,7 @@ def test_the_as_shipped_table_quotes_its_machines_rows_and_their_ratios():
 
 def test_the_40_step_table_quotes_its_machines_rows_at_40_steps_cfg_5():
     """Seconds as measured (cold rows counted cold), the ratios the results file computed."""
-    cells = _table_cells(FORTY, FORTY_MARK, FA4_FORTY_MARK)
+    cells = _table_cells(FORTY, FORTY_MARK, FA4_FORTY_MARK, doc=FORTY_DOC)
     assert set(cells) == set(FORTY)
     rows = _session_rows("user_stack_640.json", FORTY_SESSION, steps=40)
     for label, name in FORTY.items():
@@ -202,7 +210,7 @@ def test_the_40_step_table_quotes_its_machines_rows_at_40_steps_cfg_5():
 def test_the_40_step_fa4_table_quotes_its_machines_rows_and_the_ratio_to_its_fastest_dense_run():
     """Seconds as measured, each row's ratio to the session's fastest dense run (FA4's), which the
     results file computed; the text's warm and step-for-step figures come from the hit's steps."""
-    cells = _table_cells(FA4_FORTY, FA4_FORTY_MARK, FA4_720_FORTY_MARK)
+    cells = _table_cells(FA4_FORTY, FA4_FORTY_MARK, FA4_720_FORTY_MARK, doc=FORTY_DOC)
     assert set(cells) == set(FA4_FORTY)
     rows = _session_rows("user_stack_640.json", FA4_FORTY_SESSION, steps=40)
     fastest = min(_counted(r) for r in rows.values() if r["role"] == "dense")
@@ -213,15 +221,14 @@ def test_the_40_step_fa4_table_quotes_its_machines_rows_and_the_ratio_to_its_fas
         seconds, ratio = (float(c.rstrip("x")) for c in cells[label])
         assert (seconds, ratio) == (row["seconds"], row["vs_fastest_dense_fp8"]), label
     hit, fa4 = rows["fp8_e4m3fn_fast_hit_fp8_eager"], rows["fp8_e4m3fn_fast_dense_eager_fa4"]
-    text = " ".join(_readme().split())  # the README's line breaks are not part of a quote
-    _check_hit_against_fa4_text(text, hit, fa4, fastest)
+    _check_hit_against_fa4_text(_forty_doc_text(), hit, fa4, fastest)
 
 
 def _check_720p_fa4_table(labels: dict, start: str, end: str, session: str, cfg: float) -> dict:
     """A 720p 40-step table against FA4: FA4's row at its warm count (its first step, or each
     stage's, compiled FA4's kernel) and the fastest dense run of its cfg, the others as measured,
     each with the ratio the results file computed. Returns the session's 40-step rows by name."""
-    cells = _table_cells(labels, start, end)
+    cells = _table_cells(labels, start, end, doc=FORTY_DOC)
     assert set(cells) == set(labels)
     rows = _session_rows("user_stack_720p.json", session, steps=40)
     fa4 = rows["fp8_e4m3fn_fast_dense_eager_fa4"]
@@ -240,25 +247,26 @@ def test_the_720p_40_step_table_quotes_its_machines_rows_against_fa4_counted_war
     each with the ratio the results file computed; the text's figures come from the rows' steps."""
     rows = _check_720p_fa4_table(FA4_720_FORTY, FA4_720_FORTY_MARK, FA4_720_CFG5_MARK, FA4_720_FORTY_SESSION, 1.0)
     fa4, hit = rows["fp8_e4m3fn_fast_dense_eager_fa4"], rows["fp8_e4m3fn_fast_hit_fp8_eager"]
-    text = " ".join(_readme().split())
+    text = _forty_doc_text()
     _check_hit_against_fa4_text(text, hit, fa4, fa4["warm_seconds"])
     assert f"(its first step, {fa4['step_ms'][0] / 1e3:.2f} s, compiled FA4's kernel)" in text
     assert f"({hit['step_ms'][0] / 1e3:.2f} s against {_step_s(hit):.2f} s for the others)" in text
     miss = rows["fp8_e4m3fn_fast_miss_eager"]
     assert f"is {miss['vs_fastest_dense_fp8']:.3f}x FA4" in text
-    assert f"a miss is faster than dense: {miss['vs_fastest_dense_fp8']:.3f}x FA4 at 720p, cfg 1" in text  # the limits
     assert f"online sparse steps ({_step_s(miss):.2f} s)" in text
-    assert f"At 720p, 40 steps, cfg 1 it is {hit['vs_fastest_dense_fp8']:.3f}x FA4" in text
+    limits = " ".join(_readme().split())
+    assert f"a miss is faster than dense: {miss['vs_fastest_dense_fp8']:.3f}x FA4 at 720p, cfg 1" in limits
+    assert f"At 720p, 40 steps, cfg 1 it is {hit['vs_fastest_dense_fp8']:.3f}x FA4" in limits
 
 
 def test_the_720p_cfg_5_table_quotes_fa4s_joined_stages_counted_warm_and_the_hit_as_measured():
     """FA4's dense run joined from its two staged calls, at its warm count (each stage's first step
     compiled FA4's kernel); the hit as measured with the ratio the results file computed; the text's
     figures come from the rows' steps, and the miss that recorded the entry ran at cfg 1."""
-    rows = _check_720p_fa4_table(FA4_720_CFG5, FA4_720_CFG5_MARK, BF16_MARK, FA4_720_CFG5_SESSION, 5.0)
+    rows = _check_720p_fa4_table(FA4_720_CFG5, FA4_720_CFG5_MARK, FORTY_DOC_END, FA4_720_CFG5_SESSION, 5.0)
     fa4, hit = rows["fp8_e4m3fn_fast_dense_eager_fa4"], rows["fp8_e4m3fn_fast_hit_fp8_eager"]
     assert [p["stage"] for p in fa4["stages"]] == [[0, 20], [20, 40]]
-    text = " ".join(_readme().split())
+    text = _forty_doc_text()
     _check_hit_against_fa4_text(text, hit, fa4, fa4["warm_seconds"])
     assert f"counted warm it took {fa4['warm_seconds']:.3f} s ({fa4['seconds']:.3f} s as measured)" in text
     assert f"({hit['step_ms'][0] / 1e3:.2f} s against {_step_s(hit):.2f} s for the others)" in text
@@ -266,7 +274,39 @@ def test_the_720p_cfg_5_table_quotes_fa4s_joined_stages_counted_warm_and_the_hit
     miss = rows["fp8_e4m3fn_fast_miss_eager"]
     assert (miss["cfg"], hit["entry_recorded_cfg"]) == (1.0, 1.0)
     assert f"a miss at cfg 1 ({miss['seconds']} s;" in text
-    assert f"and at cfg 5 {hit['vs_fastest_dense_fp8']:.3f}x ({_step_s(fa4) / _step_s(hit):.2f}x step for step)" in text
+    limits = " ".join(_readme().split())
+    assert f"and at cfg 5 {hit['vs_fastest_dense_fp8']:.3f}x ({_step_s(fa4) / _step_s(hit):.2f}x step for step)" in limits
+
+
+# the README's 40-step summary: row label -> (results file, session, cfg)
+SUMMARY40 = {
+    "640x640, cfg 5 (session `5cd9108ad701`)": ("user_stack_640.json", FA4_FORTY_SESSION, 5.0),
+    "720p, cfg 1 (session `74217e2058fc`)": ("user_stack_720p.json", FA4_720_FORTY_SESSION, 1.0),
+    "720p, cfg 5 (session `6a1624e477d9`)": ("user_stack_720p.json", FA4_720_CFG5_SESSION, 5.0),
+}
+
+
+def test_the_readmes_40_step_summary_quotes_each_machines_fa4_run_its_hit_and_their_ratios():
+    """Each row: FA4's dense run at the count the results file divides by (warm where its first
+    step compiled FA4's kernel), the FP8 hit as measured, the ratio the file computed and the
+    ratio of their median steps."""
+    cells = _table_cells(SUMMARY40, SUMMARY40_MARK, BF16_MARK)
+    assert set(cells) == set(SUMMARY40)
+    for label, (results, session, cfg) in SUMMARY40.items():
+        rows = _session_rows(results, session, steps=40)
+        fa4, hit = rows["fp8_e4m3fn_fast_dense_eager_fa4"], rows["fp8_e4m3fn_fast_hit_fp8_eager"]
+        assert (fa4["cfg"], hit["cfg"]) == (cfg, cfg)
+        fa4_s, hit_s, ratio, step_ratio = (float(c.strip("*").rstrip("x").strip("*")) for c in cells[label])
+        assert (fa4_s, hit_s, ratio) == (_counted(fa4), hit["seconds"], hit["vs_fastest_dense_fp8"]), label
+        assert step_ratio == round(_step_s(fa4) / _step_s(hit), 2), label
+        assert hit["vs_fastest_dense_fp8"] == round(_counted(fa4) / hit["seconds"], 3), label
+    readme = _readme()
+    text = " ".join(readme[readme.index(SUMMARY40_MARK):readme.index(BF16_MARK)].split())
+    shipped = _session_rows("user_stack_640.json", FORTY_SESSION, steps=40)["fp8_e4m3fn_fast_hit_last1_eager"]
+    assert (f"a 640x640 hit at cfg 5 is {shipped['vs_dense_same_weights']:.3f}x cuDNN dense and "
+            f"{shipped['vs_core_same_weights']:.3f}x core's Model Sparse Attention (session `{FORTY_SESSION}`)") in text
+    miss = _session_rows("user_stack_720p.json", FA4_720_FORTY_SESSION, steps=40)["fp8_e4m3fn_fast_miss_eager"]
+    assert f"a miss that records is faster than dense ({miss['vs_fastest_dense_fp8']:.3f}x FA4 at 720p, cfg 1)" in text
 
 
 def _run_rows(session: str) -> dict:
