@@ -338,11 +338,12 @@ print('ok')
 def test_a_compiled_hits_warm_up_runs_its_own_schedule_stopped_early_and_the_timed_run_is_whole(tmp_path, comfyui_path):
     """--warmup-steps on a compiled hit: the warm-up samples the hit's own 4-step schedule (the
     entry serves that step count) and is stopped after 2 steps, its graphs compiled; the timed run
-    that follows is the whole hit, which compiled nothing more (in a process of its own)."""
+    that follows is the whole hit, which compiled nothing more; the same for an online miss, whose
+    first step is dense (in a process of its own)."""
     done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
                            "--bank", tmp_path / "bank", "--steps", "4", "--warmup-steps", "2",
-                           "--rows", "bf16:miss:eager,bf16:hit:compiled"], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+                           "--rows", "bf16:miss:eager,bf16:hit:compiled,bf16:online:compiled"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     warm_up = re.search(r"bf16:hit:compiled: warm-up \(compile\) [0-9.]+ s, steps \[([0-9., ]+)\], graphs ([0-9]+)",
                         done.stdout + done.stderr)
@@ -351,4 +352,7 @@ def test_a_compiled_hits_warm_up_runs_its_own_schedule_stopped_early_and_the_tim
     hit = {r["name"]: r for r in doc["rows"]}["bf16_hit_compiled"]
     assert (hit["run_mode"], hit["warmup_stopped_after"], len(hit["step_ms"])) == ("hit", 2, 4)
     assert hit["compile_s"] > 0 and hit["graphs"] == 0, hit
+    online = {r["name"]: r for r in doc["rows"]}["bf16_online_compiled"]  # a dense first step, then sparse ones
+    assert (online["run_mode"], online["warmup_stopped_after"], len(online["step_ms"])) == ("miss", 2, 4)
+    assert online["graphs"] == 0, online
     assert not [n for n in doc["details"]["notes"] if "still compiled" in n]
