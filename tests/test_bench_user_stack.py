@@ -317,7 +317,8 @@ def test_a_hit_no_entry_serves_stops_the_call_before_any_weights_are_written(tmp
         assert "run WEIGHTS:miss:eager first" in done.stderr
         assert not (tmp_path / "never").exists()  # refused before any weights were written
     (tmp_path / "bank").mkdir()
-    (tmp_path / "bank" / "user_stack_recorded.json").write_text(json.dumps({"bf16@tiny@4steps": {"entry": "e1", "cfg": 1.0}}))
+    four_steps = {"bf16@tiny@4steps": {"entry": "e1", "cfg": 1.0}}
+    (tmp_path / "bank" / "user_stack_recorded.json").write_text(json.dumps(four_steps))
     done = call("bf16:hit:eager", steps=8)  # an entry for 4 steps serves no 8-step run
     assert done.returncode != 0 and "no entry recorded for tiny at 8 steps" in done.stderr, done.stderr[-2000:]
     code = """
@@ -343,7 +344,8 @@ def test_a_compiled_hits_warm_up_runs_its_own_schedule_stopped_early_and_the_tim
     done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
                            "--bank", tmp_path / "bank", "--steps", "4", "--warmup-steps", "2",
                            "--rows", "bf16:miss:eager,bf16:hit:compiled,bf16:online:compiled"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     warm_up = re.search(r"bf16:hit:compiled: warm-up \(compile\) [0-9.]+ s, steps \[([0-9., ]+)\], graphs ([0-9]+)",
                         done.stdout + done.stderr)

@@ -459,8 +459,9 @@ def generate(ctx, model, arm: str, is_compiled: bool, warm_up: bool = False) -> 
                     graphs=graphs_compiled() - graphs_before, stopped_after=stop_after)
     if stage is not None:
         stages.keep_stage_output(stage, steps, ctx["stage_latent"], ctx["label"], out)
-    m = dict(seconds=round(end - start, 3), step_ms=step_durations_ms(start, stamps), graphs=graphs_compiled() - graphs_before,
-             model_load_s=round(sum(loads), 3), finite=bool(torch.isfinite(out).all()))
+    m = dict(seconds=round(end - start, 3), step_ms=step_durations_ms(start, stamps),
+             graphs=graphs_compiled() - graphs_before, model_load_s=round(sum(loads), 3),
+             finite=bool(torch.isfinite(out).all()))
     if cuda:
         m["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if core_stats is not None:
@@ -1013,9 +1014,9 @@ def refuse_unserved_hits(args) -> None:
     unserved = hits_no_entry_serves([s for s in args.rows.split(",") if s], read_recorded(args.bank), shape, args.steps)
     if unserved:
         raise SystemExit(f"{', '.join(unserved)}: no entry recorded for {shape} at {args.steps} steps in "
-                         f"{recorded_store(args.bank)} "
-                         "and no miss row of those weights before them: run WEIGHTS:miss:eager first at this "
-                         "shape and step count (any cfg), in this call or an earlier one on this machine")
+                         f"{recorded_store(args.bank)} and no miss row of those weights before them: run "
+                         "WEIGHTS:miss:eager first at this shape and step count (any cfg), in this call or an "
+                         "earlier one on this machine")
 
 
 def main(argv=None):
