@@ -321,6 +321,10 @@ def test_a_hit_no_entry_serves_stops_the_call_before_any_weights_are_written(tmp
     (tmp_path / "bank" / "user_stack_recorded.json").write_text(json.dumps(four_steps))
     done = call("bf16:hit:eager", steps=8)  # an entry for 4 steps serves no 8-step run
     assert done.returncode != 0 and "no entry recorded for tiny at 8 steps" in done.stderr, done.stderr[-2000:]
+    built = subprocess.run([sys.executable, str(BENCH), "--tiny", "--build-only", "--weights-dir", tmp_path / "w",
+                            "--bank", tmp_path / "empty", "--rows", "bf16:hit:eager"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0 and any((tmp_path / "w").iterdir()), built.stderr[-2000:]  # builds files, runs no row
     code = """
 import sys
 sys.path.insert(0, 'tests/benchmarks')

@@ -1031,7 +1031,7 @@ def main(argv=None):
         if stage and arm not in ("dense",) + CORE_ARMS:
             raise SystemExit(f"--stage {args.stage}: {spec_row} is a Chorus row, which records or serves a whole "
                              "run: time it whole (only dense and core rows run in stages)")
-    if not args.merge:
+    if not (args.merge or args.build_only):  # those two run no row
         refuse_unserved_hits(args)
     if stage and stage[0] > 0 and not args.merge:
         stages.check_stage_latents(Path(args.stage_latent), [s.replace(":", "_") for s in args.rows.split(",") if s],
