@@ -99,10 +99,16 @@ def _readme() -> str:
     return (REPO_ROOT / "README.md").read_text()
 
 
+def _flat(text: str, start: str | None = None, end: str | None = None) -> str:
+    """``text`` (from ``start`` to ``end`` when given) with its line breaks taken out: they are not
+    part of a quote."""
+    part = text[text.index(start) if start else 0:text.index(end) if end else len(text)]
+    return " ".join(part.split())
+
+
 def _forty_doc_text() -> str:
-    """The 40-step section's text with its line breaks taken out (they are not part of a quote)."""
-    text = (REPO_ROOT / FORTY_DOC).read_text()
-    return " ".join(text[text.index(FORTY_MARK):text.index(FORTY_DOC_END)].split())
+    """The 40-step section of FORTY_DOC, flat."""
+    return _flat((REPO_ROOT / FORTY_DOC).read_text(), FORTY_MARK, FORTY_DOC_END)
 
 
 def _session_rows(name: str, session: str = SESSION, steps: int = 4) -> dict:
@@ -254,7 +260,7 @@ def test_the_720p_40_step_table_quotes_its_machines_rows_against_fa4_counted_war
     miss = rows["fp8_e4m3fn_fast_miss_eager"]
     assert f"is {miss['vs_fastest_dense_fp8']:.3f}x FA4" in text
     assert f"online sparse steps ({_step_s(miss):.2f} s)" in text
-    limits = " ".join(_readme().split())
+    limits = _flat(_readme())
     assert f"a miss is faster than dense: {miss['vs_fastest_dense_fp8']:.3f}x FA4 at 720p, cfg 1" in limits
     assert f"At 720p, 40 steps, cfg 1 it is {hit['vs_fastest_dense_fp8']:.3f}x FA4" in limits
 
@@ -274,7 +280,7 @@ def test_the_720p_cfg_5_table_quotes_fa4s_joined_stages_counted_warm_and_the_hit
     miss = rows["fp8_e4m3fn_fast_miss_eager"]
     assert (miss["cfg"], hit["entry_recorded_cfg"]) == (1.0, 1.0)
     assert f"a miss at cfg 1 ({miss['seconds']} s;" in text
-    limits = " ".join(_readme().split())
+    limits = _flat(_readme())
     assert f"and at cfg 5 {hit['vs_fastest_dense_fp8']:.3f}x ({_step_s(fa4) / _step_s(hit):.2f}x step for step)" in limits
 
 
@@ -296,12 +302,11 @@ def test_the_readmes_40_step_summary_quotes_each_machines_fa4_run_its_hit_and_th
         rows = _session_rows(results, session, steps=40)
         fa4, hit = rows["fp8_e4m3fn_fast_dense_eager_fa4"], rows["fp8_e4m3fn_fast_hit_fp8_eager"]
         assert (fa4["cfg"], hit["cfg"]) == (cfg, cfg)
-        fa4_s, hit_s, ratio, step_ratio = (float(c.strip("*").rstrip("x").strip("*")) for c in cells[label])
+        fa4_s, hit_s, ratio, step_ratio = (float(c.rstrip("x")) for c in cells[label])
         assert (fa4_s, hit_s, ratio) == (_counted(fa4), hit["seconds"], hit["vs_fastest_dense_fp8"]), label
         assert step_ratio == round(_step_s(fa4) / _step_s(hit), 2), label
         assert hit["vs_fastest_dense_fp8"] == round(_counted(fa4) / hit["seconds"], 3), label
-    readme = _readme()
-    text = " ".join(readme[readme.index(SUMMARY40_MARK):readme.index(BF16_MARK)].split())
+    text = _flat(_readme(), SUMMARY40_MARK, BF16_MARK)
     shipped = _session_rows("user_stack_640.json", FORTY_SESSION, steps=40)["fp8_e4m3fn_fast_hit_last1_eager"]
     assert (f"a 640x640 hit at cfg 5 is {shipped['vs_dense_same_weights']:.3f}x cuDNN dense and "
             f"{shipped['vs_core_same_weights']:.3f}x core's Model Sparse Attention (session `{FORTY_SESSION}`)") in text
@@ -338,7 +343,7 @@ def test_the_other_attentions_table_quotes_one_machines_rows_against_its_fastest
     rows = _run_rows(STACK_SESSION)
     _check_stack_table(STACK, rows, _table_cells(STACK, STACK_MARK, SETTINGS_MARK),
                        "dense, fp8, FlashAttention-4, eager (the fastest dense)")
-    text = " ".join(_readme().split())
+    text = _flat(_readme())
     in_call = [r for r in json.loads((RESULTS / "user_stack_720p.json").read_text())["rows"]
                if (r["run"], r["name"]) == STACK_FIRST_HIT]  # the table quotes the second, warm one
     assert len(in_call) == 2 and in_call[0]["seconds"] > in_call[1]["seconds"] == rows[STACK_FIRST_HIT]["seconds"]
@@ -356,7 +361,7 @@ def test_the_first_table_is_one_machines_rows_with_fa4_compiled_its_fastest_dens
     fastest, default = _check_stack_table(TODAY, rows, _table_cells(TODAY, "## Speed", STACK_MARK),
                                           "dense, fp8, FlashAttention-4, TorchCompileModel (the fastest dense)")
     default_row = rows[TODAY[STACK_DEFAULT]]
-    text = " ".join(_readme().split())
+    text = _flat(_readme())
     best = rows[TODAY["**Chorus hit, FP8 attention**, `dense_last_steps` 0, TorchCompileModel"]]
     assert f"{default / best['seconds']:.2f}x ComfyUI's default but {fastest / best['seconds']:.2f}x the fastest" in text
     assert f"{default_row['seconds']} s as measured" in text
@@ -388,7 +393,7 @@ def test_the_settings_table_quotes_another_machines_fastest_rows_and_their_ratio
 
 
 def test_the_text_quotes_the_hit_against_core_and_the_fp8_scaled_hit():
-    text = " ".join(_readme().split())
+    text = _flat(_readme())
     ratios = []
     for shape in SHAPES:
         rows = _session_rows(shape, SHIPPED_SESSION)
@@ -419,10 +424,10 @@ def test_the_last_step_dense_figure_is_the_quality_tables():
     table = (RESULTS / "product_path_entropy16k_step9159_h200" / "quality_table.md").read_text()
     line = next(x for x in table.splitlines() if x.startswith("| natural_4step_last1 |"))
     psnr = [c.strip() for c in line.strip("|").split("|")][5]
-    assert f"{psnr.replace(' ± ', ' ±')}" in " ".join(_readme().split()).replace(" ± ", " ±")
+    assert f"{psnr.replace(' ± ', ' ±')}" in _flat(_readme()).replace(" ± ", " ±")
     core = json.loads((RESULTS / "product_path_entropy16k_core_sparse_h100" / "core_sparse.json").read_text())
     ahead = float(psnr.split(" ± ")[0]) - core["rows"][0]["core_defaults_psnr_db"]
-    assert f"{ahead:.2f} dB over core at its defaults" in " ".join(_readme().split())
+    assert f"{ahead:.2f} dB over core at its defaults" in _flat(_readme())
 
 
 def test_how_the_bank_grows_quotes_the_lifecycle_results():
