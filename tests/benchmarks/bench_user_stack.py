@@ -417,10 +417,10 @@ def generate(ctx, model, arm: str, is_compiled: bool, warm_up: bool = False) -> 
     positive, negative, latent, _ = ctx["req"]
     noise = comfy.sample.prepare_noise(latent, 0)
     steps, stage, staged, stop_after = ctx["steps"], ctx["stage"], {}, None
-    if warm_up and ctx["warmup_steps"] and arm in STOPPED_WARMUP_ARMS:
-        stop_after, stage = ctx["warmup_steps"], None  # the row's own schedule (its entry's), cut short
-    elif warm_up and ctx["warmup_steps"]:
-        steps, stage = ctx["warmup_steps"], None
+    if warm_up and ctx["warmup_steps"]:
+        stage, stop_after = None, warmup_stop_after(ctx, arm)
+        if stop_after is None:  # a dense row: a short whole schedule (a Chorus row: its own, cut short)
+            steps = ctx["warmup_steps"]
     if stage is not None:
         latent, noise, staged = stages.staged_sampling(stage, steps, ctx["stage_latent"], ctx["label"], latent, noise)
     stamps, patch = [], None
@@ -475,6 +475,11 @@ def generate(ctx, model, arm: str, is_compiled: bool, warm_up: bool = False) -> 
                  backend=rep["backend"], dense_backend=rep["dense_backend"], warnings=rep["warnings"],
                  report_timings=rep["timings"])  # match, prefetch load/decode/wait: what a first step holds
     return m
+
+
+def warmup_stop_after(ctx, arm: str) -> int | None:
+    """After how many steps of its own schedule a compiled row's warm-up stops (None: it runs whole)."""
+    return ctx["warmup_steps"] if ctx["warmup_steps"] and arm in STOPPED_WARMUP_ARMS else None
 
 
 class WarmUpDone(Exception):
@@ -725,8 +730,8 @@ def row_estimate_s(ctx, doc, spec: str) -> float:
     if is_compiled:
         earlier = [r["compile_s"] for r in doc["rows"] if r.get("compile_s")]
         compile_s = 1.2 * max(earlier) if earlier else 240.0
-        stopped = ctx["warmup_steps"] and arm in STOPPED_WARMUP_ARMS
-        warm_up = min(1.0, ctx["warmup_steps"] / ctx["steps"]) if stopped else 1.0
+        stop_after = warmup_stop_after(ctx, arm)
+        warm_up = min(1.0, stop_after / ctx["steps"]) if stop_after else 1.0
     return load + compile_s + (1 + warm_up) * 1.3 * max(seen) + (20.0 if arm == "miss" else 0.0)
 
 
