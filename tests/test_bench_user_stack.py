@@ -281,6 +281,37 @@ b.write_results(Path({str(tmp_path)!r}), 'user_stack_720p', doc)
     assert [rows["d4"]["steps"], rows["d40"]["steps"], rows["d40"]["cfg"]] == ["4", "40", "1.0"]
 
 
+def test_a_merge_of_two_cards_names_both_and_each_row_keeps_its_own(tmp_path):
+    """Calls on an H100 and on an H200 merged into one file: its header names both cards, each row
+    (and each stage kept apart) says which card ran it, and no ratio crosses the two (in a process
+    of its own)."""
+    code = f"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, 'tests/benchmarks')
+import bench_user_stack as b
+tmp = Path({str(tmp_path)!r})
+def doc(machine, session, seconds, role):
+    row = dict(name=role, shape='720p', weights='fp8_e4m3fn_fast', arm=role, role=role, attention='a', graphs=0,
+               session=session, run=session + '-1', stage=None, step_ms=[1.0], steps=40, cfg=5.0, seconds=seconds)
+    details = dict(steps=40, cfg=5.0, torch='t', comfyui='c', comfy_kitchen='k', shape='720p', tokens=1, blocks=2,
+                   density=0.15, models={{}}, notes=[], errors=[], weights_files=[])
+    return dict(machine=machine, date=session, command='x', git_commit='g', method='', details=details, rows=[row])
+for machine, session, seconds, role in (('H100 card', 'A', 10.0, 'dense'), ('H200 card', 'B', 4.0, 'hit')):
+    (tmp / session).mkdir()
+    (tmp / session / 'f.json').write_text(json.dumps(doc(machine, session, seconds, role)))
+b.merge([tmp / 'A' / 'f.json', tmp / 'B' / 'f.json'], tmp / 'm', 'merge', [], [])
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    merged = json.loads((tmp_path / "m" / "user_stack_720p.json").read_text())
+    assert merged["machine"] == "H100 card and H200 card"
+    assert [(r["name"], r["machine"]) for r in merged["rows"]] == [("dense", "H100 card"), ("hit", "H200 card")]
+    assert merged["rows"][1]["vs_fastest_dense_fp8"] is None  # the dense row ran on the other card
+    assert (tmp_path / "m" / "user_stack_720p.md").read_text().startswith(
+        "# The user's stack: whole generations (H100 card and H200 card)")
+
+
 def test_a_miss_that_recorded_nothing_serves_no_hit_and_a_hit_names_only_its_own_entrys_cfg():
     """A failed recording must not let a later hit row run as a miss (the refusal before the load
     exists for that); an older bank's bare id still serves; the cfg is named only for the entry

@@ -912,6 +912,9 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str], inva
     """One table from several calls' files; ``invalid`` (NAME@RUN=REASON) moves rows that did not run
     their arm out of the table into ``details.invalid_rows``, with the reason."""
     docs = [json.loads(p.read_text()) for p in paths]
+    for d in docs:  # a row keeps its card: a merged file may hold several machines' runs
+        for r in d["rows"] + d["details"].get("stage_rows", []):
+            r.setdefault("machine", d["machine"])
     merged = docs[0]
     merged["details"]["runs"] = [dict(run=r, date=d["date"], machine=d["machine"], command=d["command"],
                                       git_commit=d["git_commit"]) for d in docs for r in sorted({x["run"] for x in d["rows"]})]
@@ -938,6 +941,7 @@ def merge(paths: list[Path], out_dir: Path, command: str, notes: list[str], inva
         merged["rows"] = [r for r in merged["rows"] if r not in moved]
         merged["details"]["invalid_rows"] += [dict(r, invalid=reason) for r in moved]
     merged["command"], merged["date"] = command, max(d["date"] for d in docs)
+    merged["machine"] = " and ".join(dict.fromkeys(r["machine"] for r in merged["details"]["runs"]))
     write_results(out_dir, RESULT_NAMES[merged["details"]["shape"]], merged)
 
 
