@@ -312,6 +312,41 @@ b.merge([tmp / 'A' / 'f.json', tmp / 'B' / 'f.json'], tmp / 'm', 'merge', [], []
         "# The user's stack: whole generations (H100 card and H200 card)")
 
 
+def test_dynamic_vram_is_refused_with_its_reason_before_any_weights_are_written(tmp_path, comfyui_path):
+    """--dynamic-vram on a machine that cannot run it (here: no GPU; on 0.3.64: no DynamicVRAM at all)
+    stops the call with the reason before a checkpoint is written (14B files cost a device call a minute)."""
+    done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--dynamic-vram", "--out", tmp_path, "--weights-dir",
+                           tmp_path / "w", "--bank", tmp_path / "bank", "--rows", "bf16:dense:eager"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
+    reasons = ("DynamicVRAM needs an NVIDIA GPU; ComfyUI runs on cpu",  # 0.19.3: comfy-aimdo installed
+               "this ComfyUI has no DynamicVRAM (it came with 0.19): leave it off")  # 0.3.64
+    assert done.returncode != 0 and any(f"--dynamic-vram: {r}" in done.stderr for r in reasons), done.stderr[-2000:]
+    assert not (tmp_path / "w").exists() and not (tmp_path / "user_stack_tiny.json").exists()
+
+
+def test_rows_of_two_memory_managers_compare_only_with_their_own():
+    """A DynamicVRAM hit and a legacy dense row of one machine session: no ratio crosses them (each
+    manager's rows against their own dense row); rows kept from before ``memory`` was recorded are
+    legacy (in a process of its own)."""
+    code = """
+import json, sys
+sys.path.insert(0, 'tests/benchmarks')
+import bench_user_stack as b
+base = dict(shape='720p', weights='fp8_e4m3fn_fast', graphs=0, session='A', run='A-1', stage=None, step_ms=[1.0],
+            steps=4, cfg=1.0)
+rows = [dict(base, name='dense', arm='dense', role='dense', seconds=40.0),
+        dict(base, name='dense_dynamic_vram', arm='dense', role='dense', seconds=44.0, memory='dynamic_vram'),
+        dict(base, name='hit_dynamic_vram', arm='hit', role='hit', seconds=11.0, memory='dynamic_vram')]
+b.ratios(rows)
+print(json.dumps({r['name']: r['vs_dense_same_weights'] for r in rows}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"dense": 1.0, "dense_dynamic_vram": 1.0,
+                                                                "hit_dynamic_vram": 4.0}
+
+
 def test_a_miss_that_recorded_nothing_serves_no_hit_and_a_hit_names_only_its_own_entrys_cfg():
     """A failed recording must not let a later hit row run as a miss (the refusal before the load
     exists for that); an older bank's bare id still serves; the cfg is named only for the entry

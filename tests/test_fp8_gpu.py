@@ -4,6 +4,7 @@ Runs with CHORUS_TEST_GPU=1 on a CUDA machine, in a pytest process of its own (C
 for the GPU here, not with ``--cpu`` as the rest of the suite loads it)::
 
     CHORUS_TEST_GPU=1 python -m pytest tests/test_fp8_gpu.py
+    CHORUS_TEST_GPU=1 CHORUS_TEST_DYNAMIC_VRAM=1 python -m pytest tests/test_fp8_gpu.py   # DynamicVRAM (0.19.3+)
 
 The two ways users run Wan 14B in fp8 (issue 50, item 1): an ``fp8_scaled`` file (Comfy-Org's layout,
 what the official Wan 2.2 I2V template loads; written by ``checkpoint_formats.fp8_scaled_state``)
@@ -45,13 +46,21 @@ DENSITY = 0.3
 LOADS = [("fp8_scaled", "default"), ("bf16", "fp8_e4m3fn_fast")]
 
 
+# CHORUS_TEST_DYNAMIC_VRAM=1: every model loads through ComfyUI's DynamicVRAM (ModelPatcherDynamic), as a
+# 0.19.3+ server on Linux with an NVIDIA GPU loads it by default; a process of its own (it is process-wide)
+DYNAMIC_VRAM = os.environ.get("CHORUS_TEST_DYNAMIC_VRAM") == "1"
+
+
 @pytest.fixture(scope="module")
 def comfy_gpu():
     import bench_end_to_end  # noqa: F401  (puts the repository on sys.path before ComfyUI's folder goes in front)
-    from chorus_core.comfy.comfyui_locator import prepare_in_process
+    from chorus_core.comfy.comfyui_locator import enable_dynamic_vram, prepare_in_process
 
     prepare_in_process(cpu=False)
     import comfy.model_management  # noqa: F401
+
+    if DYNAMIC_VRAM:
+        print("memory:", enable_dynamic_vram())
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +87,7 @@ def load(file_format, weight_dtype):
     import bench_user_stack as us
 
     (model,) = us.comfy_nodes().UNETLoader().load_unet(f"{file_format}.safetensors", weight_dtype)
+    assert (type(model).__name__ == "ModelPatcherDynamic") == DYNAMIC_VRAM, type(model)
     return model
 
 

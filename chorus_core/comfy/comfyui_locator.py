@@ -235,5 +235,47 @@ def prepare_in_process(comfyui: Path | None = None, cpu: bool = True) -> Path:
     return comfyui
 
 
+class DynamicVRAMUnavailable(RuntimeError):
+    """ComfyUI's DynamicVRAM cannot start in this process; the message says why and what to do."""
+
+
+def enable_dynamic_vram() -> str:
+    """Start ComfyUI's DynamicVRAM in this process as its ``main.py`` does on an NVIDIA GPU.
+
+    From 0.19 a ComfyUI server on Linux with an NVIDIA GPU, torch 2.8 or newer and a working
+    comfy-aimdo loads every model through ``ModelPatcherDynamic`` (weights memory-mapped, cast into
+    a virtual VRAM buffer as layers run); a process that only imports ComfyUI keeps the legacy
+    ModelPatcher. Call after :func:`prepare_in_process` with ``cpu=False`` and before any model is
+    loaded. Returns what is on, e.g. ``"DynamicVRAM (comfy-aimdo 0.6.0, cuda:0)"``.
+
+    :raises DynamicVRAMUnavailable: this ComfyUI has no DynamicVRAM, comfy-aimdo is missing or has
+        no native library, or it could not take the GPU
+    """
+    import comfy.model_management
+    import comfy.model_patcher
+
+    if not hasattr(comfy.model_patcher, "ModelPatcherDynamic"):
+        raise DynamicVRAMUnavailable("this ComfyUI has no DynamicVRAM (it came with 0.19): leave it off")
+    import comfy.memory_management
+    try:
+        import comfy_aimdo.control
+        from importlib.metadata import version
+
+        aimdo = version("comfy-aimdo")
+    except ImportError as exc:
+        raise DynamicVRAMUnavailable(f"comfy-aimdo is not importable ({exc}): pip install comfy-aimdo") from exc
+    device = comfy.model_management.get_torch_device()
+    if device.type != "cuda":
+        raise DynamicVRAMUnavailable(f"DynamicVRAM needs an NVIDIA GPU; ComfyUI runs on {device}")
+    if not comfy_aimdo.control.init():
+        raise DynamicVRAMUnavailable(f"comfy-aimdo {aimdo} did not load its native library: install its "
+                                     "platform wheel (manylinux), not the py3-none-any one")
+    if not comfy_aimdo.control.init_device(device.index or 0):
+        raise DynamicVRAMUnavailable(f"comfy-aimdo {aimdo} could not take {device}")
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+    return f"DynamicVRAM (comfy-aimdo {aimdo}, {device})"
+
+
 if __name__ == "__main__":
     sys.exit(main())

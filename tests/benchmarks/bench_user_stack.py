@@ -71,6 +71,12 @@ after a load only, ``seconds`` with its first step counted at the median of its 
 running server has moved the weights and met every kernel before), or less ``model_load_s`` for
 a miss, whose first step is dense by design; every ``vs_*`` ratio divides by
 a baseline's ``warm_seconds`` where it has one, so no ratio is flattered by a cold baseline.
+``memory``: ComfyUI's model memory manager. In process ComfyUI keeps the legacy ModelPatcher
+(the whole model on the GPU); with ``--dynamic-vram`` models load through DynamicVRAM
+(``ModelPatcherDynamic``: weights memory-mapped from the file and cast into comfy-aimdo's virtual
+VRAM buffer as layers run), what a 0.19.3+ server on Linux with an NVIDIA GPU runs by default
+(``details.memory``, each model's ``patcher``); those rows end in ``_dynamic_vram`` and their
+ratios are to rows of the same manager only.
 
 Writes ``user_stack_<shape>.json`` and ``.md`` into ``--out`` after every row (``user_stack_tiny``
 with ``--tiny``); keys: ../shared/RESULTS.md and issue 50 item 3.
@@ -269,11 +275,23 @@ def ensure_weights(folder: Path, files: dict, spec, seed: int, device: str, dim:
 # --------------------------------------------------------------------------------------------
 
 
-def setup_comfy(cuda: bool) -> None:
-    from chorus_core.comfy.comfyui_locator import prepare_in_process
+LEGACY_PATCHER = "legacy ModelPatcher (each model loaded whole to its device)"
+
+
+def setup_comfy(cuda: bool, dynamic_vram: bool) -> str:
+    """ComfyUI in this process; with ``dynamic_vram`` its models load as a 0.19.3+ server on Linux
+    with an NVIDIA GPU loads them by default (DynamicVRAM). Returns which memory manager runs."""
+    from chorus_core.comfy.comfyui_locator import DynamicVRAMUnavailable, enable_dynamic_vram, prepare_in_process
 
     prepare_in_process(cpu=not cuda)
     import comfy.model_management  # noqa: F401  (reads --cpu once)
+
+    if not dynamic_vram:
+        return LEGACY_PATCHER
+    try:
+        return enable_dynamic_vram()
+    except DynamicVRAMUnavailable as exc:
+        raise SystemExit(f"--dynamic-vram: {exc}") from exc
 
 
 def make_request(latent_thw, seed=0):
@@ -321,7 +339,7 @@ def weight_summary(patcher) -> dict:
                 layout=str(getattr(layer, "layout_type", None) or getattr(w, "_layout_cls", None) or ""),
                 ops_class=type(layer).__module__ + "." + type(layer).__qualname__,
                 manual_cast_dtype=str(patcher.model.manual_cast_dtype),
-                storage_dtype=str(patcher.model.get_dtype()))
+                storage_dtype=str(patcher.model.get_dtype()), patcher=type(patcher).__name__)
 
 
 def compiled(model):
@@ -668,7 +686,7 @@ def entry_cfg(ctx, weights: str, served_entry: str | None):
 
 def run_row(ctx, doc, spec: str, save) -> None:
     weights, arm, is_compiled = parse_row(spec)
-    ctx["attention"], ctx["label"] = row_attention(spec), spec.replace(":", "_")
+    ctx["attention"], ctx["label"] = row_attention(spec), spec.replace(":", "_") + MEMORY_SUFFIX[ctx["memory"]]
     if arm in HIT_ARMS and not recorded_entry(ctx, weights):
         # a 4-step entry does not serve a 40-step run, nor a 720p one a 640x640 run: refused before
         # the model's load rather than timed as a miss (2026-12-06 lost two device calls so)
@@ -707,6 +725,7 @@ def run_row(ctx, doc, spec: str, save) -> None:
                shape=ctx["shape"], blocks=ctx["blocks"], seconds=m["seconds"], compile_s=compile_s,
                arm=arm, load_s=ctx["load_s"][weights], density=None if arm in ("dense", "core") else ctx["density"],
                session=ctx["session"], run=ctx["run_id"], stage=list(ctx["stage"]) if ctx["stage"] else None,
+               memory=ctx["memory"],
                **({"entry_recorded_cfg": entry_cfg(ctx, weights, m.get("entry_id"))} if arm in HIT_ARMS else {}),
                **{k: v for k, v in m.items() if k != "seconds"})
     doc["rows"].append(row)
@@ -782,12 +801,20 @@ def warm_seconds(row: dict) -> float | None:
     return round(row["seconds"] - max(0.0, excess) / 1e3, 3)
 
 
+# rows name their memory manager where it is not the legacy one (rows before it was recorded ran legacy)
+MEMORY_SUFFIX = {"legacy": "", "dynamic_vram": "_dynamic_vram"}
+
+
+def memory_of(row: dict) -> str:
+    return row.get("memory") or "legacy"
+
+
 RATIO_KEYS = ("vs_dense_same_weights", "vs_fastest_dense_fp8", "vs_dense_bf16", "vs_core_same_weights")
 
 
 def ratios(rows: list[dict]) -> None:
-    """Within one machine session only: each row against the fastest dense row of the same
-    weights, the fastest dense fp8-weight row, the bf16 dense row (eager or compiled), and core's
+    """Within one machine session and one memory manager only: each row against the fastest dense
+    row of the same weights, the fastest dense fp8-weight row, the bf16 dense row (eager or compiled), and core's
     Model Sparse Attention at its defaults with the same weights (the faster of its eager and
     compiled rows, like every baseline here). A baseline that was the first
     generation after its model's load counts at its ``warm_seconds`` (lower: the ratios against it
@@ -798,7 +825,7 @@ def ratios(rows: list[dict]) -> None:
         r.update(dict.fromkeys(RATIO_KEYS))
     for r in whole:
         same = [x for x in whole if x.get("session") == r.get("session") and x["shape"] == r["shape"]
-                and x["steps"] == r["steps"] and x["cfg"] == r["cfg"]]
+                and x["steps"] == r["steps"] and x["cfg"] == r["cfg"] and memory_of(x) == memory_of(r)]
 
         def best(pick):
             s = [x["warm_seconds"] or x["seconds"] for x in same if pick(x)]
@@ -990,6 +1017,10 @@ def parse_args(argv):
     p.add_argument("--bank", default=str(Path(tempfile.gettempdir()) / "us-bank"),
                    help="the bank folder: a later call on the same machine serves hits from the entries recorded here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dynamic-vram", action="store_true",
+                   help="load models through ComfyUI's DynamicVRAM (ModelPatcherDynamic), as a 0.19.3+ server "
+                        "on Linux with an NVIDIA GPU does by default; its rows end in _dynamic_vram and compare "
+                        "only with each other (needs comfy-aimdo's native library)")
     p.add_argument("--reset-dynamo", action="store_true",
                    help="torch._dynamo.reset() before each compiled row: no row reuses another's graphs (a compiled "
                         "dense model's graph served a later compiled hit, which then ran dense) or its dynamic shapes")
@@ -1059,12 +1090,13 @@ def main(argv=None):
     if args.build_only:
         ensure_weights(weights_dir, files, spec, args.seed, device, dim)
         return
+    memory = setup_comfy(cuda, args.dynamic_vram)  # first: a refusal costs no weights written
     files = files_for_rows(files, args.rows)
     made = ensure_weights(weights_dir, files, spec, args.seed, device, dim)
-    setup_comfy(cuda)
     latent_thw = SHAPES[shape]
     tokens = latent_thw[0] * math.ceil(latent_thw[1] / 2) * math.ceil(latent_thw[2] / 2)
     doc = new_doc(args, cuda, shape, blocks, tokens)
+    doc["details"]["memory"] = memory
     doc["details"]["weights_files"] = made or [dict(file=n, bytes=(weights_dir / n).stat().st_size, seconds=None)
                                                for n in files.values()]
     name = RESULT_NAMES[shape] + (f"_{args.tag}" if args.tag else "")
@@ -1077,7 +1109,7 @@ def main(argv=None):
                bank=bank, shape=shape, blocks=blocks, weights_dir=weights_dir, files=files, model=None,
                model_name=None, load_s={}, recorded=recorded, session=machine_session(), reset_dynamo=args.reset_dynamo,
                attention="sdpa", label=None, stage=stage, stage_latent=Path(args.stage_latent),
-               warmup_steps=args.warmup_steps, run_id=f"{machine_session()}-{uuid.uuid4().hex[:6]}")
+               warmup_steps=args.warmup_steps, memory="dynamic_vram" if args.dynamic_vram else "legacy", run_id=f"{machine_session()}-{uuid.uuid4().hex[:6]}")
     doc["details"]["sdpa_choice"] = sdpa_choices(cuda, tokens)
     for attention, key in OTHER_ORDER_KEYS.items():  # what torch picked under the rows' other orders
         if any(row_attention(s) == attention for s in args.rows.split(",") if s):

@@ -13,7 +13,10 @@ source "$repo/tests/benchmarks/carry_parts.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
-pip download -q --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: -d dl \
+# manylinux2014 too: comfy-aimdo's platform wheel (its native library: DynamicVRAM) is tagged so, and
+# with manylinux_2_28 alone pip takes its py3-none-any wheel, which has none
+pip download -q --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+  --only-binary=:all: -d dl \
   comfy-kitchen==0.2.40 comfy-aimdo==0.6.0 torchsde==0.2.6 trampoline==0.1.2 sageattention==1.0.6
 mkdir site
 for w in dl/*.whl; do (cd site && unzip -q -o "../$w"); done

@@ -14,8 +14,9 @@
 #   .carry/us1/comfyui-0.19.3.tar.xz  git archive of 3086026401180c9216bcb6ace442a4e3587d2c66 without
 #                                      tests, comfy_api_nodes, blueprints and tokenizer data (0.9 MB)
 #   .carry/us1/site.tar.xz             comfy_kitchen 0.2.40 (Python part), comfy_aimdo 0.6.0 (its
-#                                      py3-none-any wheel: no native library, so no DynamicVRAM, as
-#                                      in-process ComfyUI never enables it), torchsde 0.2.6,
+#                                      platform wheel, native library included: the bench's
+#                                      --dynamic-vram turns DynamicVRAM on as a server's main.py
+#                                      does; in-process ComfyUI leaves it off), torchsde 0.2.6,
 #                                      trampoline 0.1.2, sageattention 1.0.6 (Triton; the :sage rows),
 #                                      and a stand-in for PyAV (av/__init__.py says
 #                                      why: comfy_api imports av, sampling never uses it)
