@@ -56,7 +56,7 @@ def comfy_gpu():
     import bench_end_to_end  # noqa: F401  (puts the repository on sys.path before ComfyUI's folder goes in front)
     from chorus_core.comfy.comfyui_locator import enable_dynamic_vram, prepare_in_process
 
-    prepare_in_process(cpu=False)
+    prepare_in_process(cpu=False, dynamic_vram=DYNAMIC_VRAM)
     import comfy.model_management  # noqa: F401
 
     if DYNAMIC_VRAM:

@@ -220,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 
-def prepare_in_process(comfyui: Path | None = None, cpu: bool = True) -> Path:
+def prepare_in_process(comfyui: Path | None = None, cpu: bool = True, dynamic_vram: bool = False) -> Path:
     """Make ComfyUI importable in this process (tests, tools); CPU-only unless ``cpu=False``.
 
     ComfyUI parses no command line when imported this way, so its defaults apply; we only
-    force ``--cpu`` before ``comfy.model_management`` reads the arguments.
+    force ``--cpu`` before ``comfy.model_management`` reads the arguments. ``dynamic_vram``
+    loads comfy-aimdo's native library now, before ComfyUI's model code binds to it, as its
+    ``main.py`` does; :func:`enable_dynamic_vram` then starts it.
     """
     comfyui = Path(comfyui or locate_comfyui())
     if str(comfyui) not in sys.path:
@@ -232,7 +234,29 @@ def prepare_in_process(comfyui: Path | None = None, cpu: bool = True) -> Path:
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = cpu
+    if dynamic_vram:
+        if "class ModelPatcherDynamic" not in (comfyui / "comfy" / "model_patcher.py").read_text():
+            raise DynamicVRAMUnavailable(NO_DYNAMIC_VRAM)  # checked unimported: the import would bind comfy-aimdo
+        load_aimdo_library()
     return comfyui
+
+
+NO_DYNAMIC_VRAM = "this ComfyUI has no DynamicVRAM (it came with 0.19): leave it off"
+
+
+def load_aimdo_library() -> None:
+    """comfy-aimdo's native library, loaded before ``comfy.model_patcher`` is imported: its
+    ``model_vbar`` module binds the library once, when first imported."""
+    if "comfy.model_patcher" in sys.modules and "comfy_aimdo.control" not in sys.modules:
+        raise DynamicVRAMUnavailable("ComfyUI's model code was imported before comfy-aimdo's library was loaded: "
+                                     "prepare ComfyUI with dynamic_vram=True before anything imports comfy")
+    try:
+        import comfy_aimdo.control
+    except ImportError as exc:
+        raise DynamicVRAMUnavailable(f"comfy-aimdo is not importable ({exc}): pip install comfy-aimdo") from exc
+    if not comfy_aimdo.control.init():
+        raise DynamicVRAMUnavailable("comfy-aimdo did not load its native library: install its platform wheel "
+                                     "(manylinux), not the py3-none-any one")
 
 
 class DynamicVRAMUnavailable(RuntimeError):
@@ -246,7 +270,8 @@ def enable_dynamic_vram() -> str:
     comfy-aimdo loads every model through ``ModelPatcherDynamic`` (weights memory-mapped, cast into
     a virtual VRAM buffer as layers run); a process that only imports ComfyUI keeps the legacy
     ModelPatcher. Call after :func:`prepare_in_process` with ``cpu=False`` and before any model is
-    loaded. Returns what is on, e.g. ``"DynamicVRAM (comfy-aimdo 0.6.0, cuda:0)"``.
+    loaded, with ComfyUI prepared by ``prepare_in_process(cpu=False, dynamic_vram=True)``. Returns
+    what is on, e.g. ``"DynamicVRAM (comfy-aimdo 0.6.0, cuda:0)"``.
 
     :raises DynamicVRAMUnavailable: this ComfyUI has no DynamicVRAM, comfy-aimdo is missing or has
         no native library, or it could not take the GPU
@@ -255,21 +280,21 @@ def enable_dynamic_vram() -> str:
     import comfy.model_patcher
 
     if not hasattr(comfy.model_patcher, "ModelPatcherDynamic"):
-        raise DynamicVRAMUnavailable("this ComfyUI has no DynamicVRAM (it came with 0.19): leave it off")
+        raise DynamicVRAMUnavailable(NO_DYNAMIC_VRAM)
     import comfy.memory_management
-    try:
-        import comfy_aimdo.control
-        from importlib.metadata import version
 
-        aimdo = version("comfy-aimdo")
-    except ImportError as exc:
-        raise DynamicVRAMUnavailable(f"comfy-aimdo is not importable ({exc}): pip install comfy-aimdo") from exc
+    load_aimdo_library()
+    import comfy_aimdo.control
+    import comfy_aimdo.model_vbar
+    from importlib.metadata import version
+
+    aimdo = version("comfy-aimdo")
+    if comfy_aimdo.model_vbar.lib is None:  # bound before the library was loaded: every model load would fail
+        raise DynamicVRAMUnavailable("comfy-aimdo's model_vbar was imported before its library was loaded: "
+                                     "prepare ComfyUI with dynamic_vram=True before anything imports comfy")
     device = comfy.model_management.get_torch_device()
     if device.type != "cuda":
         raise DynamicVRAMUnavailable(f"DynamicVRAM needs an NVIDIA GPU; ComfyUI runs on {device}")
-    if not comfy_aimdo.control.init():
-        raise DynamicVRAMUnavailable(f"comfy-aimdo {aimdo} did not load its native library: install its "
-                                     "platform wheel (manylinux), not the py3-none-any one")
     if not comfy_aimdo.control.init_device(device.index or 0):
         raise DynamicVRAMUnavailable(f"comfy-aimdo {aimdo} could not take {device}")
     comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic

@@ -283,13 +283,11 @@ def setup_comfy(cuda: bool, dynamic_vram: bool) -> str:
     with an NVIDIA GPU loads them by default (DynamicVRAM). Returns which memory manager runs."""
     from chorus_core.comfy.comfyui_locator import DynamicVRAMUnavailable, enable_dynamic_vram, prepare_in_process
 
-    prepare_in_process(cpu=not cuda)
-    import comfy.model_management  # noqa: F401  (reads --cpu once)
-
-    if not dynamic_vram:
-        return LEGACY_PATCHER
     try:
-        return enable_dynamic_vram()
+        prepare_in_process(cpu=not cuda, dynamic_vram=dynamic_vram)
+        import comfy.model_management  # noqa: F401  (reads --cpu once)
+
+        return enable_dynamic_vram() if dynamic_vram else LEGACY_PATCHER
     except DynamicVRAMUnavailable as exc:
         raise SystemExit(f"--dynamic-vram: {exc}") from exc
 
