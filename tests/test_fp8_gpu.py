@@ -151,6 +151,38 @@ def check_hit_ran_sparse(report):
     assert not report.dense_steps  # a hit runs every step sparse
 
 
+def weights_seen(model) -> dict:
+    """name -> (dtype, device, type, a few values) of what the fingerprint reads: the tensors that
+    differ say why two fingerprints of one model differ."""
+    from chorus_core.reuse.model_identity import base_weights
+
+    seen = {}
+    for name, t in base_weights(model).items():
+        raw = t.detach().as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t
+        values = raw.reshape(-1)[:4].float().tolist() if not raw.is_meta else "meta"
+        seen[name] = (str(raw.dtype), str(raw.device), type(t).__name__, values)
+    return seen
+
+
+@pytest.mark.parametrize("file_format, weight_dtype", LOADS, ids=[f"{f}-{d}" for f, d in LOADS])
+def test_the_models_fingerprint_is_the_same_before_and_after_comfyui_loads_it(model_files, file_format,
+                                                                               weight_dtype):
+    """Similarity Match fingerprints the model before the sampler loads it; the next request's
+    match comes after. Under DynamicVRAM (2026-12-07, H100) the hit after a miss found no entry:
+    the two must agree, or no request ever hits."""
+    from chorus_core.reuse.model_identity import fingerprint_patcher
+
+    import bench_end_to_end as e2e
+
+    model = load(file_format, weight_dtype)
+    before, seen_before = fingerprint_patcher(model), weights_seen(model)
+    sample(model, e2e.make_request(LATENT))
+    after, seen_after = fingerprint_patcher(model), weights_seen(model)
+    changed = {n: (seen_before.get(n), seen_after.get(n)) for n in seen_before.keys() | seen_after.keys()
+               if seen_before.get(n) != seen_after.get(n)}
+    assert before == after, f"{len(changed)} tensors changed: {dict(list(sorted(changed.items()))[:6])}"
+
+
 @pytest.mark.parametrize("file_format, weight_dtype", LOADS, ids=[f"{f}-{d}" for f, d in LOADS])
 def test_a_miss_records_and_the_same_request_hits_on_an_fp8_model(model_files, tmp_path, file_format,
                                                                   weight_dtype):
