@@ -159,7 +159,8 @@ def weights_seen(model) -> dict:
     seen = {}
     for name, t in base_weights(model).items():
         raw = t.detach().as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t
-        values = raw.reshape(-1)[:4].float().tolist() if not raw.is_meta else "meta"
+        flat = raw.reshape(-1)
+        values = "meta" if raw.is_meta else flat[::max(1, flat.numel() // 8)][:8].float().tolist()
         seen[name] = (str(raw.dtype), str(raw.device), type(t).__name__, values)
     return seen
 
