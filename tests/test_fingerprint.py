@@ -85,6 +85,26 @@ def test_the_same_checkpoint_loaded_twice_or_as_bf16_gives_the_same_key(checkpoi
     assert fingerprint_patcher(as_bf16) == fingerprint_patcher(first)
 
 
+def test_a_tensor_the_loader_casts_when_the_model_loads_digests_the_same_before_and_after(checkpoints):
+    """Under DynamicVRAM (ComfyUI 0.19+, a server on an NVIDIA GPU) a model's tensors stay as the file
+    holds them until it loads, when the loader casts some in place to the dtype ComfyUI archived for
+    them (on the device, 2026-12-07: every block's ``modulation``, bf16 to fp8 under
+    ``fp8_e4m3fn_fast``): the next request's match then found no entry. Here the pre-load state is
+    made by hand on a model ComfyUI built in fp8: the fingerprint must not see the difference."""
+    base, _ = checkpoints
+    patcher = load(base, dtype=torch.float8_e4m3fn)
+    blocks = patcher.model.diffusion_model.blocks
+    if getattr(blocks[0], "modulation_comfy_model_dtype", None) is None:
+        pytest.skip("this ComfyUI archives no model dtypes (0.19+ does)")
+    loaded = fingerprint_patcher(patcher)
+    file_state = load_file(str(base))
+    for index, block in enumerate(blocks):  # as memory-mapped from the file, before the load casts them
+        block.modulation.data = file_state[f"blocks.{index}.modulation"]
+    assert blocks[0].modulation.dtype == file_state["blocks.0.modulation"].dtype != torch.float8_e4m3fn
+    assert blocks[0].modulation_comfy_model_dtype == torch.float8_e4m3fn
+    assert fingerprint_patcher(patcher) == loaded
+
+
 def test_lora_identity_and_strength_set_the_key(checkpoints):
     patcher = load(checkpoints[0])
     bare = fingerprint_patcher(patcher).key()

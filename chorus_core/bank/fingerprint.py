@@ -76,9 +76,12 @@ class TensorDigest:
     def has_content(self) -> bool:
         return bool(self._lines)
 
-    def add_tensor(self, name: str, tensor) -> None:
+    def add_tensor(self, name: str, tensor, as_dtype=None) -> None:
+        """``as_dtype``: read the samples cast to it (the dtype the model computes the tensor in)."""
         try:
             picked = _strided_sample(tensor)
+            if as_dtype is not None and picked is not None and picked.dtype != as_dtype:
+                picked = picked.to(as_dtype)
         except Exception as exc:  # an exotic tensor type: its name and shape still count
             picked, state = None, f"unreadable {type(exc).__name__}"
         else:
@@ -147,11 +150,13 @@ def strip_prefix(state: dict) -> dict:
     return state
 
 
-def weights_digest(state: dict) -> TensorDigest:
-    """A :class:`TensorDigest` over every tensor of ``state``, in name order (file and module agree)."""
+def weights_digest(state: dict, as_dtypes: dict | None = None) -> TensorDigest:
+    """A :class:`TensorDigest` over every tensor of ``state``, in name order (file and module agree);
+    a tensor named in ``as_dtypes`` is read cast to that dtype."""
     digest = TensorDigest()
+    as_dtypes = as_dtypes or {}
     for name in sorted(state):
-        digest.add_tensor(name, state[name])
+        digest.add_tensor(name, state[name], as_dtypes.get(name))
     if not digest.sampled:
         raise BankError(f"Cannot fingerprint this model: none of its {len(state)} weights can be read "
                         "(all on 'meta' or of an unreadable type). Fingerprint it after ComfyUI has "

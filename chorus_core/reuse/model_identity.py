@@ -37,7 +37,7 @@ def fingerprint_patcher(model_patcher, architecture: str = ARCHITECTURE) -> Mode
     """
     weights = base_weights(model_patcher)
     shapes = wan_shapes(weights)
-    digest = weights_digest(weights).hexdigest()
+    digest = weights_digest(weights, computed_dtypes(model_patcher.model.diffusion_model, weights)).hexdigest()
     patches = patches_digest(model_patcher)
     if patches is not None:
         digest = hashlib.sha256(f"weights {digest} patches {patches}".encode()).hexdigest()
@@ -62,6 +62,29 @@ def base_weights(model_patcher) -> dict:
         weights[name] = tensor
     weights.update(originals)  # after the loop: a patched layer's own scale may come later in its state_dict
     return weights
+
+
+def computed_dtypes(diffusion_model, weights: dict) -> dict:
+    """name -> the dtype ComfyUI computes a plain tensor of ``weights`` in, where that differs from
+    the dtype it holds now.
+
+    ComfyUI 0.19+ archives each parameter's dtype when it builds the model
+    (``<name>_comfy_model_dtype`` on its module); under DynamicVRAM the weights stay as the file
+    holds them (memory-mapped) until the model loads, when the loader casts some of them in place
+    (a block's ``modulation``: bf16 from the file, fp8 under ``fp8_e4m3fn_fast``; 2026-12-07, H100).
+    Read in the archived dtype, they digest the same before and after the load, and as the legacy
+    loader, which casts everything when it builds the model, holds them.
+    """
+    dtypes = {}
+    for module_name, module in diffusion_model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            archived = getattr(module, f"{name}_comfy_model_dtype", None)
+            tensor = weights.get(prefix + name)
+            if isinstance(archived, torch.dtype) and type(tensor) in (torch.Tensor, torch.nn.Parameter) \
+                    and tensor.dtype != archived:
+                dtypes[prefix + name] = archived
+    return dtypes
 
 
 def as_stored(name: str, tensor) -> dict:
