@@ -326,25 +326,33 @@ def test_dynamic_vram_is_refused_with_its_reason_before_any_weights_are_written(
 
 
 def test_rows_of_two_memory_managers_compare_only_with_their_own():
-    """A DynamicVRAM hit and a legacy dense row of one machine session: no ratio crosses them (each
-    manager's rows against their own dense row); rows kept from before ``memory`` was recorded are
-    legacy (in a process of its own)."""
+    """DynamicVRAM rows and a legacy dense row of one machine session: no ratio crosses them (each
+    manager's rows against their own dense row, counted warm); rows kept from before ``memory`` was
+    recorded are legacy (in a process of its own)."""
     code = """
 import json, sys
 sys.path.insert(0, 'tests/benchmarks')
 import bench_user_stack as b
 base = dict(shape='720p', weights='fp8_e4m3fn_fast', graphs=0, session='A', run='A-1', stage=None, step_ms=[1.0],
             steps=4, cfg=1.0)
+dyn = dict(base, memory='dynamic_vram', run='A-2', model_load_s=0.08)
 rows = [dict(base, name='dense', arm='dense', role='dense', seconds=40.0),
-        dict(base, name='dense_dynamic_vram', arm='dense', role='dense', seconds=44.0, memory='dynamic_vram'),
-        dict(base, name='hit_dynamic_vram', arm='hit', role='hit', seconds=11.0, memory='dynamic_vram')]
+        dict(dyn, name='dense_dynamic_vram', arm='dense', role='dense', seconds=44.0, step_ms=[20e3, 8e3, 8e3, 8e3]),
+        dict(dyn, name='miss_dynamic_vram', arm='miss', role='miss', seconds=32.0, step_ms=[14e3, 6e3, 6e3, 6e3]),
+        dict(dyn, name='hit_dynamic_vram', arm='hit', role='hit', seconds=9.0, step_ms=[2.25e3] * 4),
+        dict(dyn, name='bf16_dynamic_vram', weights='bf16', arm='dense', role='dense', seconds=50.0,
+             step_ms=[20e3, 10e3, 10e3, 10e3])]
 b.ratios(rows)
-print(json.dumps({r['name']: r['vs_dense_same_weights'] for r in rows}))
+print(json.dumps({r['name']: [r['warm_seconds'], r['vs_dense_same_weights']] for r in rows}))
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"dense": 1.0, "dense_dynamic_vram": 1.0,
-                                                                "hit_dynamic_vram": 4.0}
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    # DynamicVRAM moves the weights inside the first step (model_load_s near 0): each model's first row
+    # of the run counts warm, the first step at the median of the others; a miss's dense first step stays
+    # (a cold row against its own warm count is under 1.0x)
+    assert got == {"dense": [None, 1.0], "dense_dynamic_vram": [32.0, 0.727], "miss_dynamic_vram": [None, 1.0],
+                   "hit_dynamic_vram": [None, 3.556], "bf16_dynamic_vram": [40.0, 0.8]}
 
 
 def test_a_miss_that_recorded_nothing_serves_no_hit_and_a_hit_names_only_its_own_entrys_cfg():

@@ -778,12 +778,18 @@ FIRST_AFTER_LOAD_S = 0.5  # model_load_s above this: the generation moved the we
 FIRST_STEP_DENSE_ARMS = ("miss", "online")
 
 
-def warm_seconds(row: dict) -> float | None:
+def warm_seconds(row: dict, moved_in_first_step: bool = False) -> float | None:
     """For the first generation after a model load (it moved the weights to the GPU and met every
     kernel for the first time, which a running server has done before): its seconds with the first
     step counted at the median of the others, or, where the first step is dense by design
-    (``FIRST_STEP_DENSE_ARMS``), less the weights' move only. None for any other row."""
+    (``FIRST_STEP_DENSE_ARMS``), less the weights' move only. None for any other row.
+    ``moved_in_first_step``: the weights moved inside the first step (DynamicVRAM), so no
+    ``model_load_s`` says so; a miss's dense first step then has no move to take off: None."""
     steps = row.get("step_ms") or []
+    if moved_in_first_step and not row.get("stages"):
+        if row.get("arm") in FIRST_STEP_DENSE_ARMS or len(steps) < 2:
+            return None
+        return round(row["seconds"] - max(0.0, steps[0] - statistics.median(steps[1:])) / 1e3, 3)
     if row.get("stages"):  # joined stages: each stage's sampling call has a first step of its own
         firsts = [p["stage"][0] for p in row["stages"]]  # the stages cover steps 0.. in order
         others = [t for i, t in enumerate(steps) if i not in firsts]
@@ -807,6 +813,22 @@ def memory_of(row: dict) -> str:
     return row.get("memory") or "legacy"
 
 
+def first_dynamic_vram_generations(rows: list[dict]) -> set[int]:
+    """ids of the DynamicVRAM rows that were their model's first generation in their run.
+
+    DynamicVRAM moves the weights to the GPU inside the first step (``model_load_s`` stays near 0),
+    so the row order says which: a run loads a model before its first row of those weights and
+    again after a row of other weights (a row that failed after loading another model is not seen).
+    """
+    firsts, last_weights = set(), {}
+    for r in rows:
+        if memory_of(r) == "dynamic_vram" and not stages.is_partial(r):
+            if last_weights.get(r["run"]) != r["weights"]:
+                firsts.add(id(r))
+            last_weights[r["run"]] = r["weights"]
+    return firsts
+
+
 RATIO_KEYS = ("vs_dense_same_weights", "vs_fastest_dense_fp8", "vs_dense_bf16", "vs_core_same_weights")
 
 
@@ -818,8 +840,9 @@ def ratios(rows: list[dict]) -> None:
     generation after its model's load counts at its ``warm_seconds`` (lower: the ratios against it
     are the smaller ones)."""
     whole = [r for r in rows if not stages.is_partial(r)]  # a stage alone is no generation
+    moved_in_first_step = first_dynamic_vram_generations(rows)
     for r in rows:
-        r["warm_seconds"] = None if stages.is_partial(r) else warm_seconds(r)
+        r["warm_seconds"] = None if stages.is_partial(r) else warm_seconds(r, id(r) in moved_in_first_step)
         r.update(dict.fromkeys(RATIO_KEYS))
     for r in whole:
         same = [x for x in whole if x.get("session") == r.get("session") and x["shape"] == r["shape"]
