@@ -269,9 +269,8 @@ def enable_dynamic_vram() -> str:
     From 0.19 a ComfyUI server on Linux with an NVIDIA GPU, torch 2.8 or newer and a working
     comfy-aimdo loads every model through ``ModelPatcherDynamic`` (weights memory-mapped, cast into
     a virtual VRAM buffer as layers run); a process that only imports ComfyUI keeps the legacy
-    ModelPatcher. Call after :func:`prepare_in_process` with ``cpu=False`` and before any model is
-    loaded, with ComfyUI prepared by ``prepare_in_process(cpu=False, dynamic_vram=True)``. Returns
-    what is on, e.g. ``"DynamicVRAM (comfy-aimdo 0.6.0, cuda:0)"``.
+    ModelPatcher. Call after ``prepare_in_process(cpu=False, dynamic_vram=True)`` and before any
+    model is loaded. Returns what is on, e.g. ``"DynamicVRAM (comfy-aimdo 0.6.0, cuda:0)"``.
 
     :raises DynamicVRAMUnavailable: this ComfyUI has no DynamicVRAM, comfy-aimdo is missing or has
         no native library, or it could not take the GPU
