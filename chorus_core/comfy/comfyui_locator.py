@@ -281,15 +281,13 @@ def enable_dynamic_vram() -> str:
     if not hasattr(comfy.model_patcher, "ModelPatcherDynamic"):
         raise DynamicVRAMUnavailable(NO_DYNAMIC_VRAM)
     import comfy.memory_management
-
-    load_aimdo_library()
     import comfy_aimdo.control
     import comfy_aimdo.model_vbar
     from importlib.metadata import version
 
     aimdo = version("comfy-aimdo")
     if comfy_aimdo.model_vbar.lib is None:  # bound before the library was loaded: every model load would fail
-        raise DynamicVRAMUnavailable("comfy-aimdo's model_vbar was imported before its library was loaded: "
+        raise DynamicVRAMUnavailable("comfy-aimdo's library was not loaded before ComfyUI's model code: "
                                      "prepare ComfyUI with dynamic_vram=True before anything imports comfy")
     device = comfy.model_management.get_torch_device()
     if device.type != "cuda":

@@ -786,10 +786,6 @@ def warm_seconds(row: dict, moved_in_first_step: bool = False) -> float | None:
     ``moved_in_first_step``: the weights moved inside the first step (DynamicVRAM), so no
     ``model_load_s`` says so; a miss's dense first step then has no move to take off: None."""
     steps = row.get("step_ms") or []
-    if moved_in_first_step and not row.get("stages"):
-        if row.get("arm") in FIRST_STEP_DENSE_ARMS or len(steps) < 2:
-            return None
-        return round(row["seconds"] - max(0.0, steps[0] - statistics.median(steps[1:])) / 1e3, 3)
     if row.get("stages"):  # joined stages: each stage's sampling call has a first step of its own
         firsts = [p["stage"][0] for p in row["stages"]]  # the stages cover steps 0.. in order
         others = [t for i, t in enumerate(steps) if i not in firsts]
@@ -797,10 +793,11 @@ def warm_seconds(row: dict, moved_in_first_step: bool = False) -> float | None:
             return None
         rest = statistics.median(others)
         return round(row["seconds"] - sum(max(0.0, steps[i] - rest) for i in firsts) / 1e3, 3)
-    if (row.get("model_load_s") or 0) <= FIRST_AFTER_LOAD_S or len(steps) < 2:
+    moved = moved_in_first_step or (row.get("model_load_s") or 0) > FIRST_AFTER_LOAD_S
+    if not moved or len(steps) < 2:
         return None
     if row.get("arm") in FIRST_STEP_DENSE_ARMS:  # that step is longer by design: only the weights' move comes off
-        return round(row["seconds"] - row["model_load_s"], 3)
+        return None if moved_in_first_step else round(row["seconds"] - row["model_load_s"], 3)
     excess = steps[0] - statistics.median(steps[1:])
     return round(row["seconds"] - max(0.0, excess) / 1e3, 3)
 
