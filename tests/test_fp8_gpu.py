@@ -106,7 +106,7 @@ def sample(model, req):
                                    disable_pbar=True, seed=0).float()
 
 
-def chorus_run(model, bank, req, compile_it: bool):
+def chorus_run(model, bank, req, compile_it: bool, requests: list | None = None):
     """Similarity Match, the node's install, (TorchCompileModel), one sampling: (output, report)."""
     import bench_user_stack as us
 
@@ -118,12 +118,14 @@ def chorus_run(model, bank, req, compile_it: bool):
     with torch.inference_mode():
         request = build_match_request(model, clip, positive, {"samples": latent}, None, 0.9, {}, 128)
         patch = ReusePatch(model, match_request(bank, request),
-                           ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=0, min_density=DENSITY,
+                           ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=0, dense_last_steps=0, min_density=DENSITY,
                                         max_density=DENSITY, miss_mode="online"),
                            scheduler="simple", sampler="euler")
         patched = patch.install()
     out = sample(us.compiled(patched) if compile_it else patched, req)
     assert bank_writer.flush_all(timeout=120)
+    if requests is not None:  # what it matched with (the model's fingerprint), for a failure's message
+        requests.append(request)
     return out, patch.last_report
 
 
@@ -155,15 +157,36 @@ def check_hit_ran_sparse(report):
 def weights_seen(model) -> dict:
     """name -> (dtype, device, type, a few values) of what the fingerprint reads: the tensors that
     differ say why two fingerprints of one model differ."""
-    from chorus_core.reuse.model_identity import base_weights
+    from chorus_core.reuse.model_identity import base_weights, computed_dtypes, patches_digest
 
-    seen = {}
-    for name, t in base_weights(model).items():
-        raw = t.detach().as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t
-        flat = raw.reshape(-1)
-        values = "meta" if raw.is_meta else flat[::max(1, flat.numel() // 8)][:8].float().tolist()
-        seen[name] = (str(raw.dtype), str(raw.device), type(t).__name__, values)
+    weights = base_weights(model)
+    seen = {"(patch list)": patches_digest(model),
+            "(read as)": sorted((n, str(d)) for n, d in computed_dtypes(model.model.diffusion_model, weights).items())}
+    for name, t in weights.items():
+        seen[name] = (str(t.dtype), str(t.device), type(t).__name__, t.data.is_inference(), sample_values(t))
     return seen
+
+
+def sample_values(t):
+    """8 values spread over ``t``, or why they cannot be read."""
+    try:
+        with torch.inference_mode():
+            raw = t.data.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
+            flat = raw.clone().view(-1)  # a copy: some tensors have no version counter for a view
+            return "meta" if raw.is_meta else flat[::max(1, flat.numel() // 8)][:8].float().tolist()
+    except RuntimeError as exc:
+        return f"unreadable: {exc}"
+
+
+def check_same_model(miss_request, hit_request, seen_at_miss, seen_at_hit):
+    """The hit's match must fingerprint the model as the miss's did, or the entry is never found;
+    on failure, say which part differs (weights or patch list) and which tensors changed."""
+    before, after = miss_request.fingerprint, hit_request.fingerprint
+    changed = {n: (seen_at_miss.get(n), seen_at_hit.get(n)) for n in seen_at_miss.keys() | seen_at_hit.keys()
+               if seen_at_miss.get(n) != seen_at_hit.get(n)}
+    assert before == after, (f"the model's fingerprint changed between the miss and the hit: {before} -> {after}; "
+                             f"{len(changed)} tensors changed: {dict(list(sorted(changed.items()))[:6])}")
+    assert miss_request.layout == hit_request.layout
 
 
 @pytest.mark.parametrize("file_format, weight_dtype", LOADS, ids=[f"{f}-{d}" for f, d in LOADS])
@@ -198,12 +221,16 @@ def test_a_miss_records_and_the_same_request_hits_on_an_fp8_model(model_files, t
     assert torch.isfinite(sample(model, req)).all()
     bank = MaskBank.open(tmp_path / "bank")
     try:
-        miss, miss_report = chorus_run(model, bank, req, False)
-        hit, hit_report = chorus_run(model, bank, req, False)
+        requests, seen_at_miss = [], weights_seen(model)
+        miss, miss_report = chorus_run(model, bank, req, False, requests)
+        seen_at_hit = weights_seen(model)
+        hit, hit_report = chorus_run(model, bank, req, False, requests)
     finally:
         bank.close()
     assert (miss_report.mode, miss_report.recording) == ("miss", "queued"), miss_report.warnings
-    assert miss_report.recorded_entry_id and hit_report.entry_id == miss_report.recorded_entry_id
+    check_same_model(*requests, seen_at_miss, seen_at_hit)
+    assert miss_report.recorded_entry_id and hit_report.entry_id == miss_report.recorded_entry_id, \
+        (hit_report.similarity, hit_report.components, hit_report.warnings)
     check_hit_ran_sparse(hit_report)
     assert torch.isfinite(miss).all() and torch.isfinite(hit).all()
 

@@ -118,9 +118,16 @@ def _strided_sample(tensor):
         tensor = tensor.as_subclass(torch.Tensor)
     if tensor.is_meta:
         return None
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
-    stride = max(1, flat.numel() // SAMPLES_PER_TENSOR)
-    return flat[::stride][:SAMPLES_PER_TENSOR]
+    stride = max(1, tensor.numel() // SAMPLES_PER_TENSOR)
+    try:
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
+        return flat[::stride][:SAMPLES_PER_TENSOR]
+    except RuntimeError:
+        # A view needs the tensor's version counter, and some have none: under DynamicVRAM
+        # (ComfyUI 0.19+) a tensor the loader moved back to the CPU after a run raised "Inference
+        # tensors do not track version counter" (2026-12-07, H100). A copy has one; these are small
+        # (a block's modulation).
+        return tensor.clone().reshape(-1)[::stride][:SAMPLES_PER_TENSOR]
 
 
 def _canonical_values(samples):
