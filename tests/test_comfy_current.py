@@ -59,6 +59,7 @@ import collections
 import functools
 import math
 import sys
+import threading
 import types
 
 import pytest
@@ -867,15 +868,19 @@ def test_mps_and_xpu_run_dense_with_one_line(comfy_runtime, device):
 # --------------------------------------------------------------------------------------------
 
 
-def t2v_run(patcher, match):
+def t2v_run(patcher, match, split=None):
+    """A Chorus generation (cfg 5, 4 steps); ``split`` changes the installed model (e.g. MultiGPU)."""
     import comfy.sample
 
     from chorus_core.reuse.reuse_run import ReuseOptions, ReusePatch
 
     positive, negative, latent = t2v_request()
     patch = ReusePatch(patcher, match, ReuseOptions(dense_warmup_steps=1), block_size=BLOCK, scheduler="simple")
+    installed = patch.install()
+    if split is not None:
+        split(installed)
     noise = comfy.sample.prepare_noise(latent["samples"], 0)
-    comfy.sample.sample(patch.install(), noise, 4, 5.0, "euler", "simple", positive, negative, latent["samples"],
+    comfy.sample.sample(installed, noise, 4, 5.0, "euler", "simple", positive, negative, latent["samples"],
                         seed=0, disable_pbar=True)
     return patch.last_report
 
@@ -913,4 +918,62 @@ def test_t2v_without_clip_vision_records_a_miss_and_then_hits_it(tmp_path, tiny_
     report = t2v_run(patcher, hit)
     assert (report.mode, report.entry_id, report.recording) == ("hit", recorded.recorded_entry_id, None)
     assert report.density is not None and report.density < 1.0
+    bank.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Newer ComfyUI's MultiGPU split (comfy/samplers.py, _calc_cond_batch_multigpu, in the 0.38 tree):
+# with ``multigpu_clones`` in the model options, each GPU's share of the conds runs on that GPU's
+# clone of the model in a worker thread, ``multigpu_thread_device`` in its transformer_options.
+# Neither release of the suite has it; reproduced here in our own words.
+# --------------------------------------------------------------------------------------------
+
+MULTIGPU_WARNING = ("ComfyUI's MultiGPU split runs this model on several GPUs at once, which Chorus does not "
+                    "support: this run is dense (sample on one GPU for block-sparse attention)")
+
+
+def like_multigpu_workers(patcher):
+    """Every model call of ``patcher`` runs in a worker thread with ``multigpu_thread_device`` set."""
+    def in_a_worker(apply_model, args):
+        c = dict(args["c"])
+        c["transformer_options"] = {**c["transformer_options"], "multigpu_thread_device": torch.device("cpu")}
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(out=apply_model(args["input"], args["timestep"], **c)))
+        worker.start()
+        worker.join()
+        return result["out"]
+
+    patcher.set_model_unet_function_wrapper(in_a_worker)
+
+
+def test_under_multigpu_the_sparse_patch_runs_dense_with_one_warning(tiny_wan_file):
+    import comfy.sd
+
+    from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
+
+    dense = comfy.sd.load_diffusion_model(str(tiny_wan_file))
+    like_multigpu_workers(dense)
+    patched = install_sparse_attention(comfy.sd.load_diffusion_model(str(tiny_wan_file)), sparse_provider())
+    like_multigpu_workers(patched)
+
+    assert torch.equal(sample(patched), sample(dense))
+    stats = get_run_stats(patched)
+    assert (stats.sparse_calls, stats.steps) == (0, [])
+    assert stats.warnings == [MULTIGPU_WARNING]
+
+
+def test_a_miss_under_multigpu_runs_dense_and_records_nothing(tmp_path, tiny_t2v_file):
+    import comfy.sd
+
+    from chorus_core.bank import MaskBank
+    from chorus_core.reuse import bank_writer
+
+    patcher = comfy.sd.load_diffusion_model(str(tiny_t2v_file))
+    bank = MaskBank.open(tmp_path / "bank")
+    report = t2v_run(patcher, t2v_match(bank, patcher), split=like_multigpu_workers)
+    assert bank_writer.default_writer().flush(60)
+
+    assert (report.mode, report.recording, report.recorded_entry_id) == ("miss", None, None)
+    assert MULTIGPU_WARNING in report.warnings
+    assert t2v_match(bank, patcher).result.candidates == 0  # the bank holds nothing
     bank.close()

@@ -257,7 +257,7 @@ def _make_apply_model_wrapper(key: str) -> Callable:
     def chorus_plan_model_call(executor, x, t, *args, **kwargs):
         options = kwargs.get("transformer_options", args[3] if len(args) > 3 else None)
         run = options.get(run_key) if isinstance(options, dict) else None
-        if run is None:
+        if run is None or run.dense_under_multigpu(options):
             return executor(x, t, *args, **kwargs)
         declared = declared_attention(getattr(executor.class_obj, "diffusion_model", None))
         if declared is not None:

@@ -9,6 +9,7 @@ The hooks that ComfyUI calls live in ``sparse_patch``; they find this state in
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -29,6 +30,11 @@ DENSE_ATTENTION_MODES = ("auto", "comfyui")
 # What the block-sparse calls compute in: "bf16" = the input's 16-bit type throughout; "fp8" = int8
 # QK^T and e4m3 PV on FP8 tensor cores (kernels/fp8_block_sparse.py), bf16 where FP8 cannot run.
 ATTENTION_PRECISIONS = ("bf16", "fp8")
+
+# Set by newer ComfyUI's MultiGPU split in each worker thread's model call (comfy/samplers.py,
+# _calc_cond_batch_multigpu; read in the 0.38 tree, not in 0.19.3).
+MULTIGPU_DEVICE_KEY = "multigpu_thread_device"
+
 # --------------------------------------------------------------------------------------------
 # State: one holder per patched model, one SparseRun per sampling run
 # --------------------------------------------------------------------------------------------
@@ -99,6 +105,7 @@ class SparseRun:
         self._step_started = 0.0
         self._disabled = False  # set when masks cannot be had: the rest of the run is dense
         self._triton: Optional[bool] = None
+        self._multigpu_lock = threading.Lock()  # MultiGPU's worker threads may each find the run first
 
     @property
     def disabled(self) -> bool:
@@ -372,6 +379,18 @@ class SparseRun:
         """Name the kernel backend in the run's statistics (chosen again per call; probes are cached)."""
         if self.stats.backend is None:
             self.stats.backend = str(self._dispatch()[1](call.q, prepared.mask))
+
+    def dense_under_multigpu(self, options: dict) -> bool:
+        """True when ComfyUI's MultiGPU split makes this model call (newer ComfyUI: each GPU's share
+        of the conds runs in a worker thread, its options carrying ``multigpu_thread_device``).
+        A run's step clock, masks and recording are one sequence of calls, not several at once, so
+        the whole run is dense, said once."""
+        if MULTIGPU_DEVICE_KEY not in options:
+            return False
+        with self._multigpu_lock:
+            self._disable("ComfyUI's MultiGPU split runs this model on several GPUs at once, which Chorus "
+                          "does not support: this run is dense (sample on one GPU for block-sparse attention)")
+        return True
 
     def _disable(self, reason: str) -> None:
         self._disabled = True
