@@ -23,7 +23,10 @@ eager miss recorded and the eager hit served it, the compiled miss (first compil
 with ``AssertionError: vr must not be None for symbol s31`` (comfy/ops.py:214, cast_bias_weight;
 tests/benchmarks/results/user_stack_runs/test_fp8_gpu_log.txt); ``-x`` stopped the fp8_e4m3fn_fast
 case. This form (eager and compiled apart, that dynamo failure an xfail, the dense-graph reuse seen
-at 40 blocks an xfail) has not run on a GPU yet.
+at 40 blocks an xfail) ran on an H100 under DynamicVRAM only (2026-12-07,
+tests/benchmarks/results/user_stack_runs/test_fp8_gpu_dynamic_vram_*_log.txt): there the hits ran as
+misses, the model's fingerprint changing first at its load and then after each Chorus run (both fixed
+since; the hit test says which tensors changed). Not yet run on the legacy loader or after the fixes.
 """
 
 import os
@@ -279,8 +282,9 @@ def test_compiled_a_miss_records_and_the_same_request_hits_on_an_fp8_model(model
 
 @pytest.mark.xfail(reason="seen at 40 blocks on ComfyUI 0.19.3 (user_stack_640.md, call c7): TorchCompileModel's "
                           "guard filter drops transformer_options, where the attention override lives, so a hit "
-                          "compiled after the same model was compiled dense reuses the dense graph and runs no "
-                          "block-sparse call; a chorus_core issue, not fixed here", strict=False)
+                          "compiled after the same model was compiled dense reused the dense graph; graph_keys "
+                          "fixed it at 40 blocks (call d3), and this test has not passed on a GPU since",
+                   strict=False)
 def test_a_compiled_hit_after_a_compiled_dense_run_of_the_same_model_runs_sparse(model_files, tmp_path):
     import bench_end_to_end as e2e
     import bench_user_stack as us
