@@ -202,3 +202,32 @@ def test_a_fingerprint_reads_a_fixed_sample_per_tensor_at_the_14b_tensor_count(c
     fingerprint_patcher(lora)
     # the weights again, then each LoRA key's up and down matrices (rank 4: >= 64 values each)
     assert read == [(1303, 0, 1303 * SAMPLES_PER_TENSOR), (2 * 488, 0, 2 * 488 * SAMPLES_PER_TENSOR)]
+
+
+class UnreadableTensor(torch.Tensor):
+    """Raises when read, as a block's modulation did under DynamicVRAM after a Chorus run (H100)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.detach:
+            raise RuntimeError("Inference tensors do not track version counter.")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_tensor_the_fingerprint_cannot_read_is_named_in_the_log(caplog):
+    """It counts by name and shape only, so if it reads later the model fingerprints as another and
+    its entries are not found: the log says which tensor, so a run of misses has a reason."""
+    from chorus_core.bank.fingerprint import weights_digest
+
+    state = {"blocks.0.self_attn.q.weight": torch.randn(8, 8),
+             "blocks.0.modulation": torch.randn(1, 6, 8).as_subclass(UnreadableTensor)}
+    with caplog.at_level("WARNING", logger="chorus_core.bank.fingerprint"):
+        digest = weights_digest(state)
+
+    assert (digest.sampled, digest.unsampled) == (1, 1)
+    assert digest.unreadable == ["blocks.0.modulation (RuntimeError: Inference tensors do not track version counter.)"]
+    assert caplog.messages == [
+        "Chorus: 1 of the model's tensors could not be read for its fingerprint, first blocks.0.modulation "
+        "(RuntimeError: Inference tensors do not track version counter.); if they can be read later, that "
+        "request will not find the entries recorded now"]
+    assert weights_digest({"blocks.0.self_attn.q.weight": state["blocks.0.self_attn.q.weight"]}).unreadable == []

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import asdict, dataclass
 
 from .errors import BankError
+
+log = logging.getLogger(__name__)
 
 HEAD_DIM = 128  # Wan 2.1 in ComfyUI: num_heads = dim // 128
 ARCHITECTURE = "wan2.1"  # I2V and T2V alike (their shapes tell them apart); one default for every entry point
@@ -68,6 +71,7 @@ class TensorDigest:
         self._parts: list[tuple[tuple, int, int]] = []  # (group, start, length) in add order
         self.sampled = 0
         self.unsampled = 0  # on 'meta' or unreadable
+        self.unreadable: list[str] = []  # "name (why)" of each tensor that raised when read
         self.sampled_values = 0  # what the digest reads: at most SAMPLES_PER_TENSOR per tensor
 
     def add_text(self, text: str) -> None:
@@ -84,6 +88,7 @@ class TensorDigest:
                 picked = picked.to(as_dtype)
         except Exception as exc:  # an exotic tensor type: its name and shape still count
             picked, state = None, f"unreadable {type(exc).__name__}"
+            self.unreadable.append(f"{name} ({type(exc).__name__}: {exc})")
         else:
             state = "meta" if picked is None else "sampled"
         self._lines.append(f"{name}|{tuple(getattr(tensor, 'shape', ()))}|{state}")
@@ -164,6 +169,10 @@ def weights_digest(state: dict, as_dtypes: dict | None = None) -> TensorDigest:
     as_dtypes = as_dtypes or {}
     for name in sorted(state):
         digest.add_tensor(name, state[name], as_dtypes.get(name))
+    if digest.unreadable:  # counted by name and shape only: if they read later, the digest changes
+        log.warning("Chorus: %d of the model's tensors could not be read for its fingerprint, first %s; "
+                    "if they can be read later, that request will not find the entries recorded now",
+                    len(digest.unreadable), digest.unreadable[0])
     if not digest.sampled:
         raise BankError(f"Cannot fingerprint this model: none of its {len(state)} weights can be read "
                         "(all on 'meta' or of an unreadable type). Fingerprint it after ComfyUI has "
