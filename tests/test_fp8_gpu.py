@@ -121,8 +121,8 @@ def chorus_run(model, bank, req, compile_it: bool, requests: list | None = None)
     with torch.inference_mode():
         request = build_match_request(model, clip, positive, {"samples": latent}, None, 0.9, {}, 128)
         patch = ReusePatch(model, match_request(bank, request),
-                           ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=0, dense_last_steps=0, min_density=DENSITY,
-                                        max_density=DENSITY, miss_mode="online"),
+                           ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=0, dense_last_steps=0,
+                                        min_density=DENSITY, max_density=DENSITY, miss_mode="online"),
                            scheduler="simple", sampler="euler")
         patched = patch.install()
     out = sample(us.compiled(patched) if compile_it else patched, req)
@@ -158,13 +158,14 @@ def check_hit_ran_sparse(report):
 
 
 def weights_seen(model) -> dict:
-    """name -> (dtype, device, type, a few values) of what the fingerprint reads: the tensors that
-    differ say why two fingerprints of one model differ."""
+    """name -> (dtype, device, type, made under inference_mode, a few values) of what the fingerprint
+    reads, and the patch list's digest and the dtypes it reads tensors as: what differs says why two
+    fingerprints of one model differ."""
     from chorus_core.reuse.model_identity import base_weights, computed_dtypes, patches_digest
 
     weights = base_weights(model)
-    seen = {"(patch list)": patches_digest(model),
-            "(read as)": sorted((n, str(d)) for n, d in computed_dtypes(model.model.diffusion_model, weights).items())}
+    read_as = computed_dtypes(model.model.diffusion_model, weights)
+    seen = {"(patch list)": patches_digest(model), "(read as)": sorted((n, str(d)) for n, d in read_as.items())}
     for name, t in weights.items():
         seen[name] = (str(t.dtype), str(t.device), type(t).__name__, t.data.is_inference(), sample_values(t))
     return seen
@@ -175,7 +176,7 @@ def sample_values(t):
     try:
         with torch.inference_mode():
             raw = t.data.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
-            flat = raw.clone().view(-1)  # a copy: some tensors have no version counter for a view
+            flat = raw.clone().reshape(-1)  # a copy: some tensors have no version counter for a view
             return "meta" if raw.is_meta else flat[::max(1, flat.numel() // 8)][:8].float().tolist()
     except RuntimeError as exc:
         return f"unreadable: {exc}"
