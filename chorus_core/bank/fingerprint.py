@@ -130,9 +130,13 @@ def _strided_sample(tensor):
     except RuntimeError:
         # A view needs the tensor's version counter, and some have none: under DynamicVRAM
         # (ComfyUI 0.19+) a tensor the loader moved back to the CPU after a run raised "Inference
-        # tensors do not track version counter" (2026-12-07, H100). A copy has one; these are small
-        # (a block's modulation).
-        return tensor.clone().reshape(-1)[::stride][:SAMPLES_PER_TENSOR]
+        # tensors do not track version counter" (2026-12-07, H100). A gather reads the same elements
+        # without a view (seen to work there); fp8 has no gather kernel, so it is read from a copy.
+        index = torch.arange(0, stride * SAMPLES_PER_TENSOR, stride, device=tensor.device)
+        index = index[index < tensor.numel()]
+        if tensor.element_size() == 1 and tensor.is_floating_point():
+            return tensor.clone().reshape(-1)[index]
+        return torch.take(tensor, index)
 
 
 def _canonical_values(samples):
