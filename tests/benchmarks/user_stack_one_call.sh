@@ -30,4 +30,16 @@ python3 tests/benchmarks/bench_user_stack.py --out "$OUT" --weights-dir "$WD" --
   --git-commit "${US_COMMIT:-unknown}" ${US_EXTRA:-} > "$OUT/bench_${US_TAG:-call}.log" 2>&1
 echo "bench rc=$? after ${SECONDS} s"
 grep -v "^WARNING:root" "$OUT/bench_${US_TAG:-call}.log" | grep -v "^\[.*name=" | tail -30 | cut -c1-400
+# US_THEN_TAG: a second bench process on the same machine (its own US_THEN_ROWS, US_THEN_EXTRA), e.g.
+# the same rows on the legacy loader after a --dynamic-vram run: a memory manager is per process.
+# Where it repeats a miss row, give it a bank of its own (US_THEN_EXTRA="--bank /tmp/us-bank-2"):
+# the first process's entry would make that miss a hit.
+if [ -n "${US_THEN_TAG:-}" ]; then
+  limit=$(( ${US_LIMIT:-585} - SECONDS ))
+  python3 tests/benchmarks/bench_user_stack.py --out "$OUT" --weights-dir "$WD" --shape "${US_SHAPE:-640x640}" \
+    --tag "$US_THEN_TAG" --call-limit-s "$limit" --budget-s "$limit" ${US_THEN_ROWS:+--rows "$US_THEN_ROWS"} \
+    --git-commit "${US_COMMIT:-unknown}" ${US_THEN_EXTRA:-} > "$OUT/bench_${US_THEN_TAG}.log" 2>&1
+  echo "second bench rc=$? after ${SECONDS} s"
+  grep -v "^WARNING:root" "$OUT/bench_${US_THEN_TAG}.log" | grep -v "^\[.*name=" | tail -20 | cut -c1-400
+fi
 nvidia-smi --query-gpu=name --format=csv,noheader
