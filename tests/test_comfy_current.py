@@ -974,6 +974,6 @@ def test_a_miss_under_multigpu_runs_dense_and_records_nothing(tmp_path, tiny_t2v
     assert bank_writer.default_writer().flush(60)
 
     assert (report.mode, report.recording, report.recorded_entry_id) == ("miss", None, None)
-    assert MULTIGPU_WARNING in report.warnings
+    assert report.warnings == [MULTIGPU_WARNING, "masks not recorded: this run went dense before its masks were recorded"]
     assert t2v_match(bank, patcher).result.candidates == 0  # the bank holds nothing
     bank.close()

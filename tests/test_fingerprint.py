@@ -221,7 +221,7 @@ def test_a_tensor_the_fingerprint_cannot_read_is_named_in_the_log(caplog):
 
     state = {"blocks.0.self_attn.q.weight": torch.randn(8, 8),
              "blocks.0.modulation": torch.randn(1, 6, 8).as_subclass(UnreadableTensor)}
-    with caplog.at_level("WARNING", logger="chorus_core.bank.fingerprint"):
+    with caplog.at_level("WARNING", logger="chorus"):
         digest = weights_digest(state)
 
     assert (digest.sampled, digest.unsampled) == (1, 1)

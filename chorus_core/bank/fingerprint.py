@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import BankError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("chorus")
 
 HEAD_DIM = 128  # Wan 2.1 in ComfyUI: num_heads = dim // 128
 ARCHITECTURE = "wan2.1"  # I2V and T2V alike (their shapes tell them apart); one default for every entry point
@@ -115,7 +115,8 @@ class TensorDigest:
 
 
 def _strided_sample(tensor):
-    """Up to SAMPLES_PER_TENSOR evenly spaced elements (a view, no copy); None on 'meta'."""
+    """Up to SAMPLES_PER_TENSOR evenly spaced elements (a view where the tensor allows one, else a gather
+    or, for fp8, an indexed copy); None on 'meta'."""
     import torch
 
     tensor = tensor.detach()
@@ -132,8 +133,8 @@ def _strided_sample(tensor):
         # (ComfyUI 0.19+) a tensor the loader moved back to the CPU after a run raised "Inference
         # tensors do not track version counter" (2026-12-07, H100). A gather reads the same elements
         # without a view (seen to work there); fp8 has no gather kernel, so it is read from a copy.
-        index = torch.arange(0, stride * SAMPLES_PER_TENSOR, stride, device=tensor.device)
-        index = index[index < tensor.numel()]
+        count = min(SAMPLES_PER_TENSOR, -(-tensor.numel() // stride))  # what the view path takes
+        index = torch.arange(0, count * stride, stride, device=tensor.device)
         if tensor.element_size() == 1 and tensor.is_floating_point():
             return tensor.clone().reshape(-1)[index]
         return torch.take(tensor, index)

@@ -418,7 +418,9 @@ class ReuseRun(SparseRun):
             if warning is not None:
                 self.report.warnings.append(warning)
         except Exception as exc:  # the generation itself succeeded: keep it whatever the recorder says
-            self.report.warnings.append(f"masks not recorded: {exc}")
+            # a run made dense part-way (its reason is in the warnings) leaves steps unrecorded
+            why = "this run went dense before its masks were recorded" if self.disabled else str(exc)
+            self.report.warnings.append(f"masks not recorded: {why}")
             log.warning("Chorus: masks from this run were not recorded: %s", exc)
         self.report.timings["record_ms"] = round((time.perf_counter() - started) * 1e3, 2)
 
