@@ -31,6 +31,9 @@ class FakeRun:
     def __init__(self):
         self.failed, self.recorded = [], []
 
+    def dense_under_multigpu(self, options):
+        return False
+
     def plan_call(self, options, x, model):
         from chorus_core.attention.sparse_run import CallPlan
 
