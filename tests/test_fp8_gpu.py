@@ -26,7 +26,7 @@ case. This form (eager and compiled apart, that dynamo failure an xfail, the den
 at 40 blocks an xfail) ran on an H100 under DynamicVRAM only (2026-12-07,
 tests/benchmarks/results/user_stack_runs/test_fp8_gpu_dynamic_vram_*_log.txt): there the hits ran as
 misses, the model's fingerprint changing first at its load and then after each Chorus run (both fixed
-since; the hit test says which tensors changed). Not yet run on the legacy loader or after the fixes.
+since; the hit test says which tensors changed). Not yet run on the legacy loader, nor after the last fix.
 """
 
 import os
