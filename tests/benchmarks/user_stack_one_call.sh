@@ -24,25 +24,22 @@ for t in ${US_TESTS:-}; do
     > "$OUT/$(basename "$t" .py).log" 2>&1
   echo "$t rc=$? after ${SECONDS} s"; grep -E "passed|failed|cosine|rms error" "$OUT/$(basename "$t" .py).log" | tail -8
 done
-limit=$(( ${US_LIMIT:-585} - SECONDS ))
-python3 tests/benchmarks/bench_user_stack.py --out "$OUT" --weights-dir "$WD" --shape "${US_SHAPE:-640x640}" \
-  --tag "${US_TAG:-call}" --call-limit-s "$limit" --budget-s "$limit" ${US_ROWS:+--rows "$US_ROWS"} \
-  --git-commit "${US_COMMIT:-unknown}" ${US_EXTRA:-} > "$OUT/bench_${US_TAG:-call}.log" 2>&1
-echo "bench rc=$? after ${SECONDS} s"
-grep -v "^WARNING:root" "$OUT/bench_${US_TAG:-call}.log" | grep -v "^\[.*name=" | tail -30 | cut -c1-400
+bench() {  # TAG ROWS EXTRA: one bench process with what is left of US_LIMIT
+  local limit=$(( ${US_LIMIT:-585} - SECONDS ))
+  python3 tests/benchmarks/bench_user_stack.py --out "$OUT" --weights-dir "$WD" --shape "${US_SHAPE:-640x640}" \
+    --tag "$1" --call-limit-s "$limit" --budget-s "$limit" ${2:+--rows "$2"} \
+    --git-commit "${US_COMMIT:-unknown}" $3 > "$OUT/bench_$1.log" 2>&1
+  echo "bench $1 rc=$? after ${SECONDS} s"
+  grep -v "^WARNING:root" "$OUT/bench_$1.log" | grep -v "^\[.*name=" | tail -30 | cut -c1-400
+}
+bench "${US_TAG:-call}" "${US_ROWS:-}" "${US_EXTRA:-}"
 # US_THEN_TAG: a second bench process on the same machine (its own US_THEN_ROWS, US_THEN_EXTRA), e.g.
 # the same rows on the legacy loader after a --dynamic-vram run: a memory manager is per process.
 # Where it repeats a miss row, give it a bank of its own (US_THEN_EXTRA="--bank /tmp/us-bank-2"):
 # the first process's entry would make that miss a hit.
 # The first process may use the whole US_LIMIT: give it a smaller --budget-s in US_EXTRA to leave time.
-limit=$(( ${US_LIMIT:-585} - SECONDS ))
-if [ -n "${US_THEN_TAG:-}" ] && [ "$limit" -lt 60 ]; then
-  echo "second bench $US_THEN_TAG not run: ${limit} s left of US_LIMIT"
-elif [ -n "${US_THEN_TAG:-}" ]; then
-  python3 tests/benchmarks/bench_user_stack.py --out "$OUT" --weights-dir "$WD" --shape "${US_SHAPE:-640x640}" \
-    --tag "$US_THEN_TAG" --call-limit-s "$limit" --budget-s "$limit" ${US_THEN_ROWS:+--rows "$US_THEN_ROWS"} \
-    --git-commit "${US_COMMIT:-unknown}" ${US_THEN_EXTRA:-} > "$OUT/bench_${US_THEN_TAG}.log" 2>&1
-  echo "second bench rc=$? after ${SECONDS} s"
-  grep -v "^WARNING:root" "$OUT/bench_${US_THEN_TAG}.log" | grep -v "^\[.*name=" | tail -20 | cut -c1-400
+if [ -n "${US_THEN_TAG:-}" ]; then
+  if [ $(( ${US_LIMIT:-585} - SECONDS )) -lt 60 ]; then echo "bench $US_THEN_TAG not run: under 60 s left"
+  else bench "$US_THEN_TAG" "${US_THEN_ROWS:-}" "${US_THEN_EXTRA:-}"; fi
 fi
 nvidia-smi --query-gpu=name --format=csv,noheader
