@@ -233,7 +233,7 @@ def test_a_tensor_the_fingerprint_cannot_read_is_named_in_the_log(caplog):
     assert weights_digest({"blocks.0.self_attn.q.weight": state["blocks.0.self_attn.q.weight"]}).unreadable == []
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_a_tensor_whose_views_raise_digests_as_its_values(monkeypatch, dtype):
     """Under DynamicVRAM a block's modulation came back to the CPU after a Chorus run as a tensor
     whose views raised (H100; no way to make one on a CPU is known, so views raise here for it):

@@ -115,8 +115,8 @@ class TensorDigest:
 
 
 def _strided_sample(tensor):
-    """Up to SAMPLES_PER_TENSOR evenly spaced elements (a view where the tensor allows one, else a gather
-    or, for fp8, an indexed copy); None on 'meta'."""
+    """Up to SAMPLES_PER_TENSOR evenly spaced elements (a view where the tensor allows one, else a
+    gather); None on 'meta'."""
     import torch
 
     tensor = tensor.detach()
@@ -132,11 +132,12 @@ def _strided_sample(tensor):
         # A view needs the tensor's version counter, and some have none: under DynamicVRAM
         # (ComfyUI 0.19+) a tensor the loader moved back to the CPU after a run raised "Inference
         # tensors do not track version counter" (2026-12-07, H100). A gather reads the same elements
-        # without a view (seen to work there); fp8 has no gather kernel, so it is read from a copy.
+        # without a view (seen to work there). fp8 has no gather kernel: it is gathered from a float32
+        # copy, which holds every fp8 value exactly, and cast back, so the digest is the view path's.
         count = min(SAMPLES_PER_TENSOR, -(-tensor.numel() // stride))  # what the view path takes
         index = torch.arange(0, count * stride, stride, device=tensor.device)
         if tensor.element_size() == 1 and tensor.is_floating_point():
-            return tensor.clone().reshape(-1)[index]
+            return torch.take(tensor.to(torch.float32), index).to(tensor.dtype)
         return torch.take(tensor, index)
 
 
