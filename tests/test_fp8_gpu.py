@@ -22,11 +22,14 @@ eager miss recorded and the eager hit served it, the compiled miss (first compil
 ``torch._dynamo.reset()``) ran, and the compiled hit (a new install, so a recompile) failed in dynamo
 with ``AssertionError: vr must not be None for symbol s31`` (comfy/ops.py:214, cast_bias_weight;
 tests/benchmarks/results/user_stack_runs/test_fp8_gpu_log.txt); ``-x`` stopped the fp8_e4m3fn_fast
-case. This form (eager and compiled apart, that dynamo failure an xfail, the dense-graph reuse seen
-at 40 blocks an xfail) ran on an H100 under DynamicVRAM only (2026-12-07,
-tests/benchmarks/results/user_stack_runs/test_fp8_gpu_dynamic_vram_*_log.txt): there the hits ran as
-misses, the model's fingerprint changing first at its load and then after each Chorus run (both fixed
-since; the hit test says which tensors changed). Not yet run on the legacy loader, nor after the last fix.
+case. This form (eager and compiled apart, that dynamo failure an xfail) ran on an H100 under
+DynamicVRAM (2026-12-07, tests/benchmarks/results/user_stack_runs/test_fp8_gpu_dynamic_vram_*_log.txt):
+at first the hits ran as misses, the model's fingerprint changing at its load and then after each
+Chorus run (both fixed; the hit test says which tensors changed). After the fixes (call v5, commit
+4b88315, ..._v5_log.txt) every test passed but the compiled fp8_scaled one (that dynamo failure), and
+the compiled hit after a compiled dense run, an xfail until then (the dense-graph reuse seen at 40
+blocks in user_stack_640.md, call c7, which graph_keys fixed), passed, so it is no longer marked.
+Not yet run on the legacy loader (--disable-dynamic-vram).
 """
 
 import os
@@ -281,11 +284,6 @@ def test_compiled_a_miss_records_and_the_same_request_hits_on_an_fp8_model(model
     assert rel_rms(same_entry, eager_hit) <= 2.0 * control + 0.02, (rel_rms(same_entry, eager_hit), control)
 
 
-@pytest.mark.xfail(reason="seen at 40 blocks on ComfyUI 0.19.3 (user_stack_640.md, call c7): TorchCompileModel's "
-                          "guard filter drops transformer_options, where the attention override lives, so a hit "
-                          "compiled after the same model was compiled dense reused the dense graph; graph_keys "
-                          "fixed it at 40 blocks (call d3), and this test has not passed on a GPU since",
-                   strict=False)
 def test_a_compiled_hit_after_a_compiled_dense_run_of_the_same_model_runs_sparse(model_files, tmp_path):
     import bench_end_to_end as e2e
     import bench_user_stack as us
