@@ -145,6 +145,7 @@ FORTY_MARK = "**At 40 steps, cfg 5**"
 FA4_FORTY_MARK = "**Against FlashAttention-4 at 40 steps**"
 FA4_720_FORTY_MARK = "**At 720p, 40 steps, cfg 1**"
 FA4_720_CFG5_MARK = "**At 720p, 40 steps, cfg 5**"
+DEFAULT_FORTY_MARK = "**Against ComfyUI's default at 40 steps**"
 BF16_MARK = "**Wan 2.1 with bf16 weights**"
 SUMMARY40_MARK = "**At 40 steps** ("  # the README's 40-step summary; the tables it sums up are in FORTY_DOC
 FORTY_DOC, FORTY_DOC_END = "docs/benchmarks.md", "## The fast path"
@@ -269,7 +270,7 @@ def test_the_720p_cfg_5_table_quotes_fa4s_joined_stages_counted_warm_and_the_hit
     """FA4's dense run joined from its two staged calls, at its warm count (each stage's first step
     compiled FA4's kernel); the hit as measured with the ratio the results file computed; the text's
     figures come from the rows' steps, and the miss that recorded the entry ran at cfg 1."""
-    rows = _check_720p_fa4_table(FA4_720_CFG5, FA4_720_CFG5_MARK, FORTY_DOC_END, FA4_720_CFG5_SESSION, 5.0)
+    rows = _check_720p_fa4_table(FA4_720_CFG5, FA4_720_CFG5_MARK, DEFAULT_FORTY_MARK, FA4_720_CFG5_SESSION, 5.0)
     fa4, hit = rows["fp8_e4m3fn_fast_dense_eager_fa4"], rows["fp8_e4m3fn_fast_hit_fp8_eager"]
     assert [p["stage"] for p in fa4["stages"]] == [[0, 20], [20, 40]]
     text = _forty_doc_text()
@@ -282,6 +283,85 @@ def test_the_720p_cfg_5_table_quotes_fa4s_joined_stages_counted_warm_and_the_hit
     assert f"a miss at cfg 1 ({miss['seconds']} s;" in text
     limits = _flat(_readme())
     assert f"and at cfg 5 {hit['vs_fastest_dense_fp8']:.3f}x ({_step_s(fa4) / _step_s(hit):.2f}x step for step)" in limits
+
+
+DEFAULT_FORTY_SESSION = "2af65dd3579f"  # a seventh warm H100: 40 steps, cfg 5 at 640x640 against ComfyUI's default
+DEFAULT_FORTY = {  # table label -> results row; ComfyUI's default joined from two staged calls
+    "ComfyUI's default on Linux: bf16 file, torch's own SDPA order, eager, two stages, counted warm":
+        "bf16_dense_eager_torch",
+    "dense, fp8, cuDNN SDPA, eager (the fastest dense here), counted warm": "fp8_e4m3fn_fast_dense_eager",
+    "**Chorus hit, FP8 attention**, `dense_last_steps` 0, eager, the entry recorded at cfg 5":
+        "fp8_e4m3fn_fast_hit_fp8_eager",
+    "Chorus miss that records, eager, at cfg 5": "fp8_e4m3fn_fast_miss_eager",
+}
+
+
+def test_the_40_step_table_against_comfyuis_default_quotes_its_machines_rows_and_both_ratios():
+    """Dense rows counted warm (ComfyUI's default from its two stages), Chorus's as measured; each
+    against the session's fastest dense run and ComfyUI's default; the text's figures from the
+    rows' steps, and the README's sentence the same figures."""
+    cells = _table_cells(DEFAULT_FORTY, DEFAULT_FORTY_MARK, FORTY_DOC_END, doc=FORTY_DOC)
+    assert set(cells) == set(DEFAULT_FORTY)
+    rows = _session_rows("user_stack_640.json", DEFAULT_FORTY_SESSION, steps=40)
+    default, dense = rows["bf16_dense_eager_torch"], rows["fp8_e4m3fn_fast_dense_eager"]
+    hit = rows["fp8_e4m3fn_fast_hit_fp8_eager"]
+    assert [p["stage"] for p in default["stages"]] == [[0, 20], [20, 40]]
+    assert all(r["cfg"] == 5.0 and not r["compiled"] for r in rows.values()) and hit["entry_recorded_cfg"] == 5.0
+    fastest = min(_counted(r) for r in rows.values() if r["role"] == "dense" and r["weights"] != "bf16")
+    assert fastest == _counted(dense)
+    for label, name in DEFAULT_FORTY.items():
+        row = rows[name]
+        quoted = _counted(row) if row["role"] == "dense" else row["seconds"]  # the miss, too, as measured
+        seconds, vs_fastest, vs_default = (float(c.rstrip("x")) for c in cells[label])
+        assert (seconds, vs_fastest, vs_default) == (
+            quoted, round(fastest / quoted, 3), round(_counted(default) / quoted, 3)), label
+    ratio = _counted(default) / hit["seconds"]
+    assert (hit["vs_fastest_dense_fp8"], hit["vs_dense_bf16"]) == (round(fastest / hit["seconds"], 3), round(ratio, 3))
+    text = _flat((REPO_ROOT / FORTY_DOC).read_text(), DEFAULT_FORTY_MARK, FORTY_DOC_END)
+    assert f"counted warm it took {default['warm_seconds']} s ({default['seconds']} s as measured)" in text
+    assert f"is **{ratio:.3f}x**: the 4.5x target is missed by {round(100 * (1 - ratio / 4.5))} %" in text
+    hit_step, default_step, dense_step = _step_s(hit), _step_s(default), _step_s(dense)
+    assert (f"Step for step the hit is {default_step / hit_step:.2f}x ComfyUI's default ({hit_step:.2f} s against "
+            f"{default_step:.2f} s) and {dense_step / hit_step:.2f}x dense fp8 with cuDNN ({dense_step:.2f} s)") in text
+    readme = _flat(_readme())
+    assert (f"{default['seconds']} s ({default['warm_seconds']} s counted warm) against the FP8 hit's "
+            f"{hit['seconds']} s, **{ratio:.3f}x**") in readme
+    assert f"the same hit is {fastest / hit['seconds']:.3f}x dense fp8 with cuDNN ({fastest} s)" in readme
+    assert f"it is {ratio:.3f}x eager, not the 4.5x set" in readme
+
+
+DYNAMIC_MARK, DYNAMIC_END = "Session `2af65dd3579f` (H100, commit 4b88315", "### At 40 steps on the user's stack"
+DYNAMIC = {  # table label -> results row (under DynamicVRAM the same name ends in _dynamic_vram)
+    "dense, cuDNN SDPA, eager, counted warm": "fp8_e4m3fn_fast_dense_eager",
+    "ComfyUI's default on Linux: bf16 file, torch's own SDPA order, eager, counted warm": "bf16_dense_eager_torch",
+    "Chorus miss that records, eager": "fp8_e4m3fn_fast_miss_eager",
+    "Chorus hit, 16-bit attention, `dense_last_steps` 0, eager": "fp8_e4m3fn_fast_hit_eager",
+    "Chorus hit, FP8 attention, `dense_last_steps` 0, eager": "fp8_e4m3fn_fast_hit_fp8_eager",
+}
+
+
+def test_the_dynamic_vram_table_quotes_one_machines_rows_on_both_loaders():
+    """Each loader's column: the row counted warm where it was its model's first generation, and its
+    ratio to that loader's dense fp8 row; the text's step figures from the rows' steps."""
+    cells = _table_cells(DYNAMIC, DYNAMIC_MARK, DYNAMIC_END, doc=FORTY_DOC)
+    assert set(cells) == set(DYNAMIC)
+    rows = _session_rows("user_stack_640.json", DEFAULT_FORTY_SESSION)
+    for column, suffix in enumerate(("_dynamic_vram", "")):
+        dense = rows["fp8_e4m3fn_fast_dense_eager" + suffix]
+        for label, name in DYNAMIC.items():
+            row = rows[name + suffix]
+            assert row["memory"] == ("dynamic_vram" if suffix else "legacy") and row["cfg"] == 1.0
+            seconds, ratio = (float(c.rstrip("x")) for c in cells[label][2 * column:2 * column + 2])
+            assert (seconds, ratio) == (_counted(row), round(_counted(dense) / _counted(row), 3)), (suffix, label)
+    text = _flat((REPO_ROOT / FORTY_DOC).read_text(), DYNAMIC_MARK, DYNAMIC_END)
+    step = {k: _step_s(r) for k, r in rows.items()}
+    assert (f"(dense {step['fp8_e4m3fn_fast_dense_eager_dynamic_vram']:.2f} s against "
+            f"{step['fp8_e4m3fn_fast_dense_eager']:.2f} s, the 16-bit hit "
+            f"{step['fp8_e4m3fn_fast_hit_eager_dynamic_vram']:.2f} s against {step['fp8_e4m3fn_fast_hit_eager']:.2f} s)") in text
+    assert (f"the bf16 file, did not ({step['bf16_dense_eager_torch_dynamic_vram']:.2f} s against "
+            f"{step['bf16_dense_eager_torch']:.2f} s)") in text
+    hit = rows["fp8_e4m3fn_fast_hit_fp8_eager_dynamic_vram"]
+    assert f"its first step ({hit['step_ms'][0] / 1e3:.2f} s against {hit['step_ms'][1] / 1e3:.2f} s for the next)" in text
 
 
 # the README's 40-step summary: row label -> (results file, session, cfg)
