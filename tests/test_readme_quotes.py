@@ -330,7 +330,8 @@ def test_the_40_step_table_against_comfyuis_default_quotes_its_machines_rows_and
     assert f"it is {ratio:.3f}x eager, not the 4.5x set" in readme
 
 
-DYNAMIC_MARK, DYNAMIC_END = "Session `2af65dd3579f` (H100, commit 4b88315", "### At 40 steps on the user's stack"
+DYNAMIC_MARK = f"Session `{DEFAULT_FORTY_SESSION}` (H100, commit 4b88315"  # the same machine: both loaders
+DYNAMIC_END = "### At 40 steps on the user's stack"
 DYNAMIC = {  # table label -> results row (under DynamicVRAM the same name ends in _dynamic_vram)
     "dense, cuDNN SDPA, eager, counted warm": "fp8_e4m3fn_fast_dense_eager",
     "ComfyUI's default on Linux: bf16 file, torch's own SDPA order, eager, counted warm": "bf16_dense_eager_torch",
