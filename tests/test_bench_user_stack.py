@@ -188,8 +188,10 @@ def test_a_dense_row_longer_than_a_call_runs_in_stages_and_the_merge_joins_them(
 
     chorus = call("x", "--stage", "0:2", "--rows", "bf16:dense:eager,bf16:miss:eager")
     assert chorus.returncode != 0 and "bf16:miss:eager is a Chorus row" in chorus.stderr
-    short = call("x", "--warmup-steps", "1", "--rows", "bf16:hit_last1:compiled")  # its last step: a graph of its own
+    short = call("x", "--warmup-steps", "2", "--rows", "bf16:hit_last1:compiled")  # its last step: a graph of its own
     assert short.returncode != 0 and "--warmup-steps: bf16:hit_last1:compiled needs its whole schedule" in short.stderr
+    one = call("x", "--warmup-steps", "1", "--rows", "bf16:dense:compiled")  # dynamo compiles again on call two
+    assert one.returncode != 0 and "give --warmup-steps 2 or more" in one.stderr
     early = call("early", "--stage", "2:4", "--rows", "bf16:dense:eager")
     assert early.returncode != 0 and "run --stage 0:2 of bf16_dense_eager first" in early.stderr
     assert not (tmp_path / "w").exists()  # refused before the checkpoint files were built
@@ -198,9 +200,9 @@ def test_a_dense_row_longer_than_a_call_runs_in_stages_and_the_merge_joins_them(
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # a compiled stage compiles on a short whole schedule first (a 20-step warm-up at 720p, cfg 5
     # would take a call's time): its timed run is the stage, and its latent is what the next starts from
-    compiled = call("c1", "--stage", "0:2", "--warmup-steps", "1", "--rows", "bf16:dense:compiled")
+    compiled = call("c1", "--stage", "0:2", "--warmup-steps", "2", "--rows", "bf16:dense:compiled")
     assert compiled.returncode == 0, compiled.stdout[-3000:] + compiled.stderr[-3000:]
-    assert re.search(r"bf16:dense:compiled: warm-up \(compile\) [0-9.]+ s, steps \[[0-9.]+\],", compiled.stdout
+    assert re.search(r"bf16:dense:compiled: warm-up \(compile\) [0-9.]+ s, steps \[[0-9.]+, [0-9.]+\],", compiled.stdout
                      + compiled.stderr)
     [warm] = json.loads((tmp_path / "c1" / "user_stack_tiny_c1.json").read_text())["rows"]
     assert warm["stage"] == [0, 2] and len(warm["step_ms"]) == 2 and warm["compile_s"] > 0
@@ -353,6 +355,53 @@ print(json.dumps({r['name']: [r['warm_seconds'], r['vs_dense_same_weights']] for
     # (a cold row against its own warm count is under 1.0x)
     assert got == {"dense": [None, 1.0], "dense_dynamic_vram": [32.0, 0.727], "miss_dynamic_vram": [None, 1.0],
                    "hit_dynamic_vram": [None, 3.556], "bf16_dynamic_vram": [40.0, 0.8]}
+
+
+def test_a_compiled_baseline_whose_timed_run_still_compiled_counts_those_steps_warm():
+    """A warm-up too short to meet every graph leaves a compile in the timed run (its ``graphs``):
+    that many of its slowest steps count at the median of the others, so no ratio is flattered by
+    the compile; a row that compiled nothing keeps its seconds (in a process of its own)."""
+    code = """
+import json, sys
+sys.path.insert(0, 'tests/benchmarks')
+import bench_user_stack as b
+base = dict(session='s', shape='640x640', steps=4, cfg=5.0, weights='fp8_e4m3fn_fast', stage=None, model_load_s=0.01)
+rows = [dict(base, name='fa4', arm='dense', role='dense', compiled=True, graphs=1, seconds=16.0,
+             step_ms=[2000.0, 10000.0, 2000.0, 2000.0]),
+        dict(base, name='hit', arm='hit', role='hit', compiled=True, graphs=0, seconds=4.0, step_ms=[1000.0] * 4)]
+b.ratios(rows)
+print(json.dumps([(r['warm_seconds'], r['vs_dense_same_weights']) for r in rows]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (dense_warm, dense_ratio), (hit_warm, hit_ratio) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert dense_warm == 8.0 and hit_warm is None  # the 10 s step at the 2 s median of the others
+    assert hit_ratio == 2.0 and dense_ratio == 0.5  # 8 / 4, not 16 / 4
+
+
+def test_each_session_whose_stages_cover_the_schedule_gets_a_row_of_its_own():
+    """Two machines each timed a dense row in two stages: two rows, each within its session (its
+    ratios stay there), not one row of the first file's stages; a third session's lone stage joins
+    a fourth's across sessions, with the note that says so (in a process of its own)."""
+    code = """
+import json, sys
+sys.path.insert(0, 'tests/benchmarks')
+import bench_user_stack as b
+base = dict(name='bf16_dense_eager_torch', steps=4, cfg=5.0, shape='640x640', step_ms=[1000.0, 1000.0])
+def stage(session, a, seconds):
+    return dict(base, session=session, run=session + '-' + str(a), stage=[a, a + 2], seconds=seconds)
+rows = [stage('A', 0, 2.0), stage('A', 2, 2.5), stage('B', 0, 3.0), stage('B', 2, 3.5), stage('C', 0, 4.0),
+        stage('D', 2, 5.0)]
+notes = []
+whole, kept = b.join_staged_rows(rows, notes)
+print(json.dumps([[r['session'], r['seconds']] for r in whole] + [len(kept), notes]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    *rows, kept, notes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert rows == [["A", 4.5], ["B", 6.5], ["C+D", 9.0]] and kept == 6
+    assert notes == ["bf16_dense_eager_torch at 4 steps: its stages ran on machine sessions C, D, so its row has no "
+                     "ratios to other rows, nor they to it (ratios stay within one machine)"]
 
 
 def test_a_miss_that_recorded_nothing_serves_no_hit_and_a_hit_names_only_its_own_entrys_cfg():
