@@ -21,6 +21,11 @@ The scheme (SageAttention 2's: INT8 for QK^T, FP8 for PV):
   accumulates in float32.
 
 The softmax itself (maximum, exponent, row sums) stays in float32, as in the kernel.
+
+The **int8** scheme (``attention_precision`` "int8", SageAttention 1's split) quantises QK^T alone,
+as above, and keeps P and V in V's 16-bit type: on the testbed the e4m3 P and V carried most of the
+scheme's error (``tests/testbed/fp8_ablation.py``). Its backends are ``triton_int8`` and
+``reference_int8``; the dispatch below takes ``pv_fp8=False`` for it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from .block_sparse import (BACKEND_ENV, BackendChoice, BlockSparseMask, check_in
                            record_backend_choice, run_backend, select_backend, triton_available,
                            triton_interpreting)
 from .layouts import from_bhnd, output_views, to_bhnd
-from .ops import define_fp8_block_sparse_op
+from .ops import define_fp8_block_sparse_op, define_int8_block_sparse_op
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -70,11 +75,13 @@ def quantize_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False,
                                          skip_output_reshape=False, qk_dtype: Optional[torch.dtype] = torch.int8,
-                                         smooth_k: bool = True, quantize_pv: bool = True) -> torch.Tensor:
+                                         smooth_k: bool = True, quantize_pv: bool = True,
+                                         pv_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Block-sparse attention with the scheme above; layouts as ``block_sparse_attention``
     (``qk_dtype``, ``smooth_k`` and ``quantize_pv`` vary the scheme, for the comparisons that chose
     it and that look for where its error comes from: ``qk_dtype`` None keeps Q and K in float32,
-    ``quantize_pv`` False keeps P and V in float32).
+    ``quantize_pv`` False keeps P and V in float32, or with ``pv_dtype`` rounds them to it, as the
+    int8 scheme's kernel does with V's 16-bit type).
 
     P is quantised against its row's final maximum here; the kernel's online softmax quantises each
     tile against the maximum so far, also in [0, 1]. Heads go in chunks whose scores fit
@@ -87,6 +94,8 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
     q8, q_scale = quantize_blocks(qh, mask.block_q, qk_dtype)
     k8, k_scale = quantize_blocks(kh, mask.block_k, qk_dtype)
     v8, v_scale = quantize_channels(vh) if quantize_pv else (vh.float(), torch.ones_like(vh[..., :1, :], dtype=torch.float32))
+    if not quantize_pv and pv_dtype is not None:
+        v8 = v8.to(pv_dtype).float()
     q_rows = q_scale.repeat_interleave(mask.block_q, dim=-1)[..., :n, None]
     k_cols = k_scale.repeat_interleave(mask.block_k, dim=-1)[..., None, :n]
     out = torch.empty(b, h, n, d, dtype=q.dtype, device=q.device)
@@ -98,10 +107,15 @@ def fp8_block_sparse_attention_reference(q, k, v, mask: BlockSparseMask, heads: 
             s = (s * d**-0.5).masked_fill(~cols[:, hs, None, :], float("-inf"))
             p = torch.exp(s - s.amax(dim=-1, keepdim=True))
             row_sum = p.sum(dim=-1, keepdim=True)
-            p_values = (p * P_SCALE).to(E4M3).float() if quantize_pv else p * P_SCALE
+            p_values = (p * P_SCALE).to(E4M3).float() if quantize_pv else unquantized_p(p, pv_dtype)
             pv = p_values @ v8[:, hs].float() * (v_scale[:, hs] / P_SCALE)
             out[:, hs, rows] = (pv / row_sum).to(q.dtype)
     return from_bhnd(out, skip_output_reshape)
+
+
+def unquantized_p(p: torch.Tensor, pv_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """P at the reference's fixed scale without e4m3: in float32, or rounded to ``pv_dtype`` first."""
+    return (p if pv_dtype is None else p.to(pv_dtype).float()) * P_SCALE
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,72 +141,84 @@ def fp8_unsupported_reason(q: torch.Tensor, mask: BlockSparseMask) -> Optional[s
     return None
 
 
-def select_fp8_backend(q: torch.Tensor, mask: BlockSparseMask, backend: str = "auto") -> BackendChoice:
-    """Which backend an FP8 call runs and why: ``triton_fp8``, ``reference_fp8`` (CPU tensors), or
-    where FP8 cannot run with ``backend="auto"``, the bf16 choice with why FP8 was not used. An
-    explicit ``backend`` FP8 cannot honour raises; one forced by ``CHORUS_BLOCK_SPARSE_BACKEND``
-    (A/B runs) falls back to the bf16 dispatch instead, so it never costs a run its sparsity."""
+SCHEMES = {True: ("fp8", "int8 QK^T, e4m3 PV"), False: ("int8", "int8 QK^T, 16-bit PV")}  # by pv_fp8
+QUANTIZED_BACKENDS = {f"{kind}_{name}": pv_fp8 for pv_fp8, (name, _) in SCHEMES.items()
+                      for kind in ("triton", "reference")}  # backend name -> pv_fp8
+
+
+def select_fp8_backend(q: torch.Tensor, mask: BlockSparseMask, backend: str = "auto",
+                       pv_fp8: bool = True) -> BackendChoice:
+    """Which backend a quantised call runs and why: ``triton_fp8``, ``reference_fp8`` (CPU tensors)
+    (``triton_int8``, ``reference_int8`` for the int8 scheme, ``pv_fp8`` False), or where it cannot
+    run with ``backend="auto"``, the bf16 choice with why it was not used. An explicit ``backend`` it
+    cannot honour raises; one forced by ``CHORUS_BLOCK_SPARSE_BACKEND`` (A/B runs) falls back to the
+    bf16 dispatch instead, so it never costs a run its sparsity."""
     forced = os.environ.get(BACKEND_ENV, "").strip() if backend == "auto" else ""
     if not forced or forced == "auto":
-        return _fp8_choice(q, mask, backend)
+        return _fp8_choice(q, mask, backend, pv_fp8)
     try:
-        name, why = _fp8_choice(q, mask, forced)
+        name, why = _fp8_choice(q, mask, forced, pv_fp8)
     except (RuntimeError, ValueError) as exc:
         name, why = select_backend(q, mask, "auto")  # honours the variable itself
-        why = f"{why}; attention_precision fp8 not used: {exc}"
+        why = f"{why}; attention_precision {SCHEMES[pv_fp8][0]} not used: {exc}"
     return BackendChoice(name, why if why.startswith(BACKEND_ENV) else f"{BACKEND_ENV}={forced}; {why}")
 
 
-def _fp8_choice(q: torch.Tensor, mask: BlockSparseMask, wanted: str) -> BackendChoice:
+def _fp8_choice(q: torch.Tensor, mask: BlockSparseMask, wanted: str, pv_fp8: bool = True) -> BackendChoice:
     qh = q if q.dim() == 4 else to_bhnd(q, mask.heads, False)
+    name, scheme = SCHEMES[pv_fp8]
     if wanted == "reference" or (wanted == "auto" and not q.is_cuda):
-        return BackendChoice("reference_fp8", "the FP8 scheme's pure-torch reference" +
+        return BackendChoice(f"reference_{name}", f"the {name} scheme's pure-torch reference ({scheme})" +
                              ("" if wanted == "reference" else " (CPU tensors)"))
     why = fp8_unsupported_reason(qh, mask)
     if wanted == "triton":
         if why is not None:
             raise RuntimeError(f"the FP8 Triton kernel cannot run this call: {why}")
-        return BackendChoice("triton_fp8", "requested: the FP8 Triton kernel (int8 QK^T, e4m3 PV)")
+        return BackendChoice(f"triton_{name}", f"requested: the FP8 Triton kernel ({scheme})")
     if wanted != "auto":
-        raise ValueError(f"attention_precision 'fp8' runs on 'auto', 'triton' or 'reference', got {wanted!r} "
+        raise ValueError(f"attention_precision {name!r} runs on 'auto', 'triton' or 'reference', got {wanted!r} "
                          "(FlashAttention-4 has no FP8 block-sparse path here)")
     if why is None:
-        return BackendChoice("triton_fp8", "FP8 Triton kernel: int8 QK^T, e4m3 PV")
+        return BackendChoice(f"triton_{name}", f"FP8 Triton kernel: {scheme}")
     bf16 = select_backend(q, mask, "auto")
-    return BackendChoice(bf16.name, f"{bf16.reason}; attention_precision fp8 not used: {why}")
+    return BackendChoice(bf16.name, f"{bf16.reason}; attention_precision {name} not used: {why}")
 
 
 def fp8_block_sparse_attention(q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False,
                                skip_output_reshape=False, *, out: Optional[torch.Tensor] = None,
-                               backend: str = "auto", config: Optional[dict] = None) -> torch.Tensor:
-    """``block_sparse_attention`` at attention precision "fp8": same layouts, mask and arguments.
-    Under ``torch.compile`` one ``chorus::fp8_block_sparse_attention`` op."""
+                               backend: str = "auto", config: Optional[dict] = None, pv_fp8: bool = True
+                               ) -> torch.Tensor:
+    """``block_sparse_attention`` at attention precision "fp8" (``pv_fp8`` False: "int8"): same
+    layouts, mask and arguments. Under ``torch.compile`` one ``chorus::fp8_block_sparse_attention``
+    (``chorus::int8_block_sparse_attention``) op."""
     if torch.compiler.is_compiling():
-        res = fp8_block_sparse_attention_op(
-            q, k, v, mask.live_blocks, mask.live_counts, mask.block_q, mask.block_k, mask.seq_len,
-            heads, skip_reshape, skip_output_reshape, backend,
-        )
+        op = fp8_block_sparse_attention_op if pv_fp8 else int8_block_sparse_attention_op
+        res = op(q, k, v, mask.live_blocks, mask.live_counts, mask.block_q, mask.block_k, mask.seq_len,
+                 heads, skip_reshape, skip_output_reshape, backend)
         return res if out is None else out.copy_(res)
-    choice = select_fp8_backend(q, mask, backend)
+    choice = select_fp8_backend(q, mask, backend, pv_fp8)
     return run_fp8_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, out=out, config=config)
 
 
 def run_fp8_backend(choice: BackendChoice, q, k, v, mask: BlockSparseMask, heads: int, skip_reshape=False,
                     skip_output_reshape=False, *, out=None, config=None, validate=True) -> torch.Tensor:
-    """Run an FP8 choice, or hand a bf16 fallback choice to ``block_sparse.run_backend``."""
-    if choice.name not in ("triton_fp8", "reference_fp8"):
+    """Run a quantised choice (its name says the scheme), or hand a bf16 fallback choice to
+    ``block_sparse.run_backend``."""
+    if choice.name not in QUANTIZED_BACKENDS:
         return run_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, out=out, config=config,
                            validate=validate)
     record_backend_choice(choice)
     qh, kh, vh = (to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
     check_inputs(qh, kh, vh, mask, validate)
-    if choice.name == "reference_fp8":
-        res = fp8_block_sparse_attention_reference(qh, kh, vh, mask, heads, True, skip_output_reshape)
+    pv_fp8 = QUANTIZED_BACKENDS[choice.name]
+    if choice.name.startswith("reference_"):
+        res = fp8_block_sparse_attention_reference(qh, kh, vh, mask, heads, True, skip_output_reshape,
+                                                   quantize_pv=pv_fp8, pv_dtype=None if pv_fp8 else vh.dtype)
         return res if out is None else out.copy_(res)
     out, oh = output_views(qh, out, heads, skip_output_reshape)
     from . import triton_fp8_block_sparse as fp8_kernel  # imports triton
 
-    fp8_kernel.fp8_block_sparse_attn_fwd(qh, kh, vh, oh, mask, config)
+    fp8_kernel.fp8_block_sparse_attn_fwd(qh, kh, vh, oh, mask, config, pv_fp8=pv_fp8)
     return out
 
 
@@ -202,10 +228,26 @@ def _op_impl(
     backend: str,
 ) -> torch.Tensor:
     """``block_sparse._op_impl``'s counterpart (kept apart: each looks its dispatch up when it runs)."""
-    mask = BlockSparseMask(live_blocks, live_counts, block_q, block_k, seq_len)
-    choice = select_fp8_backend(q, mask, backend)
+    return run_quantized_op(q, k, v, BlockSparseMask(live_blocks, live_counts, block_q, block_k, seq_len), heads,
+                            skip_reshape, skip_output_reshape, backend, pv_fp8=True)
+
+
+def _int8_op_impl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live_blocks: torch.Tensor, live_counts: torch.Tensor,
+    block_q: int, block_k: int, seq_len: int, heads: int, skip_reshape: bool, skip_output_reshape: bool,
+    backend: str,
+) -> torch.Tensor:
+    """``_op_impl`` for the int8 scheme (an op of its own: the schema has no place for the scheme)."""
+    return run_quantized_op(q, k, v, BlockSparseMask(live_blocks, live_counts, block_q, block_k, seq_len), heads,
+                            skip_reshape, skip_output_reshape, backend, pv_fp8=False)
+
+
+def run_quantized_op(q, k, v, mask: BlockSparseMask, heads: int, skip_reshape: bool, skip_output_reshape: bool,
+                     backend: str, pv_fp8: bool) -> torch.Tensor:
+    choice = select_fp8_backend(q, mask, backend, pv_fp8)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     return run_fp8_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, validate=False)
 
 
 fp8_block_sparse_attention_op = define_fp8_block_sparse_op(_op_impl)
+int8_block_sparse_attention_op = define_int8_block_sparse_op(_int8_op_impl)

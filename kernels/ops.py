@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["define_block_sparse_op", "define_fp8_block_sparse_op", "define_dense_op", "OP_NAME", "FP8_OP_NAME",
-           "DENSE_OP_NAME"]
+__all__ = ["define_block_sparse_op", "define_fp8_block_sparse_op", "define_int8_block_sparse_op", "define_dense_op",
+           "OP_NAME", "FP8_OP_NAME", "INT8_OP_NAME", "DENSE_OP_NAME"]
 
 OP_NAME = "chorus::block_sparse_attention"
 FP8_OP_NAME = "chorus::fp8_block_sparse_attention"  # attention_precision "fp8": same schema, own dispatch
+INT8_OP_NAME = "chorus::int8_block_sparse_attention"  # attention_precision "int8": the same again
 DENSE_OP_NAME = "chorus::dense_attention"
 
 
@@ -66,6 +67,12 @@ def define_fp8_block_sparse_op(impl):
     """``chorus::fp8_block_sparse_attention``, the FP8 dispatch of ``fp8_block_sparse``: the schema of
     ``define_block_sparse_op``'s op."""
     return _define(FP8_OP_NAME, impl, _fake)
+
+
+def define_int8_block_sparse_op(impl):
+    """``chorus::int8_block_sparse_attention``, the int8 scheme's dispatch (QK^T alone quantised): the
+    schema of ``define_block_sparse_op``'s op."""
+    return _define(INT8_OP_NAME, impl, _fake)
 
 
 def define_dense_op(impl):

@@ -15,7 +15,7 @@ BENCH = REPO_ROOT / "tests" / "benchmarks" / "bench_user_stack.py"
 
 def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_calls(tmp_path, comfyui_path):
     rows = "bf16:dense:eager,bf16:dense:eager:sage,bf16:miss:eager,bf16:hit:eager:sage,bf16:hit:eager,bf16:hit_last1:eager,"
-    rows += "bf16:hit_fp8:eager,bf16:dense:eager:flash,bf16:dense:eager:torch,bf16:dense:eager:fa4"
+    rows += "bf16:hit_fp8:eager,bf16:hit_int8:eager,bf16:dense:eager:flash,bf16:dense:eager:torch,bf16:dense:eager:fa4"
     done = subprocess.run([sys.executable, str(BENCH), "--tiny", "--out", tmp_path, "--weights-dir", tmp_path / "w",
                            "--bank", tmp_path / "bank", "--rows", rows], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "COMFYUI_PATH": str(comfyui_path)})
@@ -46,6 +46,8 @@ def test_sage_rows_run_comfyuis_sage_attention_and_chorus_leaves_it_the_dense_ca
     assert (fp8["run_mode"], fp8["role"]) == ("hit", "hit")
     assert fp8["backend"].startswith("reference_fp8") and fp8["attention"].startswith("chorus_block_sparse_fp8")
     assert fp8["report_timings"]  # the run report's timings travel with the row (the first step's profile)
+    int8 = result["bf16_hit_int8_eager"]  # "int8": QK^T alone quantised, its own reference on the CPU
+    assert int8["backend"].startswith("reference_int8") and int8["attention"].startswith("chorus_block_sparse_int8")
 
     # a later call at another step count finds no entry of its own in the kept bank: the call stops
     # before anything is set up, with what to run first (the 4-step entry would not serve it)

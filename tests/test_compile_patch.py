@@ -155,7 +155,9 @@ def test_a_kernel_failure_in_an_eager_planned_call_makes_the_rest_dense(tiny_wan
     assert (stats.sparse_calls, stats.dense_calls) == (0, LAYERS * STEPS)
 
 
-def test_an_fp8_kernel_failure_makes_the_rest_of_the_run_16_bit_sparse_not_dense(tiny_wan_patcher, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_a_quantised_kernel_failure_makes_the_rest_of_the_run_16_bit_sparse_not_dense(tiny_wan_patcher, monkeypatch,
+                                                                                      precision):
     import kernels.fp8_block_sparse as fp8
 
     from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
@@ -164,11 +166,12 @@ def test_an_fp8_kernel_failure_makes_the_rest_of_the_run_16_bit_sparse_not_dense
         raise RuntimeError("FP8 kernel launch failed (test)")
 
     monkeypatch.setattr(fp8, "run_fp8_backend", broken)
-    patched = install_sparse_attention(tiny_wan_patcher, hit_provider(), attention_precision="fp8")
+    patched = install_sparse_attention(tiny_wan_patcher, hit_provider(), attention_precision=precision)
     sample(patched)
     stats = get_run_stats(patched)
     assert stats.warnings == ["block-sparse attention failed at layer 0, step 1 (RuntimeError: FP8 kernel launch "
-                              "failed (test)); the rest of this run uses 16-bit block-sparse attention instead of FP8"]
+                              "failed (test)); the rest of this run uses 16-bit block-sparse attention instead of "
+                              f"{precision.upper()}"]
     assert (stats.sparse_calls, stats.dense_calls) == (LAYERS * (STEPS - 1) - 1, LAYERS + 1)
     assert stats.backend.startswith("reference (")  # the 16-bit dispatch's, on these CPU tensors
 
@@ -519,23 +522,27 @@ def test_an_observed_call_leaves_other_threads_compiled_code_compiled(tiny_wan_p
     assert len(runs) == 2  # the compiled code ran again, not the eager function
 
 
-def test_an_fp8_hit_compiles_to_one_graph_per_phase_and_equals_its_eager_run(tiny_wan_patcher, dynamo):
-    """attention_precision "fp8": the chorus::fp8_block_sparse_attention op in the compiled graphs (the
-    scheme's reference on these CPU tensors), the report's backend naming it, and an output that
-    differs from the bf16 hit's by quantisation only."""
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_a_quantised_hit_compiles_to_one_graph_per_phase_and_equals_its_eager_run(tiny_wan_patcher, dynamo,
+                                                                                   precision):
+    """attention_precision "fp8" (and "int8"): the chorus::fp8_block_sparse_attention op
+    (chorus::int8_block_sparse_attention) in the compiled graphs (the scheme's reference on these CPU
+    tensors), the report's backend naming it, and an output that differs from the bf16 hit's by
+    quantisation only."""
     from chorus_core.attention.sparse_patch import get_run_stats, install_sparse_attention
 
-    eager = install_sparse_attention(tiny_wan_patcher, hit_provider(buckets=3), attention_precision="fp8")
+    eager = install_sparse_attention(tiny_wan_patcher, hit_provider(buckets=3), attention_precision=precision)
     expected = sample(eager)
-    patched = compiled(install_sparse_attention(tiny_wan_patcher, hit_provider(buckets=3), attention_precision="fp8"))
+    patched = compiled(install_sparse_attention(tiny_wan_patcher, hit_provider(buckets=3),
+                                                attention_precision=precision))
     out = sample(patched)
 
     # inductor rounds the layers before attention its own way; quantising then moves a value across
     # an int8 or e4m3 step now and then (1 element in 20,480 by 0.0013 when this was written)
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=5e-3)
     assert dict(dynamo["graph_break"]) == {} and dynamo["stats"]["unique_graphs"] == 2
-    assert get_run_stats(eager).backend.startswith("reference_fp8")
-    assert get_run_stats(patched).backend.startswith("reference_fp8")
+    assert get_run_stats(eager).backend.startswith(f"reference_{precision}")
+    assert get_run_stats(patched).backend.startswith(f"reference_{precision}")
     bf16 = sample(install_sparse_attention(tiny_wan_patcher, hit_provider(buckets=3)))
     assert not torch.equal(out, bf16)
     assert torch.nn.functional.cosine_similarity(out.flatten(), bf16.flatten(), dim=0) > 0.999
@@ -545,9 +552,9 @@ def test_attention_precision_must_be_a_known_one(tiny_wan_patcher):
     from chorus_core.attention.sparse_patch import install_sparse_attention
     from chorus_core.reuse.reuse_run import ReuseOptions
 
-    with pytest.raises(ValueError, match=r"attention_precision must be one of bf16, fp8, got 'int4'"):
+    with pytest.raises(ValueError, match=r"attention_precision must be one of bf16, fp8, int8, got 'int4'"):
         install_sparse_attention(tiny_wan_patcher, DenseProvider(), attention_precision="int4")
-    with pytest.raises(ValueError, match=r"attention_precision 'fp16' is not one of bf16, fp8"):
+    with pytest.raises(ValueError, match=r"attention_precision 'fp16' is not one of bf16, fp8, int8"):
         ReuseOptions(attention_precision="fp16")
 
 

@@ -122,6 +122,34 @@ def test_cpu_tensors_run_the_reference_and_fa4_is_refused_with_the_reason():
         select_fp8_backend(q, m, "fa4")
 
 
+def test_the_int8_scheme_on_cpu_tensors_is_its_reference_with_p_and_v_16_bit_and_nearer_exact_than_fp8():
+    """``pv_fp8=False`` ("int8"): CPU tensors run ``reference_int8``, QK^T quantised and P and V
+    rounded to V's 16-bit type as the kernel keeps them; nearer the float32 output than fp8."""
+    q, k, v = inputs(n=300)
+    m = mask_for(n=300)
+    assert select_fp8_backend(q, m, pv_fp8=False).name == "reference_int8"
+    out = fp8_block_sparse_attention(q, k, v, m, H, pv_fp8=False)
+    choice = last_backend_choice()
+    assert choice.name == "reference_int8" and "int8 QK^T, 16-bit PV" in choice.reason
+    assert torch.equal(out, fp8_block_sparse_attention_reference(q, k, v, m, H, quantize_pv=False,
+                                                                 pv_dtype=torch.bfloat16))
+    assert not torch.equal(out, fp8_block_sparse_attention_reference(q, k, v, m, H, quantize_pv=False))
+    exact = block_sparse_attention_reference(*(x.float() for x in (q, k, v)), m, H)
+    error = lambda x: ((x.float() - exact).norm() / exact.norm()).item()  # noqa: E731
+    assert error(out) < error(fp8_block_sparse_attention(q, k, v, m, H)) / 1.5
+
+
+def test_under_torch_compile_the_int8_call_is_its_own_op_with_the_eager_result():
+    q, k, v = inputs(n=300)
+    m = mask_for(n=300)
+    eager = fp8_block_sparse_attention(q, k, v, m, H, backend="reference", pv_fp8=False)
+    compiled = torch.compile(lambda q, k, v: fp8_block_sparse_attention(q, k, v, m, H, backend="reference",
+                                                                        pv_fp8=False),
+                             backend="eager", fullgraph=True)
+    assert torch.equal(compiled(q, k, v), eager)
+    assert last_backend_choice().name == "reference_int8"
+
+
 def test_the_environment_variable_forces_the_fp8_reference(monkeypatch):
     q, _, _ = inputs(n=300)
     monkeypatch.setenv("CHORUS_BLOCK_SPARSE_BACKEND", "reference")

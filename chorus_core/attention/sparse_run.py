@@ -8,6 +8,7 @@ The hooks that ComfyUI calls live in ``sparse_patch``; they find this state in
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -28,8 +29,10 @@ from .run_stats import LayerStats, RunStats, StepCallback, StepStats
 # function; "comfyui" = always ComfyUI's own function.
 DENSE_ATTENTION_MODES = ("auto", "comfyui")
 # What the block-sparse calls compute in: "bf16" = the input's 16-bit type throughout; "fp8" = int8
-# QK^T and e4m3 PV on FP8 tensor cores (kernels/fp8_block_sparse.py), bf16 where FP8 cannot run.
-ATTENTION_PRECISIONS = ("bf16", "fp8")
+# QK^T and e4m3 PV on FP8 tensor cores (kernels/fp8_block_sparse.py); "int8" = int8 QK^T with P and
+# V in the input's 16-bit type (the same kernel, pv_fp8 False); bf16 where those cannot run.
+ATTENTION_PRECISIONS = ("bf16", "fp8", "int8")
+QUANTIZED_PRECISIONS = {"fp8": True, "int8": False}  # -> the quantised kernel's pv_fp8
 
 # Set by newer ComfyUI's MultiGPU split in each worker thread's model call (comfy/samplers.py,
 # _calc_cond_batch_multigpu; read in the 0.38 tree, not in 0.19.3).
@@ -224,9 +227,10 @@ class SparseRun:
 
     def _dispatch(self) -> tuple[Callable, Callable]:
         """(block-sparse function, its backend selection) for this run's ``attention_precision``."""
-        if self.attention_precision == "fp8":
-            fp8 = fp8_block_sparse()
-            return fp8.fp8_block_sparse_attention, fp8.select_fp8_backend
+        if self.attention_precision in QUANTIZED_PRECISIONS:
+            fp8, pv_fp8 = fp8_block_sparse(), QUANTIZED_PRECISIONS[self.attention_precision]
+            return (functools.partial(fp8.fp8_block_sparse_attention, pv_fp8=pv_fp8),
+                    functools.partial(fp8.select_fp8_backend, pv_fp8=pv_fp8))
         bf16 = block_sparse()
         return bf16.block_sparse_attention, bf16.select_backend
 
@@ -348,12 +352,12 @@ class SparseRun:
         self.kernel_failed(f"block-sparse attention failed {where} ({type(exc).__name__}: {exc})")
 
     def kernel_failed(self, where: str) -> None:
-        """A block-sparse call failed (``where`` says how): an FP8 run goes on with 16-bit block-sparse
-        attention (the FP8 kernel is the newer, less proven one), any other run goes dense."""
-        if self.attention_precision == "fp8":
-            self.attention_precision = "bf16"
+        """A block-sparse call failed (``where`` says how): an fp8 or int8 run goes on with 16-bit
+        block-sparse attention (the quantised kernel is the newer, less proven one), any other run goes dense."""
+        if self.attention_precision in QUANTIZED_PRECISIONS:
+            was, self.attention_precision = self.attention_precision, "bf16"
             self.stats.backend = None  # named again by the next block-sparse call
-            self._warn(f"{where}; the rest of this run uses 16-bit block-sparse attention instead of FP8")
+            self._warn(f"{where}; the rest of this run uses 16-bit block-sparse attention instead of {was.upper()}")
         else:
             self._disable(f"{where}; the rest of this run is dense")
 

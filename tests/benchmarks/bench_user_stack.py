@@ -57,7 +57,8 @@ Arms (``role``):
 - ``hit_last1`` (role ``hit``): the same hit with its last step dense (``dense_last_steps`` 1, the
   testbed's quality option: docs/quality.md, Defaults);
 - ``hit_fp8`` and ``hit_last1_fp8`` (role ``hit``): those two hits with ``attention_precision`` "fp8"
-  (int8 QK^T, e4m3 PV: ``kernels/triton_fp8_block_sparse.py``);
+  (int8 QK^T, e4m3 PV: ``kernels/triton_fp8_block_sparse.py``); ``hit_int8`` the first with "int8"
+  (int8 QK^T, 16-bit PV: the same kernel);
 - ``core_topk`` (role ``peer``): the same kernel with the node's top-k method keeping ``--density``
   of the key blocks from the first step, as the hit does: core's sparse attention at Chorus's density.
 Every Chorus generation makes a new match and a new install, as a new prompt does; its dense steps
@@ -418,7 +419,7 @@ def chorus_patched(ctx, model, arm: str):
     options = ReuseOptions(dense_warmup_steps=1, hit_warmup_steps=0, min_density=ctx["density"],
                            max_density=ctx["density"], miss_mode="online", record_on_miss=arm == "miss",
                            dense_last_steps=1 if arm.startswith("hit_last1") else 0,
-                           attention_precision="fp8" if arm.endswith("_fp8") else "bf16")
+                           attention_precision=arm_precision(arm))
     patch = ReusePatch(model, match_request(ctx["bank"], request), options, scheduler=SCHEDULER, sampler=SAMPLER)
     return patch.install(), patch
 
@@ -527,8 +528,9 @@ def check_path(arm: str, m: dict, cuda: bool = True) -> None:
         raise RuntimeError(f"{arm}: the run was a {m['run_mode']} ({m['mask_source']}; {m['warnings']})")
     if not m["finite"]:
         raise RuntimeError(f"{arm}: the output is not finite")
-    if arm.endswith("_fp8") and cuda and not (m.get("backend") or "").startswith("triton_fp8"):
-        raise RuntimeError(f"{arm}: FP8 attention did not run (backend {m.get('backend')})")
+    precision = arm_precision(arm)
+    if precision != "bf16" and cuda and not (m.get("backend") or "").startswith(f"triton_{precision}"):
+        raise RuntimeError(f"{arm}: {precision} attention did not run (backend {m.get('backend')})")
     if not m.get("backend"):  # seen: a compiled hit reusing a dense model's graph (TorchCompileModel's guard
         # filter drops transformer_options, where the attention override lives) ran every call dense
         raise RuntimeError(f"{arm}: reported a {m['run_mode']} but ran no block-sparse attention call "
@@ -544,11 +546,17 @@ COMFYUI_ATTENTIONS = ("sdpa", "sage", "flash", "torch", "fa4")
 DENSE_ATTENTION_NAMES = {"sdpa": "cudnn_sdpa", "sage": "sageattention_1.0.6", "flash": "flash_sdpa",
                          "torch": "torch_sdpa_default_order", "fa4": "fa4_dense"}
 CORE_ARMS = ("core", "core_topk")
-HIT_ARMS = ("hit", "hit_last1", "hit_fp8", "hit_last1_fp8")  # last1: the last step dense; fp8: FP8 attention
+HIT_ARMS = ("hit", "hit_last1", "hit_fp8", "hit_last1_fp8", "hit_int8")  # last1: the last step dense; fp8, int8:
+# attention_precision (arm_precision)
 # Chorus arms whose steps after the first few all run the graphs those compiled (every step sparse, or
 # one dense first step then sparse ones): a compiled warm-up may stop early (--warmup-steps)
-STOPPED_WARMUP_ARMS = ("hit", "hit_fp8", "online")
+STOPPED_WARMUP_ARMS = ("hit", "hit_fp8", "hit_int8", "online")
 ARMS = ("dense", "miss", "online") + HIT_ARMS + CORE_ARMS
+
+
+def arm_precision(arm: str) -> str:
+    """The Chorus arm's ``attention_precision``: its name's ending (``_fp8``, ``_int8``), else bf16."""
+    return next((p for p in ("fp8", "int8") if arm.endswith(f"_{p}")), "bf16")
 
 
 def parse_row(spec: str) -> tuple[str, str, bool]:
@@ -573,7 +581,7 @@ def attention_name(arm: str, m: dict, comfyui_attention: str = "sdpa", core_spar
     if core_sparse is not None:
         return f"core_sol_attn ({core_sparse.describe()}; dense calls: {dense})"
     backend = (m.get("backend") or "").split(" ")[0] or "none"
-    precision = "fp8" if backend.endswith("_fp8") else "bf16"
+    precision = backend.rsplit("_", 1)[-1] if backend.endswith(("_fp8", "_int8")) else "bf16"
     return f"chorus_block_sparse_{precision} ({backend}; dense steps: {m.get('dense_backend') or dense})"
 
 

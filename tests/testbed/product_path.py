@@ -313,7 +313,7 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
                      log=print, seed_start: int = 0, on_progress=None, options=None, finals=None,
                      compose: bool = False, picks: slice = slice(None), core_sparse: bool = False,
                      core_only: bool = False, core_min_tokens: int = 12288, core_kernel: bool = False,
-                     hit_pooled_tail: tuple = ()) -> dict:
+                     hit_pooled_tail: tuple = (), hit_only: bool = False) -> dict:
     """Rows of every source at matched and natural density, for ``targets`` held-out requests x ``seeds``.
 
     ``on_progress(results_so_far)`` after every target: the CLI writes its outputs then, so a run
@@ -323,7 +323,8 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
     ``picks``: which of the ``targets`` spread-out requests this run samples (a slice of them), so
     that long runs can be split by target over several processes and merged with ``--merge``.
     ``core_sparse``: also core's Model Sparse Attention (``core_sparse.py``); ``core_only``: the hit
-    and core's rows only, against a plain dense run (no mass, recall or other sources);
+    and core's rows only, against a plain dense run (no mass, recall or other sources), and with
+    ``hit_only`` the hit's alone;
     ``core_min_tokens``: its node's min_tokens (12,288; the tiny model's few hundred tokens need 0);
     ``core_kernel``: core's rows computed by comfy-kitchen's CUDA kernel, not the float32 reproduction;
     ``hit_pooled_tail``: with ``core_only``, also the hit's maps with a pooled tail per form (``pooled_tail.py``).
@@ -398,7 +399,8 @@ def run_product_path(patcher, config: TestbedConfig, workdir: Path, targets: int
                 for section in ("matched", "natural"):
                     row(section, "reused_similar_product", hit_final, hit_maps)
                 pooled_tail_rows(pp, conds, seed, hit_maps, row, hit_pooled_tail)
-                core_sparse_rows(pp, conds, seed, hit_maps, row, core_min_tokens, core_kernel)
+                if not hit_only:
+                    core_sparse_rows(pp, conds, seed, hit_maps, row, core_min_tokens, core_kernel)
                 bank.close()
                 log(f"{request_name(target)} seed {seed}: hit and core's sparse attention, {time.time() - started:.0f}s")
                 if on_progress is not None:
@@ -692,6 +694,9 @@ def main(argv=None) -> int:
                         help="also core ComfyUI's Model Sparse Attention (Sol-Attn) at its defaults and at the hit's density")
     parser.add_argument("--core-only", action="store_true",
                         help="only the hit and core's Model Sparse Attention against dense (a CPU-sized run)")
+    parser.add_argument("--hit-only", action="store_true",
+                        help="only the hit against dense (--core-only without core's rows): a CPU-sized run for "
+                             "comparing two --option settings of the hit with tests.testbed.option_pairs")
     parser.add_argument("--core-kernel", action="store_true",
                         help="core's rows on comfy-kitchen's CUDA sol_attn (a GPU with it), not the float32 reproduction")
     parser.add_argument("--hit-pooled-tail", type=parse_forms, nargs="?", const=("centroid",), default=(),
@@ -718,7 +723,8 @@ def main(argv=None) -> int:
         results = run_product_path(patcher, config, Path(tmp), targets, seeds, args.threshold,
                                    seed_start=args.seed_start, on_progress=progress,
                                    options=reuse_options(args.option), compose=args.compose, picks=args.picks,
-                                   core_sparse=args.core_sparse or args.core_only, core_only=args.core_only,
+                                   core_sparse=args.core_sparse or args.core_only,
+                                   core_only=args.core_only or args.hit_only, hit_only=args.hit_only,
                                    core_min_tokens=0 if args.tiny else 12288, core_kernel=args.core_kernel,
                                    hit_pooled_tail=args.hit_pooled_tail)
     doc = write_outputs(results, args.out, command, sampled, seeds, config)
