@@ -30,6 +30,7 @@ scheme's error (``tests/testbed/fp8_ablation.py``). Its backends are ``triton_in
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -222,32 +223,26 @@ def run_fp8_backend(choice: BackendChoice, q, k, v, mask: BlockSparseMask, heads
     return out
 
 
-def _op_impl(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live_blocks: torch.Tensor, live_counts: torch.Tensor,
-    block_q: int, block_k: int, seq_len: int, heads: int, skip_reshape: bool, skip_output_reshape: bool,
-    backend: str,
-) -> torch.Tensor:
-    """``block_sparse._op_impl``'s counterpart (kept apart: each looks its dispatch up when it runs)."""
-    return run_quantized_op(q, k, v, BlockSparseMask(live_blocks, live_counts, block_q, block_k, seq_len), heads,
-                            skip_reshape, skip_output_reshape, backend, pv_fp8=True)
+def quantized_op_impl(pv_fp8: bool):
+    """The implementation of the scheme's op (``pv_fp8`` False: int8), ``block_sparse._op_impl``'s
+    counterpart (kept apart: each looks its dispatch up when it runs). One op per scheme: the schema
+    has no place for it."""
+
+    def impl(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live_blocks: torch.Tensor, live_counts: torch.Tensor,
+        block_q: int, block_k: int, seq_len: int, heads: int, skip_reshape: bool, skip_output_reshape: bool,
+        backend: str,
+    ) -> torch.Tensor:
+        mask = BlockSparseMask(live_blocks, live_counts, block_q, block_k, seq_len)
+        choice = select_fp8_backend(q, mask, backend, pv_fp8)
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        return run_fp8_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, validate=False)
+
+    return impl
 
 
-def _int8_op_impl(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, live_blocks: torch.Tensor, live_counts: torch.Tensor,
-    block_q: int, block_k: int, seq_len: int, heads: int, skip_reshape: bool, skip_output_reshape: bool,
-    backend: str,
-) -> torch.Tensor:
-    """``_op_impl`` for the int8 scheme (an op of its own: the schema has no place for the scheme)."""
-    return run_quantized_op(q, k, v, BlockSparseMask(live_blocks, live_counts, block_q, block_k, seq_len), heads,
-                            skip_reshape, skip_output_reshape, backend, pv_fp8=False)
-
-
-def run_quantized_op(q, k, v, mask: BlockSparseMask, heads: int, skip_reshape: bool, skip_output_reshape: bool,
-                     backend: str, pv_fp8: bool) -> torch.Tensor:
-    choice = select_fp8_backend(q, mask, backend, pv_fp8)
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    return run_fp8_backend(choice, q, k, v, mask, heads, skip_reshape, skip_output_reshape, validate=False)
-
-
-fp8_block_sparse_attention_op = define_fp8_block_sparse_op(_op_impl)
-int8_block_sparse_attention_op = define_int8_block_sparse_op(_int8_op_impl)
+fp8_block_sparse_attention_op = define_fp8_block_sparse_op(quantized_op_impl(pv_fp8=True))
+int8_block_sparse_attention_op = define_int8_block_sparse_op(quantized_op_impl(pv_fp8=False))
+# attention_precision "int8" as the 16-bit and fp8 dispatches are called (sparse_run picks by name)
+int8_block_sparse_attention = functools.partial(fp8_block_sparse_attention, pv_fp8=False)
+select_int8_backend = functools.partial(select_fp8_backend, pv_fp8=False)

@@ -8,7 +8,6 @@ The hooks that ComfyUI calls live in ``sparse_patch``; they find this state in
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -32,7 +31,9 @@ DENSE_ATTENTION_MODES = ("auto", "comfyui")
 # QK^T and e4m3 PV on FP8 tensor cores (kernels/fp8_block_sparse.py); "int8" = int8 QK^T with P and
 # V in the input's 16-bit type (the same kernel, pv_fp8 False); bf16 where those cannot run.
 ATTENTION_PRECISIONS = ("bf16", "fp8", "int8")
-QUANTIZED_PRECISIONS = {"fp8": True, "int8": False}  # -> the quantised kernel's pv_fp8
+# the quantised precisions -> (block-sparse function, backend selection) in kernels/fp8_block_sparse.py
+QUANTIZED_DISPATCH = {"fp8": ("fp8_block_sparse_attention", "select_fp8_backend"),
+                      "int8": ("int8_block_sparse_attention", "select_int8_backend")}
 
 # Set by newer ComfyUI's MultiGPU split in each worker thread's model call (comfy/samplers.py,
 # _calc_cond_batch_multigpu; read in the 0.38 tree, not in 0.19.3).
@@ -227,10 +228,10 @@ class SparseRun:
 
     def _dispatch(self) -> tuple[Callable, Callable]:
         """(block-sparse function, its backend selection) for this run's ``attention_precision``."""
-        if self.attention_precision in QUANTIZED_PRECISIONS:
-            fp8, pv_fp8 = fp8_block_sparse(), QUANTIZED_PRECISIONS[self.attention_precision]
-            return (functools.partial(fp8.fp8_block_sparse_attention, pv_fp8=pv_fp8),
-                    functools.partial(fp8.select_fp8_backend, pv_fp8=pv_fp8))
+        if self.attention_precision in QUANTIZED_DISPATCH:
+            kernels = fp8_block_sparse()
+            attend, select = QUANTIZED_DISPATCH[self.attention_precision]
+            return getattr(kernels, attend), getattr(kernels, select)
         bf16 = block_sparse()
         return bf16.block_sparse_attention, bf16.select_backend
 
@@ -354,7 +355,7 @@ class SparseRun:
     def kernel_failed(self, where: str) -> None:
         """A block-sparse call failed (``where`` says how): an fp8 or int8 run goes on with 16-bit
         block-sparse attention (the quantised kernel is the newer, less proven one), any other run goes dense."""
-        if self.attention_precision in QUANTIZED_PRECISIONS:
+        if self.attention_precision in QUANTIZED_DISPATCH:
             was, self.attention_precision = self.attention_precision, "bf16"
             self.stats.backend = None  # named again by the next block-sparse call
             self._warn(f"{where}; the rest of this run uses 16-bit block-sparse attention instead of {was.upper()}")

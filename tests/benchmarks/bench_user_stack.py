@@ -1024,43 +1024,47 @@ def join_staged_rows(rows: list[dict], notes: list[str]) -> tuple[list[dict], li
     for r in staged:
         groups.setdefault((r["name"], r["steps"], r["cfg"], r["shape"]), []).append(r)
     for (name, steps, *_), group in groups.items():
-        for parts in stage_sets(group, steps):
-            whole += join_stage_set(name, steps, parts, notes)
+        whole += join_row_stages(name, steps, group, notes)
     return whole, staged
 
 
-def stage_sets(group: list[dict], steps: int) -> list[list[dict]]:
-    """The stages of one row in sets to join: each session whose stages cover the schedule alone,
-    then the rest together (stages from several sessions, or a set still missing one)."""
+def join_row_stages(name: str, steps: int, group: list[dict], notes: list[str]) -> list[dict]:
+    """One row's stages as rows: one per session whose own stages cover the schedule, and one of
+    the other sessions' stages together when they cover it (else a note says what is missing)."""
     by_session: dict[str, list[dict]] = {}
     for r in group:
         by_session.setdefault(r["session"], []).append(r)
-    covered, rest = [], []
+    rows, rest = [], []
     for parts in by_session.values():
-        firsts, _ = stages.first_of_each_stage(parts)
-        timed = [dict(r, generation_s=r["seconds"]) for r in firsts]
-        if isinstance(stages.join_stages(timed, steps), str):
-            rest += parts
+        joined = join_stage_set(name, steps, parts, notes)
+        if isinstance(joined, str):
+            rest += parts  # joined across sessions below
         else:
-            covered.append(parts)
-    return covered + ([rest] if rest else [])
+            rows.append(joined)
+    if rest:
+        joined = join_stage_set(name, steps, rest, notes)
+        if isinstance(joined, str):
+            notes.append(f"{name} at {steps} steps: not in the table, {joined}")
+        else:
+            rows.append(joined)
+    return rows
 
 
-def join_stage_set(name: str, steps: int, parts: list[dict], notes: list[str]) -> list[dict]:
-    """[the row those stages make] or [] with a note that says which steps are missing."""
+def join_stage_set(name: str, steps: int, parts: list[dict], notes: list[str]) -> dict | str:
+    """The row those stages make, or a string that says which steps are missing; a row whose stages
+    ran on several machine sessions gets a note that says so."""
     firsts, _ = stages.first_of_each_stage(parts)
     firsts.sort(key=lambda r: r["stage"][0])
     joined = stages.join_stages([dict(r, generation_s=r["seconds"]) for r in firsts], steps)
     if isinstance(joined, str):
-        notes.append(f"{name} at {steps} steps: not in the table, {joined}")
-        return []
+        return joined
     seconds = joined.pop("generation_s")
     sessions = dict.fromkeys(r["session"] for r in firsts)  # in stage order, each once
     if len(sessions) > 1:
         notes.append(f"{name} at {steps} steps: its stages ran on machine sessions {', '.join(sessions)}, so "
                      "its row has no ratios to other rows, nor they to it (ratios stay within one machine)")
-    return [dict(joined, seconds=seconds, session="+".join(sessions), run="+".join(r["run"] for r in firsts),
-                 compile_s=None, stages=[dict(p, seconds=p.pop("generation_s")) for p in joined["stages"]])]
+    return dict(joined, seconds=seconds, session="+".join(sessions), run="+".join(r["run"] for r in firsts),
+                compile_s=None, stages=[dict(p, seconds=p.pop("generation_s")) for p in joined["stages"]])
 
 
 def parse_args(argv):
